@@ -1,0 +1,171 @@
+"""The benchmark harness every bench_<capability>.py uses: timing (warm-up, repeats, median
+and spread), memory through torch_ext.memory, the machine's description, and reports written
+as a markdown table and as JSON under benchmarks/results/."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+import torch_ext
+from torch_ext import memory
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "torch_ext": torch_ext.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+@dataclass
+class Timing:
+    """Seconds per call over `repeat` calls after `warmup` calls."""
+
+    median_seconds: float
+    min_seconds: float
+    max_seconds: float
+    p10_seconds: float
+    p90_seconds: float
+    repeat: int
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: the relative spread of the repeats."""
+        return (self.p90_seconds - self.p10_seconds) / self.median_seconds if self.median_seconds else 0.0
+
+
+def timing_of(samples: Sequence[float]) -> Timing:
+    if not samples:
+        raise ValueError("timing_of: no samples")
+    ordered = sorted(samples)
+
+    def quantile(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return Timing(statistics.median(ordered), ordered[0], ordered[-1], quantile(0.1), quantile(0.9), len(ordered))
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 10) -> Timing:
+    """Time fn: `warmup` untimed calls, then `repeat` timed ones (CUDA work is synchronised)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        _synchronize()
+        start = time.perf_counter()
+        fn()
+        _synchronize()
+        samples.append(time.perf_counter() - start)
+    return timing_of(samples)
+
+
+def measure_interleaved(variants: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 10,
+                        before_each: dict[str, Callable[[], Any]] | None = None) -> dict[str, Timing]:
+    """Time several variants in rounds (A B C, A B C, ...), so drift on a shared machine hits
+    each alike; before_each[name] runs untimed before each of that variant's calls."""
+    before_each = before_each or {}
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(warmup + repeat):
+        for name, fn in variants.items():
+            if name in before_each:
+                before_each[name]()
+            _synchronize()
+            start = time.perf_counter()
+            fn()
+            _synchronize()
+            if round_index >= warmup:
+                samples[name].append(time.perf_counter() - start)
+    return {name: timing_of(values) for name, values in samples.items()}
+
+
+def peak_memory(fn: Callable[[], Any], device=None) -> int:
+    """Peak bytes of live tensor memory above the start while fn runs (torch_ext.memory)."""
+    with memory.track(device) as tracked:
+        fn()
+    return tracked.peak_delta_bytes
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.2f} µs"
+
+
+class Report:
+    """Rows of one benchmark, printed as a markdown table and saved as results/<name>.{md,json}."""
+
+    def __init__(self, name: str, title: str, columns: Sequence[str], command: str) -> None:
+        self.name, self.title, self.columns, self.command = name, title, list(columns), command
+        self.rows: list[dict[str, Any]] = []
+        self.data: dict[str, Any] = {}
+        self.notes: list[str] = []
+
+    def add_row(self, cells: dict[str, Any], **raw: Any) -> None:
+        """cells: the table's formatted cells by column; raw: the unformatted numbers for the JSON."""
+        unknown = set(cells) - set(self.columns)
+        if unknown:
+            raise KeyError(f"Report {self.name}: unknown columns {sorted(unknown)}")
+        self.rows.append({"cells": cells, "raw": raw})
+
+    def markdown(self) -> str:
+        lines = [f"| {' | '.join(self.columns)} |", f"|{'|'.join('---' for _ in self.columns)}|"]
+        for row in self.rows:
+            lines.append(f"| {' | '.join(str(row['cells'].get(c, '')) for c in self.columns)} |")
+        m = machine()
+        lines.append("")
+        lines.append(f"Measured with `{self.command}` on {m['cpu']}, {m['cores']} cores, "
+                     f"torch {m['torch']}{', ' + m['gpu'] if 'gpu' in m else ''}.")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+    def write(self) -> Path:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        text = f"### {self.title}\n\n{self.markdown()}\n"
+        print(text)
+        (RESULTS / f"{self.name}.md").write_text(text)
+        payload = {"title": self.title, "command": self.command, "machine": machine(),
+                   "rows": [{**row["cells"], **{f"raw_{k}": v for k, v in row["raw"].items()}} for row in self.rows],
+                   "data": self.data, "notes": self.notes}
+        path = RESULTS / f"{self.name}.json"
+        path.write_text(json.dumps(payload, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+        return path

@@ -1,0 +1,28 @@
+"""torch_ext: the memory toolkit for PyTorch models that do not fit.
+
+Importing the package loads the core library (libtorch_ext.so: torch.ops.torch_ext.* and
+torch.classes.torch_ext.*) and the Python bindings (torch_ext._C).
+"""
+from pathlib import Path
+
+import torch
+
+_LIBRARY = Path(__file__).resolve().parent / "libtorch_ext.so"
+
+
+def library_path() -> str:
+    """Path of libtorch_ext.so, for torch.ops.load_library in processes that do not import torch_ext."""
+    return str(_LIBRARY)
+
+
+if not _LIBRARY.is_file():
+    raise ImportError(
+        f"torch_ext: {_LIBRARY} is missing; build it with `pip install --no-build-isolation -e .`"
+    )
+torch.ops.load_library(str(_LIBRARY))
+
+from . import _C  # noqa: E402  (needs the core library loaded first)
+from . import memory  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["library_path", "memory"]

@@ -1,0 +1,112 @@
+"""Memory accounting with one API for CPU and CUDA.
+
+CPU figures come from torch_ext's counting allocator (installed when the library loads);
+CUDA figures come from torch.cuda's caching allocator statistics.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Union
+from contextlib import contextmanager
+
+import torch
+
+DeviceLike = Union[str, torch.device, int, None]
+
+
+def _device(device: DeviceLike) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"torch_ext.memory: device {device} is not supported; expected cpu or cuda")
+    return device
+
+
+def stats(device: DeviceLike = None) -> dict:
+    """Current and peak bytes of live tensor memory and the allocation count, on device (default CPU)."""
+    device = _device(device)
+    if device.type == "cuda":
+        cuda = torch.cuda.memory_stats(device)
+        return {
+            "current_bytes": int(cuda.get("allocated_bytes.all.current", 0)),
+            "peak_bytes": int(cuda.get("allocated_bytes.all.peak", 0)),
+            "allocations": int(cuda.get("allocation.all.allocated", 0)),
+        }
+    current, peak, allocations = torch.ops.torch_ext.memory_stats()
+    return {"current_bytes": current, "peak_bytes": peak, "allocations": allocations}
+
+
+def reset_peak(device: DeviceLike = None) -> None:
+    """Set the peak to the current figure on device (default CPU)."""
+    device = _device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        torch.ops.torch_ext.reset_peak_memory()
+
+
+@dataclass
+class TrackResult:
+    """What track() measured: peak_bytes is the highest live memory during the block,
+    peak_delta_bytes that peak above the memory live when the block began, and saved_bytes
+    the bytes saved for backward inside it (each storage counted once)."""
+
+    device: torch.device
+    start_bytes: int = 0
+    peak_bytes: int = 0
+    saved_bytes: int = 0
+    _storages: set = field(default_factory=set, repr=False)
+    _carried_peak: int = field(default=0, repr=False)
+
+    @property
+    def peak_delta_bytes(self) -> int:
+        return self.peak_bytes - self.start_bytes
+
+
+_open_tracks: list[TrackResult] = []
+_open_tracks_lock = threading.Lock()
+
+
+@contextmanager
+def track(device: DeviceLike = None) -> Iterator[TrackResult]:
+    """Measure a block: its peak memory and the bytes its autograd graph saves for backward.
+
+    Figures are process-wide: allocations by other threads during the block count too.
+    Blocks may nest; an inner block does not disturb the outer one's peak. A storage is
+    recognised by its address, so one freed inside the block (after a backward) and another
+    allocated at the same address are counted once.
+    """
+    device = _device(device)
+    result = TrackResult(device=device)
+    with _open_tracks_lock:
+        # Resetting the peak below would forget what the open blocks have seen so far.
+        peak_so_far = stats(device)["peak_bytes"]
+        for outer in _open_tracks:
+            if outer.device == device:
+                outer._carried_peak = max(outer._carried_peak, peak_so_far)
+        reset_peak(device)
+        result.start_bytes = stats(device)["current_bytes"]
+        _open_tracks.append(result)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if key not in result._storages:
+            result._storages.add(key)
+            result.saved_bytes += storage.nbytes()
+        return tensor
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield result
+    finally:
+        with _open_tracks_lock:
+            result.peak_bytes = max(result._carried_peak, stats(device)["peak_bytes"])
+            _open_tracks.remove(result)
+            for outer in _open_tracks:
+                if outer.device == device:
+                    outer._carried_peak = max(outer._carried_peak, result.peak_bytes)
