@@ -91,9 +91,12 @@ def measure(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 10) -> Timi
 
 
 def measure_interleaved(variants: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 10,
-                        before_each: dict[str, Callable[[], Any]] | None = None) -> dict[str, Timing]:
+                        before_each: dict[str, Callable[[], Any]] | None = None,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
     """Time several variants in rounds (A B C, A B C, ...), so drift on a shared machine hits
-    each alike; before_each[name] runs untimed before each of that variant's calls."""
+    each alike; before_each[name] runs untimed before each of that variant's calls.
+    clock=time.thread_time measures single-threaded work without the time spent waiting for a
+    core on a busy machine."""
     before_each = before_each or {}
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(warmup + repeat):
@@ -101,11 +104,11 @@ def measure_interleaved(variants: dict[str, Callable[[], Any]], *, warmup: int =
             if name in before_each:
                 before_each[name]()
             _synchronize()
-            start = time.perf_counter()
+            start = clock()
             fn()
             _synchronize()
             if round_index >= warmup:
-                samples[name].append(time.perf_counter() - start)
+                samples[name].append(clock() - start)
     return {name: timing_of(values) for name, values in samples.items()}
 
 
