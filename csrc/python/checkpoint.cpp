@@ -56,7 +56,7 @@ void bind_checkpoint(py::module_& m) {
   sub.def(
       "boundary_bytes",
       [](const ck::TensorList& inputs, const std::string& storage) {
-        return ck::boundary_bytes(inputs, ck::parse_storage_policy(storage));
+        return ck::boundary_bytes(inputs, ck::parse_storage_policy(storage)).expect_int();
       },
       "Bytes the boundary of these inputs keeps under a storage policy.");
 }

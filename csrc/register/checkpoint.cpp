@@ -17,7 +17,7 @@ std::vector<at::Tensor> checkpoint_module(const c10::IValue& module, std::vector
   return torch_ext::checkpoint::checkpoint_script_module(module, inputs, options);
 }
 
-int64_t checkpoint_boundary_bytes(std::vector<at::Tensor> inputs, c10::string_view storage) {
+c10::SymInt checkpoint_boundary_bytes(std::vector<at::Tensor> inputs, c10::string_view storage) {
   return torch_ext::checkpoint::boundary_bytes(inputs, torch_ext::checkpoint::parse_storage_policy(storage));
 }
 
@@ -32,5 +32,5 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
                       "bool preserve_rng_state=True) -> Tensor[]",
                       c10::AliasAnalysisKind::CONSERVATIVE),
         &checkpoint_module);
-  m.def("checkpoint_boundary_bytes(Tensor[] inputs, str storage=\"keep\") -> int", &checkpoint_boundary_bytes);
+  m.def("checkpoint_boundary_bytes(Tensor[] inputs, str storage=\"keep\") -> SymInt", &checkpoint_boundary_bytes);
 }

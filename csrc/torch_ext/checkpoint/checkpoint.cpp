@@ -2,18 +2,22 @@
 
 #include <algorithm>
 #include <optional>
+#include <exception>
 #include <sstream>
-#include <unordered_set>
+#include <thread>
+#include <unordered_map>
 #include <utility>
 
 #include <ATen/Context.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/empty_strided.h>
-#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/custom_class.h>
 
@@ -110,6 +114,17 @@ bool is_differentiable(const at::Tensor& t) {
   return t.defined() && (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()));
 }
 
+}  // namespace
+
+at::ScalarType boundary_dtype(const at::Tensor& t, StoragePolicy policy) {
+  if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble) return t.scalar_type();
+  if (policy == StoragePolicy::kBFloat16) return at::kBFloat16;
+  if (policy == StoragePolicy::kFloat16) return at::kHalf;
+  return t.scalar_type();
+}
+
+namespace {
+
 std::optional<at::ScalarType> compressed_dtype(StoragePolicy policy, const at::Tensor& t) {
   if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble) return std::nullopt;
   if (policy == StoragePolicy::kBFloat16) return at::kBFloat16;
@@ -155,37 +170,137 @@ struct SegmentState : torch::CustomClassHolder {
   std::vector<OutputMeta> output_meta;
 };
 
-// Finds a tensor requiring grad that the replayed graph reads but that is neither an input nor
-// a param: its gradient would be lost. Replayed nodes are those created since `first_sequence_nr`.
-void check_no_captured_tensors(const SegmentState& state, const variable_list& outputs,
-                               const std::unordered_set<const torch::autograd::Node*>& allowed,
-                               uint64_t first_sequence_nr) {
-  std::vector<torch::autograd::Node*> stack;
-  std::unordered_set<torch::autograd::Node*> seen;
-  for (const auto& out : outputs) {
-    if (out.defined() && out.grad_fn()) {
-      if (seen.insert(out.grad_fn().get()).second) stack.push_back(out.grad_fn().get());
-    }
+[[noreturn]] void captured_tensor_error(const SegmentState& state, const torch::autograd::Node& node) {
+  if (auto* accumulate = dynamic_cast<const torch::autograd::AccumulateGrad*>(&node)) {
+    TORCH_CHECK(false, "checkpoint: ", state.options.name, " reads a tensor requiring grad (",
+                describe(accumulate->variable),
+                ") that is neither one of its inputs nor one of its params; its gradient would be lost. "
+                "Pass it as an input, or checkpoint the module that owns it");
   }
-  while (!stack.empty()) {
-    auto* node = stack.back();
-    stack.pop_back();
-    for (const auto& edge : node->next_edges()) {
-      auto* next = edge.function.get();
-      if (next == nullptr || allowed.count(next) || !seen.insert(next).second) continue;
-      if (auto* accumulate = dynamic_cast<torch::autograd::AccumulateGrad*>(next)) {
-        TORCH_CHECK(false, "checkpoint: ", state.options.name, " reads a tensor requiring grad (",
-                    describe(accumulate->variable),
-                    ") that is neither one of its inputs nor one of its params; its gradient would be lost. "
-                    "Pass it as an input, or checkpoint the module that owns it");
+  TORCH_CHECK(false, "checkpoint: ", state.options.name, " reads a tensor requiring grad computed outside the segment "
+              "(through ", node.name(), ") that is neither one of its inputs nor one of its params; its gradient "
+              "would be lost. Pass it as an input");
+}
+
+void accumulate(at::Tensor& buffer, at::Tensor&& grad) {
+  if (!grad.defined()) return;
+  if (!buffer.defined()) {
+    buffer = std::move(grad);
+  } else {
+    buffer = buffer + grad;  // the engine's InputBuffer order: the earlier gradient first
+  }
+}
+
+// Back-propagates root_grads from roots through the replayed graph to the target edges and
+// returns each target's gradient. This is the engine's algorithm for one graph small enough to
+// need none of its machinery: nodes run once all their consumers have run, highest sequence
+// number first (the engine's order, so sums of gradients round alike), with their tensor, pre
+// and post hooks; each node's saved variables are released after it runs. The targets' own
+// nodes (AccumulateGrad of inputs and params) never run: their gradients go to the checkpoint's
+// node, whose consumers run them in the caller's backward, hooks included. A replayed node that
+// leads to a tensor requiring grad other than the targets raises: its gradient would be lost.
+variable_list replay_backward(const SegmentState& state, const variable_list& roots, variable_list root_grads,
+                              const std::vector<torch::autograd::Edge>& targets, uint64_t first_sequence_nr) {
+  using torch::autograd::Node;
+  variable_list target_grads(targets.size());
+  auto target_slot = [&](const torch::autograd::Edge& edge) -> std::ptrdiff_t {
+    for (size_t k = 0; k < targets.size(); ++k) {
+      if (targets[k].function.get() == edge.function.get() && targets[k].input_nr == edge.input_nr) {
+        return static_cast<std::ptrdiff_t>(k);
       }
-      TORCH_CHECK(next->sequence_nr() >= first_sequence_nr, "checkpoint: ", state.options.name,
-                  " reads a tensor requiring grad computed outside the segment (through ", next->name(),
-                  ") that is neither one of its inputs nor one of its params; its gradient would be lost. "
-                  "Pass it as an input");
-      stack.push_back(next);
+    }
+    return -1;
+  };
+  auto is_target_node = [&](const Node* node) {
+    for (const auto& t : targets) {
+      if (t.function.get() == node) return true;
+    }
+    return false;
+  };
+
+  struct Pending {
+    size_t dependencies = 0;
+    variable_list buffer;
+  };
+  std::unordered_map<Node*, Pending> pending;
+  std::vector<Node*> stack;
+  std::vector<torch::autograd::Edge> root_edges;
+  root_edges.reserve(roots.size());
+  for (const auto& root : roots) {
+    root_edges.push_back(torch::autograd::impl::gradient_edge(root));
+    Node* node = root_edges.back().function.get();
+    if (node != nullptr && !is_target_node(node) && pending.try_emplace(node).second) stack.push_back(node);
+  }
+  // Discover the replayed graph and count each node's consumers.
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr || node->sequence_nr() < first_sequence_nr) {
+      captured_tensor_error(state, *node);
+    }
+    for (const auto& edge : node->next_edges()) {
+      Node* next = edge.function.get();
+      if (next == nullptr || is_target_node(next)) continue;
+      auto [it, inserted] = pending.try_emplace(next);
+      it->second.dependencies += 1;
+      if (inserted) stack.push_back(next);
     }
   }
+  for (auto& [node, p] : pending) p.buffer.resize(node->num_inputs());
+
+  auto by_sequence_nr = [](Node* a, Node* b) { return a->sequence_nr() < b->sequence_nr(); };
+  std::vector<Node*> ready;  // a max-heap on sequence_nr
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const auto& edge = root_edges[i];
+    if (edge.function == nullptr) continue;
+    const auto slot = target_slot(edge);
+    if (slot >= 0) {
+      accumulate(target_grads[static_cast<size_t>(slot)], std::move(root_grads[i]));
+    } else {
+      accumulate(pending[edge.function.get()].buffer[edge.input_nr], std::move(root_grads[i]));
+    }
+  }
+  for (auto& [node, p] : pending) {
+    if (p.dependencies == 0) ready.push_back(node);
+  }
+  std::make_heap(ready.begin(), ready.end(), by_sequence_nr);
+
+  while (!ready.empty()) {
+    std::pop_heap(ready.begin(), ready.end(), by_sequence_nr);
+    Node* node = ready.back();
+    ready.pop_back();
+    variable_list inputs = std::move(pending[node].buffer);
+    for (const auto& hook : node->tensor_pre_hooks()) inputs = (*hook)(inputs);
+    for (const auto& [_, hook] : node->retains_grad_hooks()) inputs = (*hook)(inputs);
+    for (const auto& hook : node->pre_hooks()) inputs = (*hook)(inputs);
+    const bool has_post_hooks = !node->post_hooks().empty();
+    variable_list hook_inputs = has_post_hooks ? inputs : variable_list();
+    node->will_release_variables();
+    variable_list outputs = (*node)(std::move(inputs));
+    node->release_variables();
+    torch::autograd::validate_outputs(node->next_edges(), outputs, [&](const std::string& message) {
+      return "checkpoint: replay of " + state.options.name + ", node " + node->name() + ": " + message;
+    });
+    for (const auto& hook : node->post_hooks()) outputs = (*hook)(outputs, hook_inputs);
+    const auto& edges = node->next_edges();
+    for (size_t i = 0; i < edges.size() && i < outputs.size(); ++i) {
+      const auto& edge = edges[i];
+      Node* next = edge.function.get();
+      if (next == nullptr) continue;
+      const auto slot = target_slot(edge);
+      if (slot >= 0) {
+        accumulate(target_grads[static_cast<size_t>(slot)], std::move(outputs[i]));
+        continue;
+      }
+      auto& p = pending[next];
+      accumulate(p.buffer[edge.input_nr], std::move(outputs[i]));
+      if (--p.dependencies == 0) {
+        ready.push_back(next);
+        std::push_heap(ready.begin(), ready.end(), by_sequence_nr);
+      }
+    }
+  }
+  return target_grads;
 }
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
@@ -314,22 +429,36 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
                 " requires grad in the replay although its inputs do: the segment detaches its result "
                 "from its inputs and params, so no gradient can flow through it");
 
-    variable_list targets;
+    std::vector<torch::autograd::Edge> targets;
     std::vector<size_t> target_slots;
-    std::unordered_set<const torch::autograd::Node*> allowed;
     auto add_target = [&](const at::Tensor& t, size_t slot) {
       if (!t.requires_grad()) return;
-      targets.push_back(t);
+      targets.push_back(torch::autograd::impl::gradient_edge(t));
       target_slots.push_back(slot);
-      allowed.insert(torch::autograd::impl::gradient_edge(t).function.get());
     };
     for (size_t i = 0; i < inputs.size(); ++i) add_target(inputs[i], 1 + i);
     for (size_t i = 0; i < s.params.size(); ++i) add_target(s.params[i], 1 + s.num_inputs + i);
-    check_no_captured_tensors(s, roots, allowed, first_sequence_nr);
-    if (targets.empty()) return result;
-
-    variable_list grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
-                                                /*create_graph=*/false, /*allow_unused=*/true);
+    variable_list grads;
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    if (exec_info == nullptr || exec_info->empty()) {
+      grads = replay_backward(s, roots, std::move(root_grads), targets, first_sequence_nr);
+    } else {
+      // The running backward only needs some gradients (autograd.grad, backward(inputs=...)), and
+      // nodes consult its plan to skip the others, which would skip the replay's. The replay is
+      // not part of that plan: it runs on a thread where no backward is current.
+      const at::ThreadLocalState thread_locals;
+      std::exception_ptr error;
+      std::thread worker([&] {
+        try {
+          at::ThreadLocalStateGuard guard(thread_locals);
+          grads = replay_backward(s, roots, std::move(root_grads), targets, first_sequence_nr);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      });
+      worker.join();
+      if (error) std::rethrow_exception(error);
+    }
     for (size_t k = 0; k < grads.size(); ++k) result[target_slots[k]] = std::move(grads[k]);
     return result;
   }
@@ -384,12 +513,11 @@ TensorList checkpoint(const Segment& segment, const TensorList& inputs, const Te
   return CheckpointFunction::apply(std::move(state), at::TensorList(all));
 }
 
-int64_t boundary_bytes(const TensorList& inputs, StoragePolicy policy) {
-  int64_t total = 0;
+c10::SymInt boundary_bytes(const TensorList& inputs, StoragePolicy policy) {
+  c10::SymInt total = 0;
   for (const auto& t : inputs) {
     if (!t.defined()) continue;
-    auto dtype = compressed_dtype(policy, t);
-    total += dtype ? t.numel() * static_cast<int64_t>(c10::elementSize(*dtype)) : static_cast<int64_t>(t.nbytes());
+    total = total + t.sym_numel() * static_cast<int64_t>(c10::elementSize(boundary_dtype(t, policy)));
   }
   return total;
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
 
 namespace torch_ext::checkpoint {
 
@@ -51,8 +52,11 @@ struct CheckpointOptions {
 TensorList checkpoint(const Segment& segment, const TensorList& inputs, const TensorList& params = {},
                       const CheckpointOptions& options = {});
 
-// Bytes the boundary of `inputs` occupies under `policy` (what checkpoint() keeps alive on
-// the inputs' devices; offloaded bytes count on the CPU).
-int64_t boundary_bytes(const TensorList& inputs, StoragePolicy policy);
+// The dtype `t` is stored in under `policy` (bf16 / fp16 round float32 and float64 only).
+at::ScalarType boundary_dtype(const at::Tensor& t, StoragePolicy policy);
+
+// Bytes the boundary of `inputs` occupies under `policy` (offloaded bytes count on the CPU);
+// symbolic under dynamic shapes.
+c10::SymInt boundary_bytes(const TensorList& inputs, StoragePolicy policy);
 
 }  // namespace torch_ext::checkpoint

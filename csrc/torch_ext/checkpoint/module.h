@@ -27,7 +27,7 @@ inline TensorList trainable_parameters(const torch::nn::Module& module) {
 template <typename M>
 at::Tensor checkpoint_module(const M& module, const at::Tensor& input, CheckpointOptions options = {}) {
   if (options.name == "segment") options.name = module->name();
-  Segment segment = [module](const TensorList& inputs) -> TensorList { return {module->forward(inputs[0])}; };
+  Segment segment = [held = M(module)](const TensorList& inputs) mutable -> TensorList { return {held->forward(inputs[0])}; };
   return checkpoint(segment, {input}, trainable_parameters(*module), options)[0];
 }
 
@@ -47,9 +47,9 @@ inline at::Tensor checkpoint_sequential(const torch::nn::Sequential& sequential,
       auto more = trainable_parameters(*sequential->ptr(static_cast<size_t>(i)));
       params.insert(params.end(), more.begin(), more.end());
     }
-    Segment segment = [sequential, start, end](const TensorList& inputs) -> TensorList {
+    Segment segment = [impl = sequential.ptr(), start, end](const TensorList& inputs) -> TensorList {
       at::Tensor y = inputs[0];
-      for (int64_t i = start; i < end; ++i) y = sequential[static_cast<size_t>(i)].forward(y);
+      for (auto it = impl->begin() + start; it != impl->begin() + end; ++it) y = it->forward(y);
       return {y};
     };
     CheckpointOptions segment_options = options;
