@@ -232,6 +232,7 @@ class CheckpointPlan:
     layer_saved_bytes: list[int] = field(default_factory=list)
     layer_output_bytes: list[int] = field(default_factory=list)
     layer_workspace_bytes: list[int] = field(default_factory=list)
+    layer_parameter_bytes: list[int] = field(default_factory=list)
     input_bytes: int = 0
 
     @property
@@ -332,14 +333,24 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
                     del packed
                     layer_workspace = 0
                     if out_leaves and targets:
+                        # Backward as in training: parameter gradients accumulate into existing
+                        # .grad buffers, so what is measured is the transient working memory
+                        # (intermediate gradients, the input's gradient, one parameter gradient
+                        # before it is added).
                         grads_out = [torch.ones_like(t) for t in out_leaves]
-                        with memory.track(device) as tracked:
-                            start = time.perf_counter()
-                            grads = torch.autograd.grad(out_leaves, targets, grads_out, allow_unused=True)
-                            bwd_samples.append(time.perf_counter() - start)
-                        grad_bytes = sum(g.nbytes for g in grads if g is not None)
-                        layer_workspace = max(0, tracked.peak_delta_bytes - grad_bytes)
-                        del grads, grads_out
+                        kept_grads = [p.grad for p in params]
+                        for p in params:
+                            p.grad = torch.zeros_like(p)
+                        try:
+                            with memory.track(device) as tracked:
+                                start = time.perf_counter()
+                                torch.autograd.backward(out_leaves, grads_out, inputs=targets)
+                                bwd_samples.append(time.perf_counter() - start)
+                        finally:
+                            for p, g in zip(params, kept_grads):
+                                p.grad = g
+                        layer_workspace = max(0, tracked.peak_delta_bytes)
+                        del grads_out
                     else:
                         bwd_samples.append(0.0)
                     next_value = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
@@ -358,17 +369,21 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
 
 
 def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int], workspace: list[int],
-           input_bytes: int, budget: Optional[float]):
+           param_bytes: list[int], input_bytes: int, budget: Optional[float]):
     """Dynamic programming over the chain. Each segment [p, q) is either checkpointed (holds its
     input; replays in backward at the cost of its forward time) or stored (holds its input and
     its activations). While segment j runs backward, memory is what segments before it hold plus
-    its input, its activations and its largest workspace; the peak is the maximum of that over j.
+    its input, its activations, its largest backward workspace and the gradient of its output, plus,
+    for a checkpointed segment, its parameters' gradients (the replay hands them back together); the
+    peak is the maximum of that over j.
     With budget=None, returns the plan of least peak; otherwise the least recompute time whose
     peak fits the budget (None if none does). States on the frontier are Pareto-optimal in
     (held bytes, peak or cost)."""
     prefix_seconds = [0.0]
     prefix_saved = [0]
+    prefix_params = [0]
     for i in range(n):
+        prefix_params.append(prefix_params[-1] + param_bytes[i])
         prefix_seconds.append(prefix_seconds[-1] + seconds[i])
         prefix_saved.append(prefix_saved[-1] + saved[i])
     seg_input = [input_bytes] + out_bytes[:-1]
@@ -383,13 +398,15 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
             activations = prefix_saved[q] - prefix_saved[p]
             work = max(workspace[p:q])
             replay = prefix_seconds[q] - prefix_seconds[p]
+            grads = prefix_params[q] - prefix_params[p]
             for held, peak, cost, segs in states:
-                local = held + seg_input[p] + activations + work
-                new_peak = max(peak, local)
-                if budget is not None and new_peak > budget:
-                    continue
-                frontier[q].append((held + seg_input[p], new_peak, cost + replay, segs + ((p, q, True),)))
-                frontier[q].append((held + seg_input[p] + activations, new_peak, cost, segs + ((p, q, False),)))
+                local = held + seg_input[p] + activations + work + out_bytes[q - 1]
+                if budget is None or max(peak, local + grads) <= budget:
+                    frontier[q].append((held + seg_input[p], max(peak, local + grads), cost + replay,
+                                        segs + ((p, q, True),)))
+                if budget is None or max(peak, local) <= budget:
+                    frontier[q].append((held + seg_input[p] + activations, max(peak, local), cost,
+                                        segs + ((p, q, False),)))
         for q in range(p + 1, n + 1):
             frontier[q] = _pareto(frontier[q], by_cost=budget is not None)
     finals = frontier[n]
@@ -438,29 +455,32 @@ def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_byt
     fwd, bwd, saved, out_bytes, workspace, input_bytes = _measure_layers(layers, sample_inputs, kwargs, repeat,
                                                                          storage, progress)
     n = len(layers)
-    least = _solve(n, fwd, saved, out_bytes, workspace, input_bytes, None)
+    param_bytes = [sum(p.nbytes for p in _trainable_parameters(layer)) if isinstance(layer, nn.Module) else 0
+                   for layer in layers]
+    least = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes, None)
     min_budget = least[1]
-    no_checkpoint = _evaluate([(0, n, False)], saved, out_bytes, workspace, input_bytes)
+    no_checkpoint = _evaluate([(0, n, False)], saved, out_bytes, workspace, param_bytes, input_bytes)
     if budget_bytes < min_budget:
         raise ValueError(f"plan_checkpoints: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below "
                          f"the minimum any plan of these {n} layers can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB); without checkpointing the peak is {no_checkpoint} bytes")
-    best = _solve(n, fwd, saved, out_bytes, workspace, input_bytes, float(budget_bytes))
+    best = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes, float(budget_bytes))
     _, peak, cost, segments = best
     return CheckpointPlan(segments=[tuple(s) for s in segments], budget_bytes=int(budget_bytes),
                           predicted_peak_bytes=int(peak), min_budget_bytes=int(min_budget),
                           no_checkpoint_peak_bytes=int(no_checkpoint), predicted_recompute_seconds=cost,
                           step_seconds=sum(fwd) + sum(bwd), layer_forward_seconds=fwd, layer_backward_seconds=bwd,
                           layer_saved_bytes=saved, layer_output_bytes=out_bytes, layer_workspace_bytes=workspace,
-                          input_bytes=input_bytes)
+                          layer_parameter_bytes=param_bytes, input_bytes=input_bytes)
 
 
-def _evaluate(segments, saved, out_bytes, workspace, input_bytes) -> int:
+def _evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes) -> int:
     seg_input = [input_bytes] + out_bytes[:-1]
     held, peak = 0, 0
     for p, q, checkpointed in segments:
         activations = sum(saved[p:q])
-        peak = max(peak, held + seg_input[p] + activations + max(workspace[p:q]))
+        grads = sum(param_bytes[p:q]) if checkpointed else 0
+        peak = max(peak, held + seg_input[p] + activations + max(workspace[p:q]) + out_bytes[q - 1] + grads)
         held += seg_input[p] + (0 if checkpointed else activations)
     return peak
 

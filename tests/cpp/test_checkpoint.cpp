@@ -165,7 +165,7 @@ TEST(Checkpoint, ErrorsNameTheSegmentAndTheProblem) {
   auto calls = std::make_shared<int>(0);
   auto changing = [calls](const ck::TensorList& in) -> ck::TensorList { return {in[0].narrow(0, 0, ++*calls)}; };
   out = ck::checkpoint(changing, {x}, {}, options);
-  expect_error([&] { out[0].sum().backward(); }, "the replay of my_block produced output 0 as float[2]");
+  expect_error([&] { out[0].sum().backward(); }, "the replay of my_block produced output 0 as Float[2]");
 
   auto captured = at::randn({4}).requires_grad_();
   auto closure = [captured](const ck::TensorList& in) -> ck::TensorList { return {in[0] * captured}; };

@@ -552,6 +552,7 @@ def test_planner_dynamic_program_is_optimal_against_brute_force():
     saved = torch.randint(10, 100, (n,)).tolist()
     out_bytes = torch.randint(1, 20, (n,)).tolist()
     workspace = torch.randint(0, 30, (n,)).tolist()
+    params = torch.randint(0, 40, (n,)).tolist()
     plans = []
     for cuts in itertools.product([False, True], repeat=n - 1):
         starts = [0] + [i + 1 for i, c in enumerate(cuts) if c]
@@ -559,12 +560,12 @@ def test_planner_dynamic_program_is_optimal_against_brute_force():
         for modes in itertools.product([False, True], repeat=len(starts)):
             segs = list(zip(starts, ends, modes))
             cost = sum(sum(seconds[p:q]) for p, q, m in segs if m)
-            plans.append((_evaluate(segs, saved, out_bytes, workspace, 5), cost))
+            plans.append((_evaluate(segs, saved, out_bytes, workspace, params, 5), cost))
     min_peak = min(p for p, _ in plans)
-    assert _solve(n, seconds, saved, out_bytes, workspace, 5, None)[1] == min_peak
+    assert _solve(n, seconds, saved, out_bytes, workspace, params, 5, None)[1] == min_peak
     for budget in sorted({p for p, _ in plans}):
         best = min(c for p, c in plans if p <= budget)
-        assert _solve(n, seconds, saved, out_bytes, workspace, 5, budget)[2] == pytest.approx(best)
+        assert _solve(n, seconds, saved, out_bytes, workspace, params, 5, budget)[2] == pytest.approx(best)
 
 
 # ---- TorchScript, opcheck, torch.compile, DDP ------------------------------------------------
