@@ -8,7 +8,7 @@
 Peak memory: torch_ext.memory.track around one step (peak above the step's start; parameter
 gradients are preallocated and accumulate in place, so the peak is activations and temporaries).
 "Blocks peak" runs only the block chain forward and backward: the memory the planner budgets.
-Step time: harness.measure_interleaved (rounds of a b c d, median). Per-region overhead: a chain of
+Step time: harness.measure_interleaved (rounds of a b c d, median), one torch thread by default. Per-region overhead: a chain of
 tiny regions (Linear 32x32 on 8 rows) timed forward + backward with and without checkpointing;
 (time - plain time) / regions.
 
@@ -47,7 +47,11 @@ class TorchCheckpointPerBlock(nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer repeats")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared 2-core machine, OpenMP workers spinning "
+                             "against other processes make multi-threaded timings erratic)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     command = "python benchmarks/bench_checkpoint.py" + (" --quick" if args.quick else "")
 
     torch.manual_seed(0)
@@ -186,7 +190,7 @@ def main() -> None:
     checks.append((f"(c) step time at most 1.35x (a)'s: {tc / ta:.2f}x", tc <= 1.35 * ta))
     report.notes.append("")
     report.notes.append(f"Model: GPT, {config.n_layer} blocks, width {config.n_embd}, {config.n_head} heads, "
-                        f"batch {tuple(inputs.shape)}; (a)'s blocks activation memory {harness.format_bytes(activation_bytes)}. "
+                        f"batch {tuple(inputs.shape)}, {torch.get_num_threads()} torch thread(s); (a)'s blocks activation memory {harness.format_bytes(activation_bytes)}. "
                         f"Per-region overhead over {regions} regions x {region_repeat} rounds.")
     report.notes.append("")
     for text, ok in checks:

@@ -50,7 +50,35 @@ def _validate_storage(storage: Any, owner: str) -> str:
 
 
 def _trainable_parameters(module: nn.Module) -> list[torch.Tensor]:
-    return [p for p in module.parameters() if p.requires_grad]
+    """module.parameters() that require grad (each once), without the generator machinery."""
+    if not module._modules:
+        return [p for p in module._parameters.values() if p is not None and p.requires_grad]
+    seen, params = set(), []
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+def _plain_tensors(args: tuple) -> bool:
+    for a in args:
+        if type(a) is not torch.Tensor:
+            return False
+    return True
+
+
+def _flatten_output(out: Any, box: list) -> list[torch.Tensor]:
+    leaves, spec = pytree.tree_flatten(out)
+    box[0] = (spec, leaves)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _unflatten_output(outputs: list[torch.Tensor], box: list) -> Any:
+    spec, leaves = box[0]
+    it = iter(outputs)
+    return pytree.tree_unflatten([next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
 
 
 def _name_of(fn: Any) -> str:
@@ -64,22 +92,14 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
     """fn(*args, **kwargs) as one checkpointed segment whose other tensors requiring grad are params."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    if not kwargs and all(type(a) is torch.Tensor for a in args):
+    box: list = [None]  # the output's structure when it is not one tensor
+    if not kwargs and _plain_tensors(args):
         # Fast path: positional plain tensors. The closure holds no input, so the storage policy
         # alone decides what stays alive.
-        shape: list = []
-
         def segment(tensors):
             out = fn(*tensors)
-            if type(out) is torch.Tensor:
-                shape[:] = [None]
-                return [out]
-            leaves, spec = pytree.tree_flatten(out)
-            shape[:] = [spec, leaves]
-            return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
-        if not params and not any(a.requires_grad for a in args):
-            return fn(*args)
         outputs = _apply(segment, list(args), params, storage, preserve_rng_state, name)
     else:
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -93,7 +113,6 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
         # The replay needs the non-tensor leaves; the tensors come back from the boundary.
         for i in slots:
             leaves[i] = None
-        shape = []
 
         def segment(replayed):
             call_leaves = list(leaves)
@@ -101,20 +120,10 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
                 call_leaves[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(call_leaves, spec)
             out = fn(*call_args, **call_kwargs)
-            if type(out) is torch.Tensor:
-                shape[:] = [None]
-                return [out]
-            out_leaves, out_spec = pytree.tree_flatten(out)
-            shape[:] = [out_spec, out_leaves]
-            return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
+            return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, tensors, params, storage, preserve_rng_state, name)
-    if shape[0] is None:
-        return outputs[0]
-    out_spec, out_leaves = shape
-    it = iter(outputs)
-    return pytree.tree_unflatten([next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves],
-                                 out_spec)
+    return outputs[0] if box[0] is None else _unflatten_output(outputs, box)
 
 
 # Under torch.compile a checkpoint is a graph break (dynamo cannot trace into the C++ node);
@@ -140,8 +149,19 @@ class _CheckpointedForward:
         forward = self.forward
         if not torch.is_grad_enabled():
             return forward(module, *args, **kwargs)
-        return _runner()(functools.partial(forward, module), args, kwargs, _trainable_parameters(module),
-                    self.storage, self.preserve_rng_state, type(module).__name__)
+        if kwargs or not _plain_tensors(args) or torch.compiler.is_compiling():
+            return _runner()(functools.partial(forward, module), args, kwargs, _trainable_parameters(module),
+                             self.storage, self.preserve_rng_state, type(module).__name__)
+        # The common case, kept short: tensors in, tensors out.
+        box: list = [None]
+
+        def segment(tensors):
+            out = forward(module, *tensors)
+            return out if type(out) is torch.Tensor else _flatten_output(out, box)
+
+        outputs = _apply(segment, list(args), _trainable_parameters(module), self.storage, self.preserve_rng_state,
+                         type(module).__name__)
+        return outputs[0] if box[0] is None else _unflatten_output(outputs, box)
 
 
 def checkpoint(target: Any = None, *, storage: str = "keep", preserve_rng_state: bool = True) -> Any:

@@ -5,6 +5,7 @@
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "torch_ext/checkpoint/checkpoint.h"
@@ -37,6 +38,7 @@ ck::TensorList apply(py::object fn, const ck::TensorList& inputs, const ck::Tens
   ck::Segment segment = [held](const ck::TensorList& args) -> ck::TensorList {
     py::gil_scoped_acquire gil;
     py::object result = (*held)(args);
+    if (THPVariable_Check(result.ptr())) return {THPVariable_Unpack(result.ptr())};
     return result.cast<ck::TensorList>();
   };
   return ck::checkpoint(segment, inputs, params, options);
@@ -48,7 +50,7 @@ void bind_checkpoint(py::module_& m) {
   auto sub = m.def_submodule("checkpoint", "segment checkpointing (internal; use torch_ext.checkpoint)");
   sub.def("apply", &apply, py::arg("fn"), py::arg("inputs"), py::arg("params"), py::arg("storage") = "keep",
           py::arg("preserve_rng_state") = true, py::arg("name") = "segment",
-          "Run fn(inputs) -> list of tensors as a checkpointed segment; params are the other tensors it reads.");
+          "Run fn(inputs) -> tensor or list of tensors as a checkpointed segment; params are the other tensors it reads.");
   sub.def(
       "validate_storage",
       [](const std::string& storage) { return std::string(ck::storage_policy_name(ck::parse_storage_policy(storage))); },

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/SequenceNumber.h>
@@ -27,9 +28,14 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The CPU generator's state is copied as its engine (no tensor to allocate and parse); other
+// devices' through get_state / set_state.
 struct DeviceRngState {
   c10::Device device;
   at::Tensor state;
+  std::optional<at::mt19937> cpu_engine;
+  std::optional<float> cpu_next_float_normal;
+  std::optional<double> cpu_next_double_normal;
 };
 
 std::vector<DeviceRngState> get_rng_states(const std::vector<c10::Device>& devices) {
@@ -38,7 +44,16 @@ std::vector<DeviceRngState> get_rng_states(const std::vector<c10::Device>& devic
   for (const auto& device : devices) {
     auto generator = at::globalContext().defaultGenerator(device);
     std::lock_guard<std::mutex> lock(generator.mutex());
-    states.push_back({device, generator.get_state()});
+    DeviceRngState state{device, {}, std::nullopt, std::nullopt, std::nullopt};
+    if (device.is_cpu()) {
+      auto* cpu = generator.get<at::CPUGeneratorImpl>();
+      state.cpu_engine = cpu->engine();
+      state.cpu_next_float_normal = cpu->next_float_normal_sample();
+      state.cpu_next_double_normal = cpu->next_double_normal_sample();
+    } else {
+      state.state = generator.get_state();
+    }
+    states.push_back(std::move(state));
   }
   return states;
 }
@@ -47,7 +62,14 @@ void set_rng_states(const std::vector<DeviceRngState>& states) {
   for (const auto& s : states) {
     auto generator = at::globalContext().defaultGenerator(s.device);
     std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(s.state);
+    if (s.cpu_engine) {
+      auto* cpu = generator.get<at::CPUGeneratorImpl>();
+      cpu->set_engine(*s.cpu_engine);
+      cpu->set_next_float_normal_sample(s.cpu_next_float_normal);
+      cpu->set_next_double_normal_sample(s.cpu_next_double_normal);
+    } else {
+      generator.set_state(s.state);
+    }
   }
 }
 
