@@ -624,7 +624,10 @@ class CheckpointedSequential(nn.Sequential):
             raise IndexError(f"CheckpointedSequential: layer index {index!r} is outside 0..{len(self) - 1}")
 
     def _segment_fn(self, start: int, end: int, record: bool):
+        # The closure lives in the autograd graph, which the records of the last forward keep
+        # alive: it must not hold the chain itself (a cycle through C++ that Python's GC cannot see).
         layers = [self[i] for i in range(start, end)]
+        output_bytes, output_meta = self._layer_output_bytes, self._layer_output_meta
 
         def run(*args, **kwargs):
             value: Any = None
@@ -632,8 +635,8 @@ class CheckpointedSequential(nn.Sequential):
                 value = layer(*args, **kwargs) if offset == 0 else layer(value)
                 if record:
                     leaves = _tensor_leaves(value)
-                    self._layer_output_bytes[start + offset] = _storage_bytes(leaves, set())
-                    self._layer_output_meta[start + offset] = [(t.shape, t.dtype) for t in leaves]
+                    output_bytes[start + offset] = _storage_bytes(leaves, set())
+                    output_meta[start + offset] = [(t.shape, t.dtype) for t in leaves]
             return value
         return run
 

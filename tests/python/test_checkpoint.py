@@ -449,6 +449,18 @@ def test_checkpointed_sequential_boundaries_and_errors():
         torch_ext.CheckpointedSequential(mlp_chain(), every=0)
 
 
+def test_chain_is_collected_after_a_forward():
+    import gc
+    import weakref
+
+    chain = torch_ext.CheckpointedSequential(mlp_chain(dropout=0.0), every=2)
+    chain(torch.randn(2, 32, requires_grad=True))
+    ref = weakref.ref(chain)
+    del chain
+    gc.collect()
+    assert ref() is None  # the autograd graph the chain's records keep does not hold the chain
+
+
 def test_recompute_detects_a_replay_with_different_shapes():
     class Growing(nn.Module):
         def __init__(self):
