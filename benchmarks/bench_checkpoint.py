@@ -60,7 +60,7 @@ def main() -> None:
         batch, repeat, regions, region_repeat = 2, 3, 20, 20
     else:
         config = GPTConfig(n_layer=12, n_embd=192, n_head=6, vocab_size=1024, block_size=256)
-        batch, repeat, regions, region_repeat = 4, 7, 50, 60
+        batch, repeat, regions, region_repeat = 4, 9, 50, 60
     model = GPT(config)
     tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -758,8 +758,8 @@ def demo(progress, quick: bool = False) -> None:
 
     torch.manual_seed(0)
     config = (GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=64) if quick else
-              GPTConfig(n_layer=8, n_embd=256, n_head=8, vocab_size=1024, block_size=256))
-    batch = torch.randint(0, config.vocab_size, (2 if quick else 8, config.block_size))
+              GPTConfig(n_layer=8, n_embd=128, n_head=4, vocab_size=1024, block_size=128))
+    batch = torch.randint(0, config.vocab_size, (2 if quick else 4, config.block_size))
     inputs, targets = batch[:, :-1], batch[:, 1:]
     base = GPT(config)
     for p in base.parameters():
