@@ -795,9 +795,10 @@ def demo(progress, quick: bool = False) -> None:
         rows.append((name, tracked.peak_delta_bytes, statistics.median(seconds)))
     mib = 2.0 ** 20
     print(f"model: GPT, {config.n_layer} blocks, width {config.n_embd}, batch {tuple(inputs.shape)}")
-    print(f"{'variant':<22} {'peak CPU memory':>16} {'step time':>10}")
+    print(f"{'variant':<22} {'step peak CPU memory':>21} {'step time':>10}")
     for name, peak, seconds in rows:
-        print(f"{name:<22} {peak / mib:>12.1f} MiB {seconds * 1e3:>7.0f} ms")
-    print(f"plan for {plan.budget_bytes / mib:.1f} MiB: boundaries {plan.boundaries}, predicted peak "
-          f"{plan.predicted_peak_bytes / mib:.1f} MiB, predicted overhead {plan.predicted_overhead:.0%} "
-          f"(minimum feasible budget {plan.min_budget_bytes / mib:.1f} MiB)")
+        print(f"{name:<22} {peak / mib:>17.1f} MiB {seconds * 1e3:>7.0f} ms")
+    print(f"plan for {plan.budget_bytes / mib:.1f} MiB (half the unplanned step's peak) of block activations: "
+          f"boundaries {plan.boundaries}, predicted blocks peak {plan.predicted_peak_bytes / mib:.1f} MiB, predicted "
+          f"overhead {plan.predicted_overhead:.0%} (minimum feasible budget {plan.min_budget_bytes / mib:.1f} MiB); "
+          "the step's peak also holds the embedding, head and logits")
