@@ -11,6 +11,7 @@ import torch
 
 import torch_ext
 from torch_ext import memory
+from torch_ext.checkpoint import demo as demo_checkpoint
 from torch_ext.models import GPT, GPTConfig, language_model_loss
 
 
@@ -87,6 +88,7 @@ def demo_memory(progress) -> None:
 # Each capability adds its section here, in the order of the README.
 DEMO_SECTIONS = [
     ("CPU memory accounting", demo_memory),
+    ("Segment checkpointing", demo_checkpoint),
 ]
 
 

@@ -1,0 +1,547 @@
+#include "torch_ext/checkpoint/checkpoint.h"
+
+#include <algorithm>
+#include <optional>
+#include <exception>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/SequenceNumber.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/Generator.h>
+#include <ATen/ops/empty_strided.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/custom_class.h>
+
+namespace torch_ext::checkpoint {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The CPU generator's state is copied as its engine (no tensor to allocate and parse); other
+// devices' through get_state / set_state.
+struct DeviceRngState {
+  c10::Device device;
+  at::Tensor state;
+  std::optional<at::mt19937> cpu_engine;
+  std::optional<float> cpu_next_float_normal;
+  std::optional<double> cpu_next_double_normal;
+};
+
+std::vector<DeviceRngState> get_rng_states(const std::vector<c10::Device>& devices) {
+  std::vector<DeviceRngState> states;
+  states.reserve(devices.size());
+  for (const auto& device : devices) {
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    DeviceRngState state{device, {}, std::nullopt, std::nullopt, std::nullopt};
+    if (device.is_cpu()) {
+      auto* cpu = generator.get<at::CPUGeneratorImpl>();
+      state.cpu_engine = cpu->engine();
+      state.cpu_next_float_normal = cpu->next_float_normal_sample();
+      state.cpu_next_double_normal = cpu->next_double_normal_sample();
+    } else {
+      state.state = generator.get_state();
+    }
+    states.push_back(std::move(state));
+  }
+  return states;
+}
+
+void set_rng_states(const std::vector<DeviceRngState>& states) {
+  for (const auto& s : states) {
+    auto generator = at::globalContext().defaultGenerator(s.device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    if (s.cpu_engine) {
+      auto* cpu = generator.get<at::CPUGeneratorImpl>();
+      cpu->set_engine(*s.cpu_engine);
+      cpu->set_next_float_normal_sample(s.cpu_next_float_normal);
+      cpu->set_next_double_normal_sample(s.cpu_next_double_normal);
+    } else {
+      generator.set_state(s.state);
+    }
+  }
+}
+
+struct AutocastState {
+  c10::DeviceType device_type;
+  bool enabled;
+  at::ScalarType dtype;
+};
+
+std::vector<AutocastState> get_autocast_states(const std::vector<c10::DeviceType>& device_types) {
+  std::vector<AutocastState> states;
+  for (auto type : device_types) {
+    if (at::autocast::is_autocast_available(type)) {
+      states.push_back({type, at::autocast::is_autocast_enabled(type), at::autocast::get_autocast_dtype(type)});
+    }
+  }
+  return states;
+}
+
+void set_autocast_states(const std::vector<AutocastState>& states) {
+  for (const auto& s : states) {
+    at::autocast::set_autocast_enabled(s.device_type, s.enabled);
+    at::autocast::set_autocast_dtype(s.device_type, s.dtype);
+  }
+}
+
+// Restores the RNG and autocast state found at construction when it goes out of scope.
+class ReplayStateGuard {
+ public:
+  ReplayStateGuard(const std::vector<DeviceRngState>& rng, const std::vector<AutocastState>& autocast,
+                   bool autocast_cache) {
+    std::vector<c10::Device> devices;
+    for (const auto& s : rng) devices.push_back(s.device);
+    std::vector<c10::DeviceType> types;
+    for (const auto& s : autocast) types.push_back(s.device_type);
+    saved_rng_ = get_rng_states(devices);
+    saved_autocast_ = get_autocast_states(types);
+    saved_autocast_cache_ = at::autocast::is_autocast_cache_enabled();
+    set_rng_states(rng);
+    set_autocast_states(autocast);
+    at::autocast::set_autocast_cache_enabled(autocast_cache);
+  }
+  ~ReplayStateGuard() {
+    set_rng_states(saved_rng_);
+    set_autocast_states(saved_autocast_);
+    at::autocast::set_autocast_cache_enabled(saved_autocast_cache_);
+  }
+  ReplayStateGuard(const ReplayStateGuard&) = delete;
+  ReplayStateGuard& operator=(const ReplayStateGuard&) = delete;
+
+ private:
+  std::vector<DeviceRngState> saved_rng_;
+  std::vector<AutocastState> saved_autocast_;
+  bool saved_autocast_cache_ = true;
+};
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << t.scalar_type() << t.sizes();
+  return out.str();
+}
+
+bool is_differentiable(const at::Tensor& t) {
+  return t.defined() && (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()));
+}
+
+}  // namespace
+
+at::ScalarType boundary_dtype(const at::Tensor& t, StoragePolicy policy) {
+  if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble) return t.scalar_type();
+  if (policy == StoragePolicy::kBFloat16) return at::kBFloat16;
+  if (policy == StoragePolicy::kFloat16) return at::kHalf;
+  return t.scalar_type();
+}
+
+namespace {
+
+std::optional<at::ScalarType> compressed_dtype(StoragePolicy policy, const at::Tensor& t) {
+  if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble) return std::nullopt;
+  if (policy == StoragePolicy::kBFloat16) return at::kBFloat16;
+  if (policy == StoragePolicy::kFloat16) return at::kHalf;
+  return std::nullopt;
+}
+
+bool offloaded(StoragePolicy policy, const at::Tensor& t) {
+  return policy == StoragePolicy::kOffload && t.device().type() != c10::kCPU;
+}
+
+// A boundary input stored other than as itself (offloaded or compressed), with what is
+// needed to restore it and to detect an in-place change of the original before backward.
+struct StoredInput {
+  at::Tensor stored;
+  c10::Device device{c10::kCPU};
+  at::ScalarType dtype = at::kFloat;
+  c10::VariableVersion version{0};
+  uint32_t saved_version = 0;
+};
+
+struct OutputMeta {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype;
+};
+
+std::string describe(const OutputMeta& m) {
+  std::ostringstream out;
+  out << m.dtype << c10::IntArrayRef(m.sizes);
+  return out.str();
+}
+
+struct SegmentState : torch::CustomClassHolder {
+  Segment segment;
+  CheckpointOptions options;
+  size_t num_inputs = 0;
+  TensorList params;
+  std::vector<bool> input_requires_grad;
+  std::vector<std::optional<StoredInput>> stored;  // per input; nullopt: saved in ctx (keep)
+  std::vector<DeviceRngState> rng;
+  std::vector<AutocastState> autocast;
+  bool autocast_cache = true;
+  std::vector<OutputMeta> output_meta;
+};
+
+[[noreturn]] void captured_tensor_error(const SegmentState& state, const torch::autograd::Node& node) {
+  if (auto* accumulate = dynamic_cast<const torch::autograd::AccumulateGrad*>(&node)) {
+    TORCH_CHECK(false, "checkpoint: ", state.options.name, " reads a tensor requiring grad (",
+                describe(accumulate->variable),
+                ") that is neither one of its inputs nor one of its params; its gradient would be lost. "
+                "Pass it as an input, or checkpoint the module that owns it");
+  }
+  TORCH_CHECK(false, "checkpoint: ", state.options.name, " reads a tensor requiring grad computed outside the segment "
+              "(through ", node.name(), ") that is neither one of its inputs nor one of its params; its gradient "
+              "would be lost. Pass it as an input");
+}
+
+void accumulate(at::Tensor& buffer, at::Tensor&& grad) {
+  if (!grad.defined()) return;
+  if (!buffer.defined()) {
+    buffer = std::move(grad);
+  } else {
+    buffer = buffer + grad;  // the engine's InputBuffer order: the earlier gradient first
+  }
+}
+
+// Back-propagates root_grads from roots through the replayed graph to the target edges and
+// returns each target's gradient. This is the engine's algorithm for one graph small enough to
+// need none of its machinery: nodes run once all their consumers have run, highest sequence
+// number first (the engine's order, so sums of gradients round alike), with their tensor, pre
+// and post hooks; each node's saved variables are released after it runs. The targets' own
+// nodes (AccumulateGrad of inputs and params) never run: their gradients go to the checkpoint's
+// node, whose consumers run them in the caller's backward, hooks included. A replayed node that
+// leads to a tensor requiring grad other than the targets raises: its gradient would be lost.
+variable_list replay_backward(const SegmentState& state, const variable_list& roots, variable_list root_grads,
+                              const std::vector<torch::autograd::Edge>& targets, uint64_t first_sequence_nr) {
+  using torch::autograd::Node;
+  variable_list target_grads(targets.size());
+  auto target_slot = [&](const torch::autograd::Edge& edge) -> std::ptrdiff_t {
+    for (size_t k = 0; k < targets.size(); ++k) {
+      if (targets[k].function.get() == edge.function.get() && targets[k].input_nr == edge.input_nr) {
+        return static_cast<std::ptrdiff_t>(k);
+      }
+    }
+    return -1;
+  };
+  auto is_target_node = [&](const Node* node) {
+    for (const auto& t : targets) {
+      if (t.function.get() == node) return true;
+    }
+    return false;
+  };
+
+  struct Pending {
+    size_t dependencies = 0;
+    variable_list buffer;
+  };
+  std::unordered_map<Node*, Pending> pending;
+  std::vector<Node*> stack;
+  std::vector<torch::autograd::Edge> root_edges;
+  root_edges.reserve(roots.size());
+  for (const auto& root : roots) {
+    root_edges.push_back(torch::autograd::impl::gradient_edge(root));
+    Node* node = root_edges.back().function.get();
+    if (node != nullptr && !is_target_node(node) && pending.try_emplace(node).second) stack.push_back(node);
+  }
+  // Discover the replayed graph and count each node's consumers.
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr || node->sequence_nr() < first_sequence_nr) {
+      captured_tensor_error(state, *node);
+    }
+    for (const auto& edge : node->next_edges()) {
+      Node* next = edge.function.get();
+      if (next == nullptr || is_target_node(next)) continue;
+      auto [it, inserted] = pending.try_emplace(next);
+      it->second.dependencies += 1;
+      if (inserted) stack.push_back(next);
+    }
+  }
+  for (auto& [node, p] : pending) p.buffer.resize(node->num_inputs());
+
+  auto by_sequence_nr = [](Node* a, Node* b) { return a->sequence_nr() < b->sequence_nr(); };
+  std::vector<Node*> ready;  // a max-heap on sequence_nr
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const auto& edge = root_edges[i];
+    if (edge.function == nullptr) continue;
+    const auto slot = target_slot(edge);
+    if (slot >= 0) {
+      accumulate(target_grads[static_cast<size_t>(slot)], std::move(root_grads[i]));
+    } else {
+      accumulate(pending[edge.function.get()].buffer[edge.input_nr], std::move(root_grads[i]));
+    }
+  }
+  for (auto& [node, p] : pending) {
+    if (p.dependencies == 0) ready.push_back(node);
+  }
+  std::make_heap(ready.begin(), ready.end(), by_sequence_nr);
+
+  while (!ready.empty()) {
+    std::pop_heap(ready.begin(), ready.end(), by_sequence_nr);
+    Node* node = ready.back();
+    ready.pop_back();
+    variable_list inputs = std::move(pending[node].buffer);
+    for (const auto& hook : node->tensor_pre_hooks()) inputs = (*hook)(inputs);
+    for (const auto& [_, hook] : node->retains_grad_hooks()) inputs = (*hook)(inputs);
+    for (const auto& hook : node->pre_hooks()) inputs = (*hook)(inputs);
+    const bool has_post_hooks = !node->post_hooks().empty();
+    variable_list hook_inputs = has_post_hooks ? inputs : variable_list();
+    node->will_release_variables();
+    variable_list outputs = (*node)(std::move(inputs));
+    node->release_variables();
+    torch::autograd::validate_outputs(node->next_edges(), outputs, [&](const std::string& message) {
+      return "checkpoint: replay of " + state.options.name + ", node " + node->name() + ": " + message;
+    });
+    for (const auto& hook : node->post_hooks()) outputs = (*hook)(outputs, hook_inputs);
+    const auto& edges = node->next_edges();
+    for (size_t i = 0; i < edges.size() && i < outputs.size(); ++i) {
+      const auto& edge = edges[i];
+      Node* next = edge.function.get();
+      if (next == nullptr) continue;
+      const auto slot = target_slot(edge);
+      if (slot >= 0) {
+        accumulate(target_grads[static_cast<size_t>(slot)], std::move(outputs[i]));
+        continue;
+      }
+      auto& p = pending[next];
+      accumulate(p.buffer[edge.input_nr], std::move(outputs[i]));
+      if (--p.dependencies == 0) {
+        ready.push_back(next);
+        std::push_heap(ready.begin(), ready.end(), by_sequence_nr);
+      }
+    }
+  }
+  return target_grads;
+}
+
+class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentState> state,
+                               at::TensorList tensors) {
+    auto& s = *state;
+    TensorList inputs(tensors.begin(), tensors.begin() + static_cast<std::ptrdiff_t>(s.num_inputs));
+    std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+    std::vector<c10::DeviceType> device_types{c10::kCPU};
+    bool any_requires_grad = false;
+    for (const auto& t : tensors) {
+      any_requires_grad = any_requires_grad || t.requires_grad();
+      if (std::find(devices.begin(), devices.end(), t.device()) == devices.end()) devices.push_back(t.device());
+      if (std::find(device_types.begin(), device_types.end(), t.device().type()) == device_types.end()) {
+        device_types.push_back(t.device().type());
+      }
+    }
+    if (s.options.preserve_rng_state) s.rng = get_rng_states(devices);
+    s.autocast = get_autocast_states(device_types);
+    s.autocast_cache = at::autocast::is_autocast_cache_enabled();
+
+    TensorList outputs = s.segment(inputs);
+
+    bool any_differentiable = false;
+    s.output_meta.reserve(outputs.size());
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      TORCH_CHECK(outputs[i].defined(), "checkpoint: ", s.options.name, " returned an undefined tensor as output ", i);
+      any_differentiable = any_differentiable || is_differentiable(outputs[i]);
+      s.output_meta.push_back({outputs[i].sizes().vec(), outputs[i].scalar_type()});
+    }
+    TORCH_CHECK(!any_requires_grad || any_differentiable, "checkpoint: ", s.options.name,
+                " has inputs or params that require grad but none of its ", outputs.size(),
+                " outputs can carry a gradient (no floating-point tensor output); do not checkpoint it, or "
+                "return the differentiable result");
+
+    s.input_requires_grad.reserve(inputs.size());
+    s.stored.resize(inputs.size());
+    TensorList kept;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const auto& input = inputs[i];
+      s.input_requires_grad.push_back(input.requires_grad());
+      auto dtype = compressed_dtype(s.options.storage, input);
+      if (!dtype && !offloaded(s.options.storage, input)) {
+        kept.push_back(input);
+        continue;
+      }
+      StoredInput stored;
+      stored.device = input.device();
+      stored.dtype = input.scalar_type();
+      stored.version = torch::autograd::impl::version_counter(input);
+      stored.saved_version = stored.version.current_version();
+      if (dtype) {
+        stored.stored = input.to(*dtype);
+      } else {
+        stored.stored = at::empty_strided(input.sizes(), input.strides(),
+                                          input.options().device(c10::kCPU).pinned_memory(true));
+        stored.stored.copy_(input, /*non_blocking=*/true);
+      }
+      s.stored[i] = std::move(stored);
+      kept.emplace_back();
+    }
+    ctx->save_for_backward(std::move(kept));
+    s.params.assign(tensors.begin() + static_cast<std::ptrdiff_t>(s.num_inputs), tensors.end());
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto state = c10::static_intrusive_pointer_cast<SegmentState>(ctx->saved_data["state"].toCapsule());
+    auto& s = *state;
+    TORCH_CHECK(!torch::autograd::GradMode::is_enabled(), "checkpoint: ", s.options.name,
+                ": double backward (create_graph=True) through a checkpointed segment is not supported");
+    const variable_list kept = ctx->get_saved_variables();
+
+    TensorList inputs;
+    inputs.reserve(s.num_inputs);
+    for (size_t i = 0; i < s.num_inputs; ++i) {
+      at::Tensor restored;
+      if (s.stored[i]) {
+        const auto& stored = *s.stored[i];
+        TORCH_CHECK(stored.version.current_version() == stored.saved_version, "checkpoint: input ", i, " of ",
+                    s.options.name, " was modified in place after the forward (version ", stored.saved_version,
+                    " -> ", stored.version.current_version(), "); the replay would see different values");
+        restored = stored.stored.to(stored.device, stored.dtype, /*non_blocking=*/true);
+      } else {
+        restored = kept[i];
+      }
+      at::Tensor detached = restored.detach();
+      if (s.input_requires_grad[i]) detached.requires_grad_(true);
+      inputs.push_back(std::move(detached));
+    }
+
+    TensorList outputs;
+    const uint64_t first_sequence_nr = at::sequence_number::peek();
+    {
+      ReplayStateGuard replay_state(s.rng, s.autocast, s.autocast_cache);
+      torch::autograd::AutoGradMode grad_mode(true);
+      outputs = s.segment(inputs);
+    }
+
+    TORCH_CHECK(outputs.size() == s.output_meta.size(), "checkpoint: the replay of ", s.options.name, " returned ",
+                outputs.size(), " tensors but its forward returned ", s.output_meta.size());
+    variable_list roots;
+    variable_list root_grads;
+    bool any_grad = false;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const auto& meta = s.output_meta[i];
+      TORCH_CHECK(outputs[i].defined() && outputs[i].sizes() == c10::IntArrayRef(meta.sizes) &&
+                      outputs[i].scalar_type() == meta.dtype,
+                  "checkpoint: the replay of ", s.options.name, " produced output ", i, " as ",
+                  outputs[i].defined() ? describe(outputs[i]) : std::string("undefined"),
+                  " but the forward produced ", describe(meta),
+                  "; the segment must compute the same shapes from the same inputs");
+      if (!grad_outputs[i].defined()) continue;
+      any_grad = true;
+      if (outputs[i].requires_grad()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grad_outputs[i]);
+      }
+    }
+
+    variable_list result(1 + s.num_inputs + s.params.size());
+    if (!any_grad) return result;
+    TORCH_CHECK(!roots.empty(), "checkpoint: none of the outputs of ", s.options.name,
+                " requires grad in the replay although its inputs do: the segment detaches its result "
+                "from its inputs and params, so no gradient can flow through it");
+
+    std::vector<torch::autograd::Edge> targets;
+    std::vector<size_t> target_slots;
+    auto add_target = [&](const at::Tensor& t, size_t slot) {
+      if (!t.requires_grad()) return;
+      targets.push_back(torch::autograd::impl::gradient_edge(t));
+      target_slots.push_back(slot);
+    };
+    for (size_t i = 0; i < inputs.size(); ++i) add_target(inputs[i], 1 + i);
+    for (size_t i = 0; i < s.params.size(); ++i) add_target(s.params[i], 1 + s.num_inputs + i);
+    variable_list grads;
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    if (exec_info == nullptr || exec_info->empty()) {
+      grads = replay_backward(s, roots, std::move(root_grads), targets, first_sequence_nr);
+    } else {
+      // The running backward only needs some gradients (autograd.grad, backward(inputs=...)), and
+      // nodes consult its plan to skip the others, which would skip the replay's. The replay is
+      // not part of that plan: it runs on a thread where no backward is current.
+      const at::ThreadLocalState thread_locals;
+      std::exception_ptr error;
+      std::thread worker([&] {
+        try {
+          at::ThreadLocalStateGuard guard(thread_locals);
+          grads = replay_backward(s, roots, std::move(root_grads), targets, first_sequence_nr);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      });
+      worker.join();
+      if (error) std::rethrow_exception(error);
+    }
+    for (size_t k = 0; k < grads.size(); ++k) result[target_slots[k]] = std::move(grads[k]);
+    return result;
+  }
+};
+
+}  // namespace
+
+StoragePolicy parse_storage_policy(std::string_view name) {
+  if (name == "keep") return StoragePolicy::kKeep;
+  if (name == "offload") return StoragePolicy::kOffload;
+  if (name == "bf16") return StoragePolicy::kBFloat16;
+  if (name == "fp16") return StoragePolicy::kFloat16;
+  TORCH_CHECK(false, "checkpoint: unknown storage policy '", std::string(name),
+              "'; expected one of 'keep', 'offload', 'bf16', 'fp16'");
+}
+
+std::string_view storage_policy_name(StoragePolicy policy) {
+  switch (policy) {
+    case StoragePolicy::kKeep: return "keep";
+    case StoragePolicy::kOffload: return "offload";
+    case StoragePolicy::kBFloat16: return "bf16";
+    case StoragePolicy::kFloat16: return "fp16";
+  }
+  return "keep";
+}
+
+TensorList checkpoint(const Segment& segment, const TensorList& inputs, const TensorList& params,
+                      const CheckpointOptions& options) {
+  TORCH_CHECK(static_cast<bool>(segment), "checkpoint: ", options.name, " is an empty callable");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK(inputs[i].defined(), "checkpoint: input ", i, " of ", options.name, " is an undefined tensor");
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].defined(), "checkpoint: param ", i, " of ", options.name, " is an undefined tensor");
+  }
+  bool needs_graph = false;
+  if (torch::autograd::GradMode::is_enabled()) {
+    for (const auto& t : inputs) needs_graph = needs_graph || t.requires_grad();
+    for (const auto& t : params) needs_graph = needs_graph || t.requires_grad();
+  }
+  if (!needs_graph) return segment(inputs);
+
+  auto state = c10::make_intrusive<SegmentState>();
+  state->segment = segment;
+  state->options = options;
+  state->num_inputs = inputs.size();
+  if (params.empty()) return CheckpointFunction::apply(std::move(state), at::TensorList(inputs));
+  TensorList all;
+  all.reserve(inputs.size() + params.size());
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  all.insert(all.end(), params.begin(), params.end());
+  return CheckpointFunction::apply(std::move(state), at::TensorList(all));
+}
+
+c10::SymInt boundary_bytes(const TensorList& inputs, StoragePolicy policy) {
+  c10::SymInt total = 0;
+  for (const auto& t : inputs) {
+    if (!t.defined()) continue;
+    total = total + t.sym_numel() * static_cast<int64_t>(c10::elementSize(boundary_dtype(t, policy)));
+  }
+  return total;
+}
+
+}  // namespace torch_ext::checkpoint

@@ -1,0 +1,62 @@
+#pragma once
+// Segment checkpointing: run a segment without keeping its intermediate activations, store
+// only its inputs (the boundary), and recompute it with grad enabled during backward.
+//
+// checkpoint() is reentrant and thread-safe: each call builds its own autograd node and keeps
+// its state there. A Segment may be called from the autograd engine's thread during backward,
+// so it must not rely on thread-local state of the thread that ran the forward.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
+
+namespace torch_ext::checkpoint {
+
+using TensorList = std::vector<at::Tensor>;
+
+// A segment maps its boundary inputs to its outputs; it may read other tensors (parameters),
+// which checkpoint() must then be given as `params`.
+using Segment = std::function<TensorList(const TensorList&)>;
+
+// How the boundary inputs are kept between forward and backward.
+//   keep:    as they are (exact gradients).
+//   offload: accelerator inputs are copied to pinned CPU memory asynchronously and copied back
+//            in backward; CPU inputs are kept as they are (exact).
+//   bf16 / fp16: float32 / float64 inputs are stored rounded to bfloat16 / float16 (lossy: the
+//            replay sees the rounded inputs, so gradients are approximate; opt-in only).
+enum class StoragePolicy { kKeep, kOffload, kBFloat16, kFloat16 };
+
+// "keep", "offload", "bf16" or "fp16"; anything else raises, naming the choices.
+StoragePolicy parse_storage_policy(std::string_view name);
+std::string_view storage_policy_name(StoragePolicy policy);
+
+struct CheckpointOptions {
+  StoragePolicy storage = StoragePolicy::kKeep;
+  // Save and restore the RNG state of the CPU and of every device the inputs and params live
+  // on, so that the replay draws the same random numbers (dropout masks) as the forward.
+  bool preserve_rng_state = true;
+  std::string name = "segment";  // names the segment in error messages
+};
+
+// Runs segment(inputs) as one autograd node whose backward replays the segment. Gradients
+// reach `inputs` and `params` through the graph (never through .grad from inside backward),
+// so torch::autograd::grad, backward(inputs=...), hooks and DDP see an ordinary node.
+// Under no_grad / inference mode, or when nothing requires grad, the segment runs plainly.
+// Raises when inputs or params require grad but no output is differentiable, when a replay
+// produces outputs whose shapes or dtypes differ from the forward's, when the segment reads
+// a tensor requiring grad that is neither an input nor a param, and on double backward.
+TensorList checkpoint(const Segment& segment, const TensorList& inputs, const TensorList& params = {},
+                      const CheckpointOptions& options = {});
+
+// The dtype `t` is stored in under `policy` (bf16 / fp16 round float32 and float64 only).
+at::ScalarType boundary_dtype(const at::Tensor& t, StoragePolicy policy);
+
+// Bytes the boundary of `inputs` occupies under `policy` (offloaded bytes count on the CPU);
+// symbolic under dynamic shapes.
+c10::SymInt boundary_bytes(const TensorList& inputs, StoragePolicy policy);
+
+}  // namespace torch_ext::checkpoint

@@ -1,0 +1,176 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+
+#include <ATen/ops/randn.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/functional/dropout.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+
+#include "torch_ext/checkpoint/checkpoint.h"
+#include "torch_ext/checkpoint/module.h"
+
+namespace ck = torch_ext::checkpoint;
+using torch::autograd::variable_list;
+
+namespace {
+
+// A segment with dropout: tanh(x @ w^T) with p=0.5 dropout, counting its calls.
+struct DropoutSegment {
+  at::Tensor weight;
+  std::shared_ptr<std::atomic<int>> calls = std::make_shared<std::atomic<int>>(0);
+  ck::TensorList operator()(const ck::TensorList& in) const {
+    calls->fetch_add(1);
+    auto y = torch::tanh(torch::matmul(in[0], weight.t()));
+    return {torch::dropout(y, 0.5, /*train=*/true), y.sum()};
+  }
+};
+
+bool same(const variable_list& a, const variable_list& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].defined() != b[i].defined() || (a[i].defined() && !a[i].equal(b[i]))) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST(Checkpoint, GradientsEqualThePlainSegmentExactlyWithDropout) {
+  torch::manual_seed(0);
+  auto weight = at::randn({8, 8}).requires_grad_();
+  auto x = at::randn({4, 8}).requires_grad_();
+  DropoutSegment segment{weight};
+
+  torch::manual_seed(7);
+  auto plain = segment({x});
+  auto plain_loss = plain[0].pow(2).sum() + plain[1];
+  auto plain_grads = torch::autograd::grad({plain_loss}, {x, weight});
+
+  torch::manual_seed(7);
+  const int before = segment.calls->load();
+  auto out = ck::checkpoint(segment, {x}, {weight});
+  EXPECT_EQ(segment.calls->load(), before + 1);
+  auto loss = out[0].pow(2).sum() + out[1];
+  EXPECT_TRUE(loss.equal(plain_loss));
+  auto grads = torch::autograd::grad({loss}, {x, weight});
+  EXPECT_EQ(segment.calls->load(), before + 2);
+  EXPECT_TRUE(same(grads, plain_grads));
+  EXPECT_FALSE(weight.grad().defined());  // gradients went through the graph, not into .grad
+}
+
+TEST(Checkpoint, RngStreamContinuesAsWithoutCheckpointing) {
+  auto x = at::randn({16}).requires_grad_();
+  auto segment = [](const ck::TensorList& in) -> ck::TensorList { return {torch::dropout(in[0], 0.5, true)}; };
+  torch::manual_seed(3);
+  ck::checkpoint(segment, {x})[0].sum().backward();
+  auto after_checkpoint = at::randn({4});
+  torch::manual_seed(3);
+  segment({x})[0].sum().backward();
+  EXPECT_TRUE(at::randn({4}).equal(after_checkpoint));
+}
+
+TEST(Checkpoint, NoGradRunsPlainly) {
+  auto x = at::randn({4}).requires_grad_();
+  int calls = 0;
+  auto segment = [&calls](const ck::TensorList& in) -> ck::TensorList {
+    ++calls;
+    return {in[0] * 2};
+  };
+  torch::autograd::AutoGradMode no_grad(false);
+  auto out = ck::checkpoint(segment, {x});
+  EXPECT_FALSE(out[0].requires_grad());
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(Checkpoint, NestedCheckpointsGiveExactGradients) {
+  torch::manual_seed(0);
+  auto w = at::randn({6, 6}).requires_grad_();
+  auto x = at::randn({3, 6}).requires_grad_();
+  auto inner = [w](const ck::TensorList& in) -> ck::TensorList { return {torch::sin(torch::matmul(in[0], w))}; };
+  auto outer = [&](const ck::TensorList& in) -> ck::TensorList {
+    return {ck::checkpoint(inner, {in[0] * 3}, {w})[0].exp()};
+  };
+  auto plain = torch::autograd::grad({outer({x})[0].sum()}, {x, w});
+  auto grads = torch::autograd::grad({ck::checkpoint(outer, {x}, {w})[0].sum()}, {x, w});
+  EXPECT_TRUE(same(grads, plain));
+}
+
+TEST(Checkpoint, TorchNnModuleAndSequentialFrontDoors) {
+  torch::manual_seed(0);
+  torch::nn::Linear linear(8, 8);
+  auto x = at::randn({2, 8}).requires_grad_();
+  auto plain = torch::autograd::grad({linear->forward(x).sum()}, {x, linear->weight, linear->bias});
+  auto grads =
+      torch::autograd::grad({ck::checkpoint_module(linear, x).sum()}, {x, linear->weight, linear->bias});
+  EXPECT_TRUE(same(grads, plain));
+
+  torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::Tanh());
+  auto params = seq->parameters();
+  variable_list targets{x};
+  targets.insert(targets.end(), params.begin(), params.end());
+  auto seq_plain = torch::autograd::grad({seq->forward(x).sum()}, targets);
+  auto seq_grads = torch::autograd::grad({ck::checkpoint_sequential(seq, 2, x).sum()}, targets);
+  EXPECT_TRUE(same(seq_grads, seq_plain));
+  EXPECT_THROW(ck::checkpoint_sequential(seq, 9, x), c10::Error);
+}
+
+TEST(Checkpoint, CompressedStorageIsApproximateAndSmaller) {
+  torch::manual_seed(0);
+  auto x = at::randn({64, 64}).requires_grad_();
+  auto segment = [](const ck::TensorList& in) -> ck::TensorList { return {in[0].pow(3)}; };
+  ck::CheckpointOptions options;
+  options.storage = ck::StoragePolicy::kBFloat16;
+  EXPECT_EQ(ck::boundary_bytes({x}, options.storage).expect_int(), 64 * 64 * 2);
+  EXPECT_EQ(ck::boundary_bytes({x}, ck::StoragePolicy::kKeep).expect_int(), 64 * 64 * 4);
+  auto grad = torch::autograd::grad({ck::checkpoint(segment, {x}, {}, options)[0].sum()}, {x})[0];
+  auto exact = 3 * x.detach().pow(2);
+  EXPECT_FALSE(grad.equal(exact));
+  EXPECT_LT((grad - exact).norm().item<double>() / exact.norm().item<double>(), 2e-2);
+}
+
+TEST(Checkpoint, StoragePolicyNames) {
+  EXPECT_EQ(ck::parse_storage_policy("fp16"), ck::StoragePolicy::kFloat16);
+  EXPECT_EQ(ck::storage_policy_name(ck::StoragePolicy::kOffload), "offload");
+  try {
+    ck::parse_storage_policy("zip");
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown storage policy 'zip'"), std::string::npos);
+  }
+}
+
+TEST(Checkpoint, ErrorsNameTheSegmentAndTheProblem) {
+  auto x = at::randn({4}).requires_grad_();
+  ck::CheckpointOptions options;
+  options.name = "my_block";
+  auto expect_error = [](const std::function<void()>& fn, const std::string& text) {
+    try {
+      fn();
+      FAIL() << "expected an error containing: " << text;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  auto integer = [](const ck::TensorList& in) -> ck::TensorList { return {in[0].argmax()}; };
+  expect_error([&] { ck::checkpoint(integer, {x}, {}, options); }, "my_block has inputs or params that require grad");
+
+  auto detaching = [](const ck::TensorList& in) -> ck::TensorList { return {(in[0] * 2).detach()}; };
+  auto out = ck::checkpoint(detaching, {x}, {}, options);
+  expect_error([&] { out[0].sum().backward(); }, "none of the outputs of my_block requires grad in the replay");
+
+  auto calls = std::make_shared<int>(0);
+  auto changing = [calls](const ck::TensorList& in) -> ck::TensorList { return {in[0].narrow(0, 0, ++*calls)}; };
+  out = ck::checkpoint(changing, {x}, {}, options);
+  expect_error([&] { out[0].sum().backward(); }, "the replay of my_block produced output 0 as Float[2]");
+
+  auto captured = at::randn({4}).requires_grad_();
+  auto closure = [captured](const ck::TensorList& in) -> ck::TensorList { return {in[0] * captured}; };
+  out = ck::checkpoint(closure, {x}, {}, options);
+  expect_error([&] { out[0].sum().backward(); }, "neither one of its inputs nor one of its params");
+
+  expect_error([&] { ck::checkpoint(ck::Segment(), {x}); }, "empty callable");
+}

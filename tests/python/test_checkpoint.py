@@ -1,0 +1,690 @@
+import copy
+import itertools
+import os
+import threading
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.library import opcheck
+
+import torch_ext
+from torch_ext import memory
+from torch_ext.models import GPT, GPTConfig, language_model_loss
+
+MiB = 1 << 20
+
+
+def tiny_gpt(dropout=0.1, n_layer=3):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=64, block_size=16, dropout=dropout))
+
+
+def gpt_step(model, idx, seed=1):
+    torch.manual_seed(seed)
+    loss = language_model_loss(model(idx[:, :-1]), idx[:, 1:])
+    loss.backward()
+    return loss
+
+
+def assert_same_grads(a: nn.Module, b: nn.Module):
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+
+
+class Counted(nn.Module):
+    """Linear + dropout that counts its forward calls."""
+
+    def __init__(self, width=16, p=0.5):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.dropout = nn.Dropout(p)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.dropout(torch.tanh(self.linear(x)))
+
+
+# ---- exact gradients ------------------------------------------------------------------------
+
+
+def test_gpt_blocks_checkpointed_in_place_give_exact_gradients_with_dropout():
+    plain = tiny_gpt(dropout=0.2)
+    ckpt = copy.deepcopy(plain)
+    for block in ckpt.blocks:
+        assert torch_ext.checkpoint(block) is block
+    idx = torch.randint(0, 64, (2, 16))
+    loss_plain = gpt_step(plain, idx)
+    rng_plain = torch.get_rng_state()
+    loss_ckpt = gpt_step(ckpt, idx)
+    rng_ckpt = torch.get_rng_state()
+    assert torch.equal(loss_plain, loss_ckpt)
+    assert_same_grads(plain, ckpt)
+    # The replay restores the RNG afterwards: the random stream continues as without checkpointing.
+    assert torch.equal(rng_plain, rng_ckpt)
+    assert list(plain.state_dict()) == list(ckpt.state_dict())
+
+
+def test_segment_runs_once_in_forward_and_once_more_in_backward():
+    module = Counted()
+    torch_ext.checkpoint(module)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = module(x)
+    assert module.calls == 1
+    out.sum().backward()
+    assert module.calls == 2
+
+
+def test_class_decorator_checkpoints_every_instance():
+    @torch_ext.checkpoint
+    class Block(Counted):
+        pass
+
+    torch.manual_seed(0)
+    a, b = Block(), Block()
+    reference = Counted()
+    reference.load_state_dict(a.state_dict())
+    x = torch.randn(4, 16, requires_grad=True)
+    torch.manual_seed(3)
+    a(x).sum().backward()
+    assert a.calls == 2
+    b(x.detach()).sum()  # any instance is checkpointed
+    xr = x.detach().requires_grad_()
+    torch.manual_seed(3)
+    reference(xr).sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+    assert torch.equal(a.linear.weight.grad, reference.linear.weight.grad)
+    assert isinstance(a, Counted) and list(a.state_dict()) == list(reference.state_dict())
+
+
+def test_function_with_kwargs_pytrees_non_tensors_and_inputs_without_grad():
+    linear = nn.Linear(8, 8)
+
+    def segment(inputs, scale, *, mask, tag):
+        a, b = inputs["a"], inputs["pair"][1]
+        y = linear(a) * scale + b * mask
+        return {"y": y, "tag": tag, "parts": (y.sum(), 7)}
+
+    wrapped = torch_ext.checkpoint(segment)
+    a = torch.randn(3, 8, requires_grad=True)
+    b = torch.randn(3, 8, requires_grad=True)
+    mask = torch.randn(3, 8)  # does not require grad
+    args = ({"a": a, "pair": (None, b)}, 2.5)
+    out = wrapped(*args, mask=mask, tag="hello", )
+    assert out["tag"] == "hello" and out["parts"][1] == 7
+    ref = segment(*args, mask=mask, tag="hello")
+    assert torch.equal(out["y"], ref["y"])
+    # The function closes over `linear`: pass its parameters through a module argument instead.
+    grads_ref = torch.autograd.grad(ref["y"].sum() + ref["parts"][0], [a, b])
+    with pytest.raises(RuntimeError, match="neither one of its inputs nor one of its params"):
+        torch.autograd.grad(out["y"].sum() + out["parts"][0], [a, b])
+
+    def segment_with_module(inputs, scale, layer, *, mask, tag):
+        a, b = inputs["a"], inputs["pair"][1]
+        y = layer(a) * scale + b * mask
+        return {"y": y, "tag": tag, "parts": (y.sum(), 7)}
+
+    wrapped = torch_ext.checkpoint(segment_with_module)
+    out = wrapped(*args, linear, mask=mask, tag="hello")
+    grads = torch.autograd.grad(out["y"].sum() + out["parts"][0], [a, b, linear.weight])
+    ref = segment_with_module(*args, linear, mask=mask, tag="hello")
+    grads_ref = torch.autograd.grad(ref["y"].sum() + ref["parts"][0], [a, b, linear.weight])
+    for g, r in zip(grads, grads_ref):
+        assert torch.equal(g, r)
+
+
+def test_nested_checkpoints_give_exact_gradients():
+    torch.manual_seed(0)
+    inner = Counted()
+    outer_linear = nn.Linear(16, 16)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+            self.linear = outer_linear
+
+        def forward(self, x):
+            return self.linear(self.inner(x)).relu()
+
+    plain = Outer()
+    ckpt = copy.deepcopy(plain)
+    torch_ext.checkpoint(ckpt.inner)
+    torch_ext.checkpoint(ckpt)
+    x = torch.randn(4, 16, requires_grad=True)
+    xc = x.detach().requires_grad_()
+    torch.manual_seed(5)
+    plain(x).sum().backward()
+    torch.manual_seed(5)
+    ckpt(xc).sum().backward()
+    assert torch.equal(x.grad, xc.grad)
+    assert_same_grads(plain, ckpt)
+    assert ckpt.inner.calls == 3  # forward, outer replay, inner replay
+
+
+def test_autograd_grad_and_backward_inputs_see_params_through_the_graph():
+    plain = Counted(p=0.0)
+    ckpt = copy.deepcopy(plain)
+    torch_ext.checkpoint(ckpt)
+    x = torch.randn(4, 16, requires_grad=True)
+    g_plain = torch.autograd.grad(plain(x).pow(2).sum(), list(plain.parameters()))
+    g_ckpt = torch.autograd.grad(ckpt(x).pow(2).sum(), list(ckpt.parameters()))
+    for a, b in zip(g_plain, g_ckpt):
+        assert torch.equal(a, b)
+    assert all(p.grad is None for p in ckpt.parameters())
+    assert x.grad is None
+    # backward(inputs=...) accumulates only into the named tensors.
+    ckpt(x).sum().backward(inputs=[ckpt.linear.weight])
+    assert ckpt.linear.weight.grad is not None and ckpt.linear.bias.grad is None and x.grad is None
+
+
+def test_tensor_and_module_hooks_fire_as_without_checkpointing():
+    def run(checkpointed):
+        torch.manual_seed(0)
+        module = Counted(p=0.0)
+        if checkpointed:
+            torch_ext.checkpoint(module)
+        seen = []
+        module.linear.weight.register_hook(lambda g: seen.append(("weight", g.clone())))
+        module.register_full_backward_hook(lambda m, gin, gout: seen.append(("module", gout[0].clone())))
+        x = torch.randn(4, 16, requires_grad=True)
+        x.register_hook(lambda g: seen.append(("x", g.clone())))
+        module(x).sum().backward()
+        return seen
+
+    plain, ckpt = run(False), run(True)
+    assert [name for name, _ in plain] == [name for name, _ in ckpt]
+    for (_, a), (_, b) in zip(plain, ckpt):
+        assert torch.equal(a, b)
+
+
+def test_no_grad_and_inference_mode_run_the_segment_plainly():
+    module = torch_ext.checkpoint(Counted())
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.no_grad():
+        out = module(x)
+    assert out.grad_fn is None and module.calls == 1
+    with torch.inference_mode():
+        out = module(torch.randn(4, 16))
+    assert out.is_inference() and module.calls == 2
+    # Nothing requires grad: no node, no replay.
+    module.requires_grad_(False)
+    out = module(torch.randn(4, 16))
+    assert out.grad_fn is None and module.calls == 3
+
+
+def test_autocast_state_is_restored_for_the_replay():
+    plain = Counted(p=0.0)
+    ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
+    x = torch.randn(4, 16, requires_grad=True)
+    xc = x.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_plain = plain(x)
+        out_ckpt = ckpt(xc)
+    assert out_ckpt.dtype == torch.bfloat16
+    out_plain.float().sum().backward()
+    out_ckpt.float().sum().backward()  # backward outside autocast: the replay must re-enter it
+    assert torch.equal(x.grad, xc.grad)
+    assert_same_grads(plain, ckpt)
+
+
+def test_threads_checkpoint_concurrently():
+    model = tiny_gpt(dropout=0.0, n_layer=2)
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        torch_ext.checkpoint(block)
+    idx = torch.randint(0, 64, (2, 16))
+    ref_grads = torch.autograd.grad(language_model_loss(reference(idx[:, :-1]), idx[:, 1:]), list(reference.parameters()))
+    results, errors = [], []
+
+    def work():
+        try:
+            loss = language_model_loss(model(idx[:, :-1]), idx[:, 1:])
+            results.append(torch.autograd.grad(loss, list(model.parameters())))
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for grads in results:
+        for a, b in zip(grads, ref_grads):
+            assert torch.equal(a, b)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def test_error_when_outputs_cannot_carry_gradients():
+    def argmax(x):
+        return x.argmax(dim=1)
+
+    with pytest.raises(RuntimeError, match="none of its 1 outputs can carry a gradient"):
+        torch_ext.checkpoint(argmax)(torch.randn(3, 4, requires_grad=True))
+
+
+def test_error_when_the_segment_detaches_its_outputs():
+    out = torch_ext.checkpoint(lambda x: (x * 2).detach())(torch.randn(3, requires_grad=True))
+    with pytest.raises(RuntimeError, match="none of the outputs of .* requires grad in the replay"):
+        out.sum().backward()
+
+
+def test_error_when_the_replay_shape_differs():
+    calls = []
+
+    def changing(x):
+        calls.append(1)
+        return x[: len(calls)] * 2
+
+    out = torch_ext.checkpoint(changing)(torch.randn(4, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"replay of .*changing.* produced output 0 as Float\[2\] but the forward produced Float\[1\]"):
+        out.sum().backward()
+
+
+def test_error_for_unknown_storage_policy():
+    with pytest.raises(ValueError, match="unknown storage policy 'zip'"):
+        torch_ext.checkpoint(nn.Linear(2, 2), storage="zip")
+    with pytest.raises(ValueError, match="unknown storage policy"):
+        torch_ext.CheckpointedSequential([nn.Linear(2, 2)], storage="int8")
+    with pytest.raises(RuntimeError, match="unknown storage policy 'int8'"):
+        torch.ops.torch_ext.checkpoint_boundary_bytes([torch.ones(2)], "int8")
+
+
+def test_error_for_bad_targets_and_double_backward():
+    with pytest.raises(TypeError, match="not an nn.Module subclass"):
+        torch_ext.checkpoint(int)
+    with pytest.raises(TypeError, match="expected an nn.Module subclass"):
+        torch_ext.checkpoint(3)
+    x = torch.randn(3, requires_grad=True)
+    out = torch_ext.checkpoint(lambda t: t.sin())(x)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_in_place_change_of_a_kept_input_is_detected():
+    x = torch.randn(4, requires_grad=True)
+    y = x * 1
+    out = torch_ext.checkpoint(lambda t: t.sin())(y)
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+# ---- storage policies -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_compressed_storage_holds_fewer_bytes_and_bounds_the_gradient_error(storage, dtype):
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    x = torch.randn(512, 256, requires_grad=True)
+    keep = torch_ext.checkpoint(copy.deepcopy(layer))
+    reference = copy.deepcopy(layer)
+    wrapped = torch_ext.checkpoint(layer, storage=storage)
+    assert torch.ops.torch_ext.checkpoint_boundary_bytes([x], storage) == x.numel() * dtype.itemsize
+
+    def held_after_forward(wrapped_layer):
+        before = memory.stats()["current_bytes"]
+        h = x * 1.5  # a boundary that only the checkpoint would keep alive
+        out = wrapped_layer(h)
+        del h
+        return out, memory.stats()["current_bytes"] - before
+
+    _, held_keep = held_after_forward(keep)
+    out, held = held_after_forward(wrapped)
+    # Instead of the float32 boundary, only its rounded copy stays alive.
+    assert held_keep - held == x.nbytes - x.numel() * dtype.itemsize
+    out.pow(2).sum().backward()
+    grad = x.grad.clone()
+
+    x.grad = None
+    reference(x * 1.5).pow(2).sum().backward()
+    # The replay sees the inputs rounded to 8 (bf16) or 11 (fp16) mantissa bits: the relative
+    # gradient error stays within a few roundings.
+    bound = {"bf16": 2e-2, "fp16": 4e-3}[storage]
+    assert (grad - x.grad).norm() / x.grad.norm() < bound
+    assert not torch.equal(grad, x.grad)
+
+
+def test_offload_on_cpu_inputs_is_exact():
+    plain = Counted()
+    ckpt = torch_ext.checkpoint(copy.deepcopy(plain), storage="offload")
+    x = torch.randn(4, 16, requires_grad=True)
+    xc = x.detach().requires_grad_()
+    torch.manual_seed(2)
+    plain(x).sum().backward()
+    torch.manual_seed(2)
+    ckpt(xc).sum().backward()
+    assert torch.equal(x.grad, xc.grad)
+    assert_same_grads(plain, ckpt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_moves_boundaries_to_pinned_cpu_memory_on_cuda():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(512, 512), nn.GELU()).cuda()
+    ckpt = torch_ext.checkpoint(copy.deepcopy(plain), storage="offload")
+    x = torch.randn(1024, 512, device="cuda", requires_grad=True)
+    h = x * 2
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = ckpt(h)
+    del h
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before == out.nbytes  # the boundary left the device
+    out.sum().backward()
+    xr = x.detach().requires_grad_()
+    plain(xr * 2).sum().backward()
+    assert torch.equal(x.grad, xr.grad)
+
+
+# ---- CheckpointedSequential, checkpoint_sequential, planner ---------------------------------
+
+
+def mlp_chain(n=6, width=32, dropout=0.25):
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(dropout)) for _ in range(n)]
+
+
+def test_checkpointed_sequential_every_k_matches_plain_and_accounts_memory():
+    layers = mlp_chain()
+    plain = nn.Sequential(*copy.deepcopy(layers))
+    chain = torch_ext.CheckpointedSequential(layers, every=2)
+    assert list(chain.state_dict()) == list(plain.state_dict())
+    assert chain.boundaries == [0, 2, 4] and chain.num_checkpoints() == 3
+    assert [chain.is_checkpoint_layer(i) for i in range(6)] == [True, False, True, False, True, False]
+    x = torch.randn(8, 32, requires_grad=True)
+    xc = x.detach().requires_grad_()
+    torch.manual_seed(4)
+    out_plain = plain(x)
+    out_plain.sum().backward()
+    torch.manual_seed(4)
+    out = chain(xc)
+    assert torch.equal(out, out_plain)
+    layer_bytes = 8 * 32 * 4
+    assert chain.memory_bytes() == 3 * layer_bytes
+    assert chain.full_memory_bytes() == 6 * layer_bytes
+    assert chain.memory_saved_bytes() == 3 * layer_bytes
+    assert chain.memory_savings() == pytest.approx(0.5)
+    # recompute(i) replays from the nearest checkpoint with the forward's RNG: same dropout masks.
+    torch.manual_seed(4)
+    expected = x.detach()
+    outputs = []
+    for layer in plain:
+        expected = layer(expected)
+        outputs.append(expected)
+    for i in range(6):
+        assert torch.equal(chain.recompute(i), outputs[i])
+    out.sum().backward()
+    assert torch.equal(x.grad, xc.grad)
+    assert_same_grads(plain, chain)
+
+
+def test_checkpointed_sequential_boundaries_and_errors():
+    chain = torch_ext.CheckpointedSequential(mlp_chain(dropout=0.0), boundaries=[2, 5])
+    assert chain.boundaries == [2, 5] and not chain.is_checkpoint_layer(0)
+    with pytest.raises(RuntimeError, match="no forward with grad"):
+        chain.recompute(0)
+    x = torch.randn(4, 32, requires_grad=True)
+    chain(x)
+    assert chain.memory_bytes() == 2 * 4 * 32 * 4
+    assert 0 <= chain.memory_savings() < 1
+    with pytest.raises(IndexError, match="outside 0..5"):
+        chain.recompute(6)
+    with pytest.raises(ValueError, match="boundary 9 is outside"):
+        torch_ext.CheckpointedSequential(mlp_chain(), boundaries=[0, 9])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        torch_ext.CheckpointedSequential(mlp_chain(), boundaries=[3, 1])
+    with pytest.raises(ValueError, match="give one of every, boundaries or budget_bytes"):
+        torch_ext.CheckpointedSequential(mlp_chain(), every=2, budget_bytes=10)
+    with pytest.raises(ValueError, match="every must be a positive int"):
+        torch_ext.CheckpointedSequential(mlp_chain(), every=0)
+
+
+def test_chain_is_collected_after_a_forward():
+    import gc
+    import weakref
+
+    chain = torch_ext.CheckpointedSequential(mlp_chain(dropout=0.0), every=2)
+    chain(torch.randn(2, 32, requires_grad=True))
+    ref = weakref.ref(chain)
+    del chain
+    gc.collect()
+    assert ref() is None  # the autograd graph the chain's records keep does not hold the chain
+
+
+def test_recompute_detects_a_replay_with_different_shapes():
+    class Growing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n = 2
+
+        def forward(self, x):
+            self.n += 1
+            return x[:, : self.n]
+
+    chain = torch_ext.CheckpointedSequential([nn.Linear(8, 8), Growing()], every=1)
+    chain(torch.randn(2, 8, requires_grad=True))
+    with pytest.raises(RuntimeError, match="replay of layer 1 \\(Growing\\)"):
+        chain.recompute(1)
+
+
+def test_checkpoint_sequential_is_a_drop_in_with_several_inputs_and_kwargs():
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(16, 16)
+
+        def forward(self, a, b, *, scale):
+            return self.linear(a) + b * scale
+
+    layers = [Mix()] + [nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)]
+    plain = nn.ModuleList(copy.deepcopy(layers))
+    a = torch.randn(4, 16, requires_grad=True)
+    b = torch.randn(4, 16, requires_grad=True)
+    out = torch_ext.checkpoint_sequential(nn.Sequential(*layers), 2, a, b, scale=0.5, use_reentrant=False)
+    ga = torch.autograd.grad(out.sum(), [a, b] + [p for m in layers for p in m.parameters()])
+    ref = plain[0](a, b, scale=0.5)
+    for m in plain[1:]:
+        ref = m(ref)
+    gr = torch.autograd.grad(ref.sum(), [a, b] + [p for m in plain for p in m.parameters()])
+    assert torch.equal(out, ref)
+    for x, y in zip(ga, gr):
+        assert torch.equal(x, y)
+    # Same result as torch's own for a single input.
+    seq = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    x = torch.randn(2, 16, requires_grad=True)
+    ours = torch_ext.checkpoint_sequential(seq, 2, x)
+    theirs = torch.utils.checkpoint.checkpoint_sequential(seq, 2, x, use_reentrant=False)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(torch.autograd.grad(ours.sum(), x)[0], torch.autograd.grad(theirs.sum(), x)[0])
+    with pytest.raises(ValueError, match="segments=7"):
+        torch_ext.checkpoint_sequential(seq, 7, x)
+
+
+def wide_chain(n=8, width=256):
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)]
+
+
+def measured_peak(chain, x):
+    for p in chain.parameters():
+        p.grad = torch.zeros_like(p)  # gradients accumulate in place: only activations count
+    with memory.track() as tracked:
+        chain(x).sum().backward()
+    return tracked.peak_delta_bytes
+
+
+def test_planner_meets_its_budget_and_prefers_no_recompute_when_memory_allows():
+    layers = wide_chain()
+    x = torch.randn(256, 256, requires_grad=True)
+    loose = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1)
+    assert loose.boundaries == [] and loose.predicted_recompute_seconds == 0
+    assert loose.predicted_peak_bytes == loose.no_checkpoint_peak_bytes
+    budget = (loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 2
+    plan = torch_ext.plan_checkpoints(layers, x, budget_bytes=budget, repeat=1)
+    assert plan.predicted_peak_bytes <= budget and plan.boundaries
+    assert 0 < plan.predicted_overhead < 1
+    chain = torch_ext.CheckpointedSequential(copy.deepcopy(layers), boundaries=plan)
+    plain = nn.Sequential(*copy.deepcopy(layers))
+    peak_plain = measured_peak(plain, x)
+    peak_plan = measured_peak(chain, x)
+    assert peak_plan <= budget < peak_plain
+    assert_same_grads(plain, chain)
+    # budget_bytes=B plans on the first forward with grad.
+    auto = torch_ext.CheckpointedSequential(copy.deepcopy(layers), budget_bytes=budget)
+    auto(x)
+    assert auto.plan is not None and auto.plan.predicted_peak_bytes <= budget
+
+
+def test_planner_states_the_minimum_budget():
+    layers = wide_chain(n=4)
+    x = torch.randn(64, 256, requires_grad=True)
+    plan = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1)
+    with pytest.raises(ValueError, match=f"minimum any plan of these 4 layers can meet: {plan.min_budget_bytes} bytes"):
+        torch_ext.plan_checkpoints(layers, x, budget_bytes=plan.min_budget_bytes - 1, repeat=1)
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        torch_ext.plan_checkpoints(layers, x, budget_bytes=0)
+
+
+def test_planner_dynamic_program_is_optimal_against_brute_force():
+    from torch_ext.checkpoint import _evaluate, _solve
+
+    torch.manual_seed(0)
+    n = 6
+    seconds = torch.rand(n).tolist()
+    saved = torch.randint(10, 100, (n,)).tolist()
+    out_bytes = torch.randint(1, 20, (n,)).tolist()
+    workspace = torch.randint(0, 30, (n,)).tolist()
+    params = torch.randint(0, 40, (n,)).tolist()
+    plans = []
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        starts = [0] + [i + 1 for i, c in enumerate(cuts) if c]
+        ends = starts[1:] + [n]
+        for modes in itertools.product([False, True], repeat=len(starts)):
+            segs = list(zip(starts, ends, modes))
+            cost = sum(sum(seconds[p:q]) for p, q, m in segs if m)
+            plans.append((_evaluate(segs, saved, out_bytes, workspace, params, 5), cost))
+    min_peak = min(p for p, _ in plans)
+    assert _solve(n, seconds, saved, out_bytes, workspace, params, 5, None)[1] == min_peak
+    for budget in sorted({p for p, _ in plans}):
+        best = min(c for p, c in plans if p <= budget)
+        assert _solve(n, seconds, saved, out_bytes, workspace, params, 5, budget)[2] == pytest.approx(best)
+
+
+# ---- TorchScript, opcheck, torch.compile, DDP ------------------------------------------------
+
+
+class ScriptedParent(nn.Module):
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = torch.jit.script(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)))
+        self.head = nn.Linear(16, 1)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            h = torch.ops.torch_ext.checkpoint_module(self.block, [x])[0]
+        else:
+            h = self.block(x)
+        return self.head(h)
+
+
+def test_scripted_code_checkpoints_a_scripted_submodule(tmp_path):
+    plain = torch.jit.script(ScriptedParent(False))
+    ckpt = torch.jit.script(ScriptedParent(True))
+    x = torch.randn(4, 16, requires_grad=True)
+    grads = []
+    for model in (plain, ckpt):
+        x.grad = None
+        model(x).sum().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    path = tmp_path / "ckpt.pt"
+    torch.jit.save(ckpt, str(path))
+    loaded = torch.jit.load(str(path))
+    assert torch.equal(loaded(x), ckpt(x))
+    with pytest.raises(RuntimeError, match="expected a TorchScript module"):
+        torch.ops.torch_ext.checkpoint_module(3, [x])
+
+
+def test_ops_pass_opcheck():
+    x = torch.randn(4, 16, requires_grad=True)
+    opcheck(torch.ops.torch_ext.checkpoint_boundary_bytes.default, ([x], "bf16"))
+    block = torch.jit.script(nn.Linear(16, 16))
+    # checkpoint_module's module argument holds real parameters, which fake-tensor tracing cannot
+    # convert, so the fake-tensor and AOT tests cannot apply to it; torch.compile goes through the
+    # Python front door instead (a graph break at each checkpoint).
+    opcheck(torch.ops.torch_ext.checkpoint_module.default, (block, [x], "keep", True),
+            test_utils=("test_schema", "test_autograd_registration"))
+
+
+def test_torch_compile_of_checkpointed_blocks_matches_eager():
+    plain = tiny_gpt(dropout=0.0)
+    ckpt = copy.deepcopy(plain)
+    for block in ckpt.blocks:
+        torch_ext.checkpoint(block)
+    compiled = torch.compile(ckpt, backend="aot_eager")
+    idx = torch.randint(0, 64, (2, 16))
+    loss_plain = gpt_step(plain, idx)
+    loss_compiled = gpt_step(compiled, idx)
+    # aot_eager runs the same ATen kernels as eager; graph breaks at each checkpoint.
+    assert torch.equal(loss_plain, loss_compiled)
+    assert_same_grads(plain, ckpt)
+
+
+def _ddp_worker(rank, world_size, port, results):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    try:
+        plain = tiny_gpt(dropout=0.0, n_layer=2)
+        ckpt = copy.deepcopy(plain)
+        for block in ckpt.blocks:
+            torch_ext.checkpoint(block)
+        torch.manual_seed(100 + rank)
+        idx = torch.randint(0, 64, (2, 16))
+        grads = []
+        for model in (plain, ckpt):
+            ddp = DDP(model)
+            language_model_loss(ddp(idx[:, :-1]), idx[:, 1:]).backward()
+            grads.append([p.grad for p in model.parameters()])
+        results[rank] = all(torch.equal(a, b) for a, b in zip(*grads))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_data_parallel_on_two_cpu_processes_gives_equal_gradients():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_ddp_worker, args=(2, port, results), nprocs=2, join=True)
+    assert dict(results) == {0: True, 1: True}
+
+
+# ---- demo -----------------------------------------------------------------------------------
+
+
+def test_demo_section_runs(capsys):
+    from torch_ext.checkpoint import demo
+
+    demo(lambda iterable, desc: iterable, quick=True)
+    out = capsys.readouterr().out
+    assert "no checkpointing" in out and "planned" in out and "boundaries" in out
