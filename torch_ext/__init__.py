@@ -23,6 +23,9 @@ torch.ops.load_library(str(_LIBRARY))
 
 from . import _C  # noqa: E402  (needs the core library loaded first)
 from . import memory  # noqa: E402
+from . import paging  # noqa: E402
+from .paging import LayerPager, SafetensorsSource, page_weights, save_pageable, unpage  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["library_path", "memory"]
+__all__ = ["library_path", "memory", "paging", "LayerPager", "SafetensorsSource", "page_weights", "unpage",
+           "save_pageable"]

@@ -10,7 +10,7 @@ import time
 import torch
 
 import torch_ext
-from torch_ext import memory
+from torch_ext import memory, paging
 from torch_ext.models import GPT, GPTConfig, language_model_loss
 
 
@@ -87,6 +87,7 @@ def demo_memory(progress) -> None:
 # Each capability adds its section here, in the order of the README.
 DEMO_SECTIONS = [
     ("CPU memory accounting", demo_memory),
+    ("Weight paging", paging.demo),
 ]
 
 

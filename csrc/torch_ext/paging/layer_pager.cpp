@@ -80,7 +80,6 @@ LayerPager::Entry& LayerPager::entry_locked(const std::string& id) {
 }
 
 at::Tensor LayerPager::acquire(const std::string& id) {
-  const auto start = Clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   Entry& e = entry_locked(id);
   if (recording_) {
@@ -91,45 +90,57 @@ at::Tensor LayerPager::acquire(const std::string& id) {
     }
   }
   advance_cursor_locked(id);
+  prefetch_wake_.notify_one();
   e.last_use = ++clock_;
-  if (e.state != State::Absent) {
-    ++stats_.hits;
-    if (e.prefetched) {
-      ++stats_.prefetch_hits;
+  bool counted = false;
+  while (true) {
+    if (e.state == State::Ready) {
+      if (!counted) {
+        ++stats_.hits;
+        if (e.prefetched) ++stats_.prefetch_hits;
+      }
       e.prefetched = false;
+      return e.tensor.detach();
     }
     if (e.state == State::Loading) {
-      loaded_.wait(lock, [&] { return e.state != State::Loading; });
-      stats_.stall_seconds += seconds_since(start);
-      if (e.state != State::Ready) {
-        if (e.error) std::rethrow_exception(e.error);
-        TORCH_CHECK(false, "LayerPager(", source_->describe(), "): loading \"", id, "\" failed");
+      if (!counted) {
+        ++stats_.hits;
+        if (e.prefetched) ++stats_.prefetch_hits;
+        counted = true;
       }
+      const auto wait_start = Clock::now();
+      ++e.waiters;  // keeps the entry from being evicted before this caller takes its reference
+      loaded_.wait(lock, [&] { return e.state != State::Loading; });
+      --e.waiters;
+      stats_.stall_seconds += seconds_since(wait_start);
+      if (e.state == State::Absent && e.error) std::rethrow_exception(e.error);
+      continue;
     }
-    prefetch_wake_.notify_one();
-    return e.tensor;
+    if (!counted) {
+      ++stats_.misses;
+      counted = true;
+    }
+    const auto load_start = Clock::now();
+    if (!make_room_locked(e.nbytes, 0)) ++stats_.over_budget_loads;
+    e.state = State::Loading;
+    e.prefetched = false;
+    e.error = nullptr;
+    resident_bytes_ += e.nbytes;
+    ++e.waiters;
+    lock.unlock();
+    at::Tensor tensor;
+    std::exception_ptr error;
+    try {
+      tensor = load(id);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    --e.waiters;
+    finish_load_locked(e, std::move(tensor), error, seconds_since(load_start), false);
+    stats_.stall_seconds += seconds_since(load_start);
+    if (error) std::rethrow_exception(error);
   }
-  ++stats_.misses;
-  if (!make_room_locked(e.nbytes, 0)) ++stats_.over_budget_loads;
-  e.state = State::Loading;
-  e.prefetched = false;
-  resident_bytes_ += e.nbytes;
-  prefetch_wake_.notify_one();
-  lock.unlock();
-  at::Tensor tensor;
-  std::exception_ptr error;
-  const auto load_start = Clock::now();
-  try {
-    tensor = load(id);
-  } catch (...) {
-    error = std::current_exception();
-  }
-  const double load_seconds = seconds_since(load_start);
-  lock.lock();
-  finish_load_locked(e, std::move(tensor), error, load_seconds, false);
-  stats_.stall_seconds += seconds_since(start);
-  if (error) std::rethrow_exception(error);
-  return e.tensor;
 }
 
 void LayerPager::finish_load_locked(Entry& e, at::Tensor tensor, std::exception_ptr error, double seconds,
@@ -167,8 +178,10 @@ at::Tensor LayerPager::load(const std::string& id) {
 }
 
 bool LayerPager::evictable_locked(const Entry& e) const {
-  if (e.state != State::Ready || e.pinned) return false;
-  // Someone else holds the tensor (or a view of its storage): evicting would free nothing.
+  if (e.state != State::Ready || e.pinned || e.waiters > 0) return false;
+  // Callers get aliases of e.tensor (never e.tensor itself, which Python could keep alive by
+  // preserving its PyObject); an alias anyone still holds shares the storage, so evicting
+  // would free nothing.
   return e.tensor.use_count() == 1 && e.tensor.storage().use_count() == 1;
 }
 

@@ -1,7 +1,7 @@
 #pragma once
 // LayerPager: keeps a source's tensors resident within a byte budget.
 //
-// acquire(id) returns the tensor, loading it if needed; the caller's reference keeps it valid
+// acquire(id) returns (an alias of) the tensor, loading it if needed; the caller's reference keeps it valid
 // (eviction only drops the pager's reference). Entries someone else still references, pinned
 // entries and entries being loaded are never evicted; when nothing else is left to evict the
 // load goes ahead over budget and the statistics count it. Policies: LRU, or scan-resistant
@@ -94,6 +94,7 @@ class LayerPager : public torch::CustomClassHolder {
     at::Tensor tensor;
     uint64_t last_use = 0;
     bool prefetched = false;  // loaded by the prefetcher and not yet acquired
+    int64_t waiters = 0;      // acquire() calls loading it or waiting for it
     std::exception_ptr error;
   };
 
