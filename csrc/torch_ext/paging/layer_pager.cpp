@@ -5,6 +5,7 @@
 #include <unordered_set>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/set.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -61,6 +62,7 @@ LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions opti
     if (!options_.device.has_index()) options_.device = impl.getDevice();
     copy_stream_ = impl.getStreamFromGlobalPool(options_.device, /*isHighPriority=*/false);
   }
+  recycle_ = options_.device.type() == c10::kCPU && source_->reads_into_any_buffer();
   if (options_.prefetch > 0) prefetcher_ = std::thread([this] { prefetch_loop(); });
 }
 
@@ -121,7 +123,8 @@ at::Tensor LayerPager::acquire(const std::string& id) {
       counted = true;
     }
     const auto load_start = Clock::now();
-    if (!make_room_locked(e.nbytes, 0)) ++stats_.over_budget_loads;
+    at::Tensor recycled;
+    if (!make_room_locked(e.nbytes, 0, recycle_ ? &recycled : nullptr)) ++stats_.over_budget_loads;
     e.state = State::Loading;
     e.prefetched = false;
     e.error = nullptr;
@@ -131,7 +134,7 @@ at::Tensor LayerPager::acquire(const std::string& id) {
     at::Tensor tensor;
     std::exception_ptr error;
     try {
-      tensor = load(id);
+      tensor = load(id, std::move(recycled));
     } catch (...) {
       error = std::current_exception();
     }
@@ -161,8 +164,17 @@ void LayerPager::finish_load_locked(Entry& e, at::Tensor tensor, std::exception_
   (void)prefetch;
 }
 
-at::Tensor LayerPager::load(const std::string& id) {
-  if (options_.device.type() == c10::kCPU) return source_->load(id, /*pin_memory=*/false);
+at::Tensor LayerPager::load(const std::string& id, at::Tensor recycled) {
+  if (options_.device.type() == c10::kCPU) {
+    if (!recycled.defined()) return source_->load(id, /*pin_memory=*/false);
+    // Reuse an evicted tensor's memory: no fresh pages to fault in and zero.
+    const TensorInfo& info = source_->info(id);
+    at::Tensor out = at::empty({0}, at::TensorOptions().dtype(info.dtype));
+    out.set_(recycled.storage(), 0, info.shape);
+    recycled = at::Tensor();
+    source_->read_into(id, out.data_ptr());
+    return out;
+  }
   // Pinned staging buffer, then a non-blocking copy on the side stream. The destination is
   // allocated on the calling thread's current stream, the stream its users compute on.
   at::Tensor staging = source_->load(id, /*pin_memory=*/true);
@@ -209,7 +221,7 @@ void LayerPager::advance_cursor_locked(const std::string& id) {
   ++cursor_generation_;
 }
 
-bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within) {
+bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled) {
   const bool use_order = !order_.empty() && (options_.policy == EvictionPolicy::ScanResistant || protect_within > 0);
   while (resident_bytes_ + incoming > options_.budget_bytes) {
     Entry* victim = nullptr;
@@ -232,6 +244,10 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within) {
       }
     }
     if (victim == nullptr) return false;
+    if (recycled != nullptr && !recycled->defined() && victim->nbytes == incoming &&
+        victim->tensor.storage().nbytes() == static_cast<size_t>(incoming)) {
+      *recycled = std::move(victim->tensor);
+    }
     victim->tensor = at::Tensor();
     victim->state = State::Absent;
     victim->prefetched = false;
@@ -293,7 +309,8 @@ void LayerPager::prefetch_loop() {
       Entry& e = entries_.at(order_[(cursor_ + k) % n]);
       if (e.state != State::Absent) continue;
       // Only evict entries needed later than this one; otherwise prefetching would cost a miss.
-      if (!make_room_locked(e.nbytes, k)) break;
+      at::Tensor recycled;
+      if (!make_room_locked(e.nbytes, k, recycle_ ? &recycled : nullptr)) break;
       e.state = State::Loading;
       e.prefetched = true;
       resident_bytes_ += e.nbytes;
@@ -303,7 +320,7 @@ void LayerPager::prefetch_loop() {
       std::exception_ptr error;
       const auto start = Clock::now();
       try {
-        tensor = load(e.id);
+        tensor = load(e.id, std::move(recycled));
       } catch (...) {
         error = std::current_exception();
       }

@@ -100,12 +100,13 @@ class LayerPager : public torch::CustomClassHolder {
 
   Entry& entry_locked(const std::string& id);
   // Evicts until `incoming` more bytes fit; only entries whose next use is farther than
-  // `protect_within` positions of the order (scan-resistant) may go. False if it did not fit.
-  bool make_room_locked(int64_t incoming, int64_t protect_within);
+  // `protect_within` positions of the order may go. False if it did not fit. A victim of exactly
+  // `incoming` bytes is handed over in *recycled (when not null) so the load reuses its memory.
+  bool make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled);
   bool evictable_locked(const Entry& e) const;
   int64_t next_use_distance_locked(const Entry& e) const;
   void advance_cursor_locked(const std::string& id);
-  at::Tensor load(const std::string& id);  // no lock held
+  at::Tensor load(const std::string& id, at::Tensor recycled);  // no lock held
   void finish_load_locked(Entry& e, at::Tensor tensor, std::exception_ptr error, double seconds, bool prefetch);
   void prefetch_loop();
 
@@ -128,6 +129,7 @@ class LayerPager : public torch::CustomClassHolder {
   int64_t cursor_ = -1;  // position in order_ of the last acquire
   uint64_t cursor_generation_ = 0;
 
+  bool recycle_ = false;  // CPU target and a source that reads into any buffer
   std::optional<c10::Stream> copy_stream_;
   bool stop_ = false;
   std::thread prefetcher_;

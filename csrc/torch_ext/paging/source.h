@@ -36,6 +36,11 @@ class PagerSource : public torch::CustomClassHolder {
   virtual const TensorInfo& info(const std::string& name) const = 0;
   // A new tensor owning its memory; pinned host memory when pin_memory is set.
   virtual at::Tensor load(const std::string& name, bool pin_memory = false) const = 0;
+  // Reads the tensor's bytes (info(name).nbytes) into dst.
+  virtual void read_into(const std::string& name, void* dst) const = 0;
+  // Whether read_into() is as good as load() for any destination (false: load() needs its own
+  // buffers, e.g. aligned ones for O_DIRECT), so a pager may reuse evicted memory.
+  virtual bool reads_into_any_buffer() const { return true; }
   // What the source reads from (file names), for error messages.
   virtual std::string describe() const = 0;
 };
@@ -53,8 +58,9 @@ class SafetensorsSource : public PagerSource {
 
   // Zero-copy view of the mapped file (a copy when the data is not aligned for its dtype).
   at::Tensor view(const std::string& name) const;
-  // Reads the tensor's bytes into dst (info(name).nbytes bytes).
-  void read_into(const std::string& name, void* dst) const;
+  // Reads the tensor's bytes into dst (info(name).nbytes bytes) with pread, through the page cache.
+  void read_into(const std::string& name, void* dst) const override;
+  bool reads_into_any_buffer() const override { return !direct_io_; }
   // The __metadata__ of every file (keys of later shards win on conflicts).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   std::vector<std::string> files() const;
