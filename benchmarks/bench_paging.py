@@ -205,9 +205,10 @@ class Child:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small model and fewer repeats")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per forward (batch of 1)")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per forward (batch of 1)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--all-direct", action="store_true", help="O_DIRECT rows at every budget, not only 25%%")
     parser.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
@@ -262,7 +263,7 @@ def main() -> None:
             runs += [("accelerate-disk", 0), ("accelerate-cpu", 0)]
         for b in budgets:
             runs += [("lru", b), ("scan+prefetch", b)]
-            if direct_bandwidth is not None:
+            if direct_bandwidth is not None and (b == budgets[0] or args.all_direct):
                 runs.append(("scan+prefetch+O_DIRECT", b))
         children = [Child(variant, budget, workdir, config, path, args)
                     for variant, budget in tqdm(runs, desc="starting variants", file=sys.stderr)]
@@ -277,22 +278,25 @@ def main() -> None:
         results = {(c.variant, c.budget): c.finish() for c in children}
 
     resident = results[("resident", 0)]
-    compute = resident["timing"]["median_seconds"]
+    # The machine is shared: other work only ever adds time, so the targets use each variant's
+    # fastest forward (the table shows the median too).
+    compute = resident["timing"]["min_seconds"]
     # What a forward costs in RSS besides the weights (code pages, activations, scratch), from the
     # resident run: a paged run may exceed it by at most the budget plus one layer.
     floor = resident["peak_rss"] - weights
     command = "python benchmarks/bench_paging.py" + (" --quick" if args.quick else "")
     report = Report("paging" + ("_quick" if args.quick else ""),
                     f"Weight paging: GPT ({weights / 1e9:.2f} GB fp32), 1x{args.tokens} tokens per forward",
-                    ["variant", "budget", "time / forward", "vs resident", "peak RSS (above start)", "hit rate",
+                    ["variant", "budget", "time / forward: min (median)", "vs resident", "peak RSS (above start)", "hit rate",
                      "stall / forward", "loaded / forward", "target"], command)
     checks = []
     for (variant, budget), r in results.items():
-        t = r["timing"]["median_seconds"]
+        t = r["timing"]["min_seconds"]
         cells = {"variant": variant, "budget": f"{budget / weights:.0%} ({format_bytes(budget)})" if budget else "-",
-                 "time / forward": format_seconds(t), "vs resident": f"{t / compute:.2f}x",
+                 "time / forward: min (median)": f"{format_seconds(t)} ({format_seconds(r['timing']['median_seconds'])})",
+                 "vs resident": f"{t / compute:.2f}x",
                  "peak RSS (above start)": f"{format_bytes(r['peak_rss'])} ({format_bytes(r['peak_above_baseline'])})"}
-        raw = {"seconds": t, "peak_rss": r["peak_rss"], "peak_above_baseline": r["peak_above_baseline"],
+        raw = {"seconds": t, "median_seconds": r["timing"]["median_seconds"], "peak_rss": r["peak_rss"], "peak_above_baseline": r["peak_above_baseline"],
                "equal_to_resident": bool(torch.equal(r["output"], resident["output"]))}
         if "stats" in r:
             s, n = r["stats"], r["forwards"]
@@ -305,7 +309,7 @@ def main() -> None:
             if variant.startswith("scan+prefetch"):
                 bw = direct_bandwidth if "O_DIRECT" in variant else bandwidth
                 bound = max(compute, loaded / bw)
-                accelerate_best = min((results[(v, 0)]["timing"]["median_seconds"]
+                accelerate_best = min((results[(v, 0)]["timing"]["min_seconds"]
                                        for v in ("accelerate-disk", "accelerate-cpu") if (v, 0) in results),
                                       default=None)
                 within = r["peak_rss"] <= floor + budget + largest_layer
@@ -326,8 +330,10 @@ def main() -> None:
                    "config": config, "tokens": args.tokens, "warmup": args.warmup, "repeat": args.repeat}
     report.notes += [
         "",
-        f"Time: median of {args.repeat} forwards after {args.warmup} warm-up forwards (the first records the "
-        f"access order). Each variant lives in its own subprocess (all started up front) and the parent runs one "
+        f"Time: fastest and median of {args.repeat} forwards after {args.warmup} warm-up forwards (the first "
+        f"records the access order); ratios and targets use the fastest, since other work on this shared 2-core "
+        f"machine only adds time. "
+        f"Each variant lives in its own subprocess (all started up front) and the parent runs one "
         f"forward of each in turn, {args.repeat} rounds, so load from other work on the machine hits every variant "
         f"alike; after a forward a paged variant waits until its prefetcher is idle before the next variant runs. "
         f"Peak RSS: VmHWM of the variant's process, reset after its model is set up; in brackets, the peak "

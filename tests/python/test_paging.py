@@ -302,6 +302,20 @@ def test_paged_outputs_equal_resident_within_budget(gpt_file, batch, policy, pre
         assert stats["prefetches"] == 0
 
 
+def test_direct_io_paging_equals_resident(gpt_file, batch):
+    model, path = gpt_file
+    paged = copy.deepcopy(model)
+    try:
+        pager = torch_ext.page_weights(paged, path, weight_bytes(path) // 4, prefetch=4, direct_io=True)
+    except RuntimeError as error:
+        pytest.skip(f"O_DIRECT unsupported here: {error}")
+    assert pager.source.direct_io
+    with torch.no_grad():
+        expected = model(batch)
+        for _ in range(2):
+            assert torch.equal(paged(batch), expected)
+
+
 def test_scan_resistant_beats_lru_on_a_model(gpt_file, batch):
     model, path = gpt_file
     rates = {}

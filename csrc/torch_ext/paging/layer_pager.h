@@ -1,9 +1,9 @@
 #pragma once
 // LayerPager: keeps a source's tensors resident within a byte budget.
 //
-// acquire(id) returns (an alias of) the tensor, loading it if needed; the caller's reference keeps it valid
-// (eviction only drops the pager's reference). Entries someone else still references, pinned
-// entries and entries being loaded are never evicted; when nothing else is left to evict the
+// acquire(id) returns (an alias of) the tensor, loading it if needed; the caller's reference
+// keeps it valid (eviction only drops the pager's reference). Entries someone else still
+// references, pinned entries and entries being loaded are never evicted; when nothing else is left to evict the
 // load goes ahead over budget and the statistics count it. Policies: LRU, or scan-resistant
 // (Belady's choice on the access order recorded over one pass, for cyclic sweeps such as
 // forward passes; LRU until an order is known). A prefetch thread loads the next `prefetch`

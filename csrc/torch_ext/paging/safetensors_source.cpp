@@ -339,9 +339,11 @@ at::Tensor SafetensorsSource::load(const std::string& name, bool pin_memory) con
   const int64_t begin = e.offset & ~(kDirectAlignment - 1);
   const int64_t end = e.offset + e.info.nbytes;
   const int64_t span = ((end + kDirectAlignment - 1) & ~(kDirectAlignment - 1)) - begin;
-  at::Tensor buffer = at::empty({span + kDirectAlignment}, at::TensorOptions().dtype(at::kByte).pinned_memory(pin_memory));
-  auto base = reinterpret_cast<uintptr_t>(buffer.data_ptr());
-  char* aligned = reinterpret_cast<char*>((base + kDirectAlignment - 1) & ~static_cast<uintptr_t>(kDirectAlignment - 1));
+  at::Tensor buffer =
+      at::empty({span + kDirectAlignment}, at::TensorOptions().dtype(at::kByte).pinned_memory(pin_memory));
+  const auto base = reinterpret_cast<uintptr_t>(buffer.data_ptr());
+  const auto mask = ~static_cast<uintptr_t>(kDirectAlignment - 1);
+  char* aligned = reinterpret_cast<char*>((base + kDirectAlignment - 1) & mask);
   int64_t got = 0;
   while (got < end - begin) {
     const ssize_t r = ::pread(e.file->direct_fd, aligned + got, static_cast<size_t>(span - got), begin + got);
