@@ -107,11 +107,13 @@ class LayerPager:
     tensor someone holds, a pinned one, or one being loaded. policy: "lru" or "scan_resistant"
     (Belady's choice on the order recorded between the first two begin_pass() calls). prefetch: how
     many tensors of that order a background thread loads ahead. device: where tensors live ("cpu",
-    or an accelerator, loaded through pinned staging buffers on a side stream). Thread-safe."""
+    or an accelerator, loaded through pinned staging buffers on a side stream). zero_copy (CPU only):
+    serve views of the mapped file instead of copies; loads map its pages in, evictions give them
+    back. Thread-safe."""
 
     def __init__(self, source: SafetensorsSource | str | os.PathLike, budget_bytes: int, *,
                  pinned: Iterable[str] = (), policy: str = "lru", prefetch: int = 0,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, zero_copy: bool = False) -> None:
         if not isinstance(source, SafetensorsSource):
             source = SafetensorsSource(source)
         _check_int(budget_bytes, "LayerPager: budget_bytes")
@@ -123,7 +125,7 @@ class LayerPager:
         self.source = source
         self.script_object = torch.classes.torch_ext.LayerPager(
             source.script_object, budget_bytes, [str(p) for p in pinned], policy, prefetch,
-            str(torch.device(device if device is not None else "cpu")))
+            str(torch.device(device if device is not None else "cpu")), bool(zero_copy))
 
     def acquire(self, id: str) -> torch.Tensor:
         return self.script_object.acquire(id)
@@ -169,6 +171,10 @@ class LayerPager:
     @property
     def device(self) -> torch.device:
         return torch.device(self.script_object.device())
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.script_object.zero_copy()
 
     def stats(self) -> dict[str, int | float | bool]:
         """hits, misses, evictions, bytes_loaded, load_seconds, stall_seconds, prefetches,
@@ -222,7 +228,8 @@ def page_weights(model: nn.Module, path_or_source: SafetensorsSource | str | os.
                  pinned: Iterable[str] = (), policy: str = "auto", prefetch: int = 1,
                  device: torch.device | str | None = None, buffers: bool = False,
                  key_map: Callable[[str], str] | Mapping[str, str] | None = None,
-                 strip_prefix: str = "", add_prefix: str = "", direct_io: bool = False) -> LayerPager:
+                 strip_prefix: str = "", add_prefix: str = "", direct_io: bool = False,
+                 zero_copy: bool = False) -> LayerPager:
     """Page `model`'s parameters (and persistent buffers, with buffers=True) from a safetensors
     checkpoint within budget_bytes; returns the pager.
 
@@ -232,7 +239,8 @@ def page_weights(model: nn.Module, path_or_source: SafetensorsSource | str | os.
     key_map(name) (a callable or mapping), else add_prefix + name with strip_prefix removed.
     pinned: parameter or module names whose tensors are never evicted. policy "auto" is
     "scan_resistant" when the paged bytes exceed the budget, else "lru". prefetch: tensors to load
-    ahead of the forward pass. Everything is validated before the model is changed.
+    ahead of the forward pass. direct_io: read with O_DIRECT; zero_copy: map the file instead of
+    copying (CPU; see LayerPager). Everything is validated before the model is changed.
     Paged weights are for inference: they are acquired with requires_grad=False."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"page_weights: model must be an nn.Module, got {type(model).__name__}")
@@ -297,7 +305,7 @@ def page_weights(model: nn.Module, path_or_source: SafetensorsSource | str | os.
     if policy == "auto":
         policy = "scan_resistant" if paged_bytes > budget_bytes else "lru"
     pager = LayerPager(source, budget_bytes, pinned=sorted(set(pinned_keys)), policy=policy, prefetch=prefetch,
-                       device=device)
+                       device=device, zero_copy=zero_copy)
 
     # Validation is over: from here on nothing raises, so the model is never left half-paged.
     slots: dict[nn.Module, list[_Slot]] = {}

@@ -72,7 +72,7 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
   m.class_<LayerPager>("LayerPager")
       .def(torch::init([](c10::intrusive_ptr<SafetensorsSource> source, int64_t budget_bytes,
                           std::vector<std::string> pinned, const std::string& policy, int64_t prefetch,
-                          const std::string& device) {
+                          const std::string& device, bool zero_copy) {
              TORCH_CHECK(source, "LayerPager: source is None");
              PagerOptions options;
              options.budget_bytes = budget_bytes;
@@ -80,12 +80,13 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
              options.policy = torch_ext::paging::parse_policy(policy);
              options.prefetch = prefetch;
              options.device = parse_device(device, "LayerPager(" + source->describe() + ")");
+             options.zero_copy = zero_copy;
              return c10::make_intrusive<LayerPager>(std::move(source), std::move(options));
            }),
            "A byte-budgeted pager over a SafetensorsSource",
            {torch::arg("source"), torch::arg("budget_bytes"), torch::arg("pinned") = c10::List<std::string>(),
             torch::arg("policy") = std::string("lru"), torch::arg("prefetch") = 0,
-            torch::arg("device") = std::string("cpu")})
+            torch::arg("device") = std::string("cpu"), torch::arg("zero_copy") = false})
       .def("acquire", &LayerPager::acquire)
       .def("begin_pass", &LayerPager::begin_pass)
       .def("set_order", &LayerPager::set_order)
@@ -102,5 +103,6 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
         return torch_ext::paging::policy_name(self->options().policy);
       })
       .def("prefetch", [](const c10::intrusive_ptr<LayerPager>& self) { return self->options().prefetch; })
-      .def("device", [](const c10::intrusive_ptr<LayerPager>& self) { return self->options().device.str(); });
+      .def("device", [](const c10::intrusive_ptr<LayerPager>& self) { return self->options().device.str(); })
+      .def("zero_copy", [](const c10::intrusive_ptr<LayerPager>& self) { return self->options().zero_copy; });
 }

@@ -357,6 +357,32 @@ TEST(Paging, PrefetchLoadsAheadWithinTheBudget) {
   EXPECT_LE(pager->resident_bytes(), budget);
 }
 
+TEST(Paging, ZeroCopyServesTheMappedFileWithinTheBudget) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(6, 4096)));
+  auto source = open(path);
+  pg::PagerOptions options;
+  options.budget_bytes = 2 * 16384;
+  options.policy = pg::EvictionPolicy::ScanResistant;
+  options.prefetch = 1;
+  options.zero_copy = true;
+  auto pager = c10::make_intrusive<pg::LayerPager>(source, options);
+  for (int pass = 0; pass < 3; ++pass) {
+    pager->begin_pass();
+    for (int i = 0; i < 6; ++i) {
+      const std::string id = "t" + std::to_string(i);
+      at::Tensor t = pager->acquire(id);
+      EXPECT_EQ(t.data_ptr(), source->view(id).data_ptr());
+      EXPECT_TRUE(at::equal(t, values(4096, 1000.0f * i)));
+      EXPECT_LE(pager->resident_bytes(), options.budget_bytes);
+    }
+  }
+  EXPECT_EQ(pager->stats().over_budget_loads, 0);
+  options.device = c10::Device(c10::kMeta);
+  expect_error([&] { c10::make_intrusive<pg::LayerPager>(source, options); }, {"zero_copy", "cpu"});
+}
+
 TEST(Paging, ConcurrentAcquiresLoadOnce) {
   TempDir dir;
   const auto path = dir.file("m.safetensors");

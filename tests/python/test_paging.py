@@ -254,6 +254,8 @@ def test_pager_bad_arguments(tmp_path):
         torch_ext.LayerPager(path, 1, prefetch=-1)
     with pytest.raises(RuntimeError, match="nodevice"):
         torch_ext.LayerPager(path, 1, device="nodevice")
+    with pytest.raises(RuntimeError, match="device meta cannot be a target"):
+        torch_ext.LayerPager(path, 1, device="meta")
 
 
 def test_torchscript_front_door(tmp_path):
@@ -314,6 +316,23 @@ def test_direct_io_paging_equals_resident(gpt_file, batch):
         expected = model(batch)
         for _ in range(2):
             assert torch.equal(paged(batch), expected)
+
+
+def test_zero_copy_paging_maps_the_file_and_equals_resident(gpt_file, batch):
+    model, path = gpt_file
+    paged = copy.deepcopy(model)
+    budget = weight_bytes(path) // 4
+    pager = torch_ext.page_weights(paged, path, budget, prefetch=4, zero_copy=True)
+    assert pager.zero_copy
+    with torch.no_grad():
+        expected = model(batch)
+        for _ in range(2):
+            assert torch.equal(paged(batch), expected)
+    assert pager.resident_bytes() <= budget and pager.stats()["over_budget_loads"] == 0
+    key = "blocks.0.attn.qkv.weight"
+    assert pager.acquire(key).data_ptr() == pager.source.view(key).data_ptr()  # no copy
+    with pytest.raises(RuntimeError, match="zero_copy.*cpu"):
+        torch_ext.LayerPager(path, 1, zero_copy=True, device="meta")
 
 
 def test_scan_resistant_beats_lru_on_a_model(gpt_file, batch):

@@ -57,12 +57,22 @@ LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions opti
     it->second.pinned = true;
   }
   stats_.pinned_over_budget = pinned_bytes > options_.budget_bytes;
-  if (options_.device.type() != c10::kCPU) {
-    c10::impl::VirtualGuardImpl impl(options_.device.type());
-    if (!options_.device.has_index()) options_.device = impl.getDevice();
-    copy_stream_ = impl.getStreamFromGlobalPool(options_.device, /*isHighPriority=*/false);
+  if (options_.zero_copy) {
+    TORCH_CHECK(options_.device.type() == c10::kCPU, "LayerPager(", source_->describe(),
+                "): zero_copy serves views of a mapped file and needs device cpu, got ", options_.device.str());
+    TORCH_CHECK(source_->supports_views(), "LayerPager(", source_->describe(), "): zero_copy needs a source with views");
   }
-  recycle_ = options_.device.type() == c10::kCPU && source_->reads_into_any_buffer();
+  if (options_.device.type() != c10::kCPU) {
+    try {
+      c10::impl::VirtualGuardImpl impl(options_.device.type());
+      if (!options_.device.has_index()) options_.device = impl.getDevice();
+      copy_stream_ = impl.getStreamFromGlobalPool(options_.device, /*isHighPriority=*/false);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "LayerPager(", source_->describe(), "): device ", options_.device.str(),
+                  " cannot be a target (it needs streams for the copies): ", e.what_without_backtrace());
+    }
+  }
+  recycle_ = options_.device.type() == c10::kCPU && !options_.zero_copy && source_->reads_into_any_buffer();
   if (options_.prefetch > 0) prefetcher_ = std::thread([this] { prefetch_loop(); });
 }
 
@@ -165,6 +175,11 @@ void LayerPager::finish_load_locked(Entry& e, at::Tensor tensor, std::exception_
 }
 
 at::Tensor LayerPager::load(const std::string& id, at::Tensor recycled) {
+  if (options_.zero_copy) {
+    at::Tensor view = source_->view(id);
+    source_->populate(id);
+    return view;
+  }
   if (options_.device.type() == c10::kCPU) {
     if (!recycled.defined()) return source_->load(id, /*pin_memory=*/false);
     // Reuse an evicted tensor's memory: no fresh pages to fault in and zero.
@@ -249,6 +264,7 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
       *recycled = std::move(victim->tensor);
     }
     victim->tensor = at::Tensor();
+    if (options_.zero_copy) source_->release_pages(victim->id);
     victim->state = State::Absent;
     victim->prefetched = false;
     resident_bytes_ -= victim->nbytes;
@@ -362,6 +378,7 @@ void LayerPager::evict_all() {
   for (auto& [id, e] : entries_) {
     if (!evictable_locked(e)) continue;
     e.tensor = at::Tensor();
+    if (options_.zero_copy) source_->release_pages(e.id);
     e.state = State::Absent;
     e.prefetched = false;
     resident_bytes_ -= e.nbytes;

@@ -9,6 +9,8 @@
 // forward passes; LRU until an order is known). A prefetch thread loads the next `prefetch`
 // tensors of the recorded order within the budget. Device targets other than CPU load through
 // pinned staging buffers and a non-blocking copy on a side stream (c10 device-generic APIs).
+// CPU loads copy into pager-owned memory (reusing an evicted tensor's of the same size), or,
+// with zero_copy, map the source's file.
 // Thread-safe: any thread may call any method; concurrent acquires of one id load it once.
 #include <chrono>
 #include <condition_variable>
@@ -54,6 +56,10 @@ struct PagerOptions {
   EvictionPolicy policy = EvictionPolicy::LRU;
   int64_t prefetch = 0;  // tensors to load ahead of the recorded order's cursor; 0: no thread
   c10::Device device = c10::Device(c10::kCPU);
+  // CPU only: serve views of the source's mapped file instead of copies; a load maps the pages
+  // in (MADV_POPULATE_READ), an eviction gives them back (MADV_DONTNEED). Resident bytes are
+  // then the file's pages this process maps.
+  bool zero_copy = false;
 };
 
 class LayerPager : public torch::CustomClassHolder {

@@ -374,4 +374,25 @@ at::Tensor SafetensorsSource::view(const std::string& name) const {
   return at::from_blob(data, e.info.shape, [keep](void*) {}, at::TensorOptions().dtype(e.info.dtype));
 }
 
+void SafetensorsSource::populate(const std::string& name) const {
+  const Entry& e = entry(name);
+  if (e.info.nbytes == 0) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(e.file->map + e.offset) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(e.file->map + e.offset + e.info.nbytes);
+  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ) == 0) return;
+  // Kernels before 5.14: fault the pages in by reading one byte of each.
+  volatile char sink = 0;
+  for (uintptr_t p = begin; p < end; p += page) sink = sink + *reinterpret_cast<const char*>(p);
+}
+
+void SafetensorsSource::release_pages(const std::string& name) const {
+  const Entry& e = entry(name);
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  // Only pages wholly inside the tensor: its neighbours may still be in use.
+  const auto begin = (reinterpret_cast<uintptr_t>(e.file->map + e.offset) + page - 1) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(e.file->map + e.offset + e.info.nbytes) & ~(page - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 }  // namespace torch_ext::paging

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 #include <torch/custom_class.h>
 
 namespace torch_ext::paging {
@@ -41,6 +42,14 @@ class PagerSource : public torch::CustomClassHolder {
   // Whether read_into() is as good as load() for any destination (false: load() needs its own
   // buffers, e.g. aligned ones for O_DIRECT), so a pager may reuse evicted memory.
   virtual bool reads_into_any_buffer() const { return true; }
+  // Zero-copy sources (a mapped file): view() aliases the stored bytes; populate() maps them in
+  // ahead of use; release_pages() returns their memory to the system (the data stays stored).
+  virtual bool supports_views() const { return false; }
+  virtual at::Tensor view(const std::string& name) const {
+    TORCH_CHECK(false, describe(), ": this source serves no zero-copy views");
+  }
+  virtual void populate(const std::string& name) const {}
+  virtual void release_pages(const std::string& name) const {}
   // What the source reads from (file names), for error messages.
   virtual std::string describe() const = 0;
 };
@@ -57,7 +66,10 @@ class SafetensorsSource : public PagerSource {
   std::string describe() const override { return path_; }
 
   // Zero-copy view of the mapped file (a copy when the data is not aligned for its dtype).
-  at::Tensor view(const std::string& name) const;
+  at::Tensor view(const std::string& name) const override;
+  bool supports_views() const override { return true; }
+  void populate(const std::string& name) const override;       // MADV_POPULATE_READ
+  void release_pages(const std::string& name) const override;  // MADV_DONTNEED on whole pages
   // Reads the tensor's bytes into dst (info(name).nbytes bytes) with pread, through the page cache.
   void read_into(const std::string& name, void* dst) const override;
   bool reads_into_any_buffer() const override { return !direct_io_; }
