@@ -7,7 +7,9 @@ Variants (each measured in its own subprocess, so peak RSS never mixes):
   accelerate-cpu  accelerate.cpu_offload with the file's state dict in RAM
   lru             torch_ext.page_weights, LRU, no prefetch
   scan+prefetch   torch_ext.page_weights, scan-resistant policy + prefetch
-  scan+prefetch+O_DIRECT   the same, reading with O_DIRECT (past the page cache)
+  scan+prefetch+mmap       the same, zero_copy: views of the mapped file (pages mapped in ahead)
+  scan+prefetch+O_DIRECT   the same with copies read by O_DIRECT (past the page cache; 25% only
+                           unless --all-direct)
 
     python benchmarks/bench_paging.py            # full run (~1.2 GB model)
     python benchmarks/bench_paging.py --quick    # small model, a smoke test
@@ -93,10 +95,13 @@ def child(args) -> None:
 
         cpu_offload(model, execution_device=torch.device("cpu"), state_dict=_full_state_dict(model, args.path))
     else:
-        policy, prefetch, direct = {"lru": ("lru", 0, False), "scan+prefetch": ("scan_resistant", PREFETCH, False),
-                                    "scan+prefetch+O_DIRECT": ("scan_resistant", PREFETCH, True)}[variant]
+        policy, prefetch, direct, zero_copy = {
+            "lru": ("lru", 0, False, False),
+            "scan+prefetch": ("scan_resistant", PREFETCH, False, False),
+            "scan+prefetch+mmap": ("scan_resistant", PREFETCH, False, True),
+            "scan+prefetch+O_DIRECT": ("scan_resistant", PREFETCH, True, False)}[variant]
         pager = torch_ext.page_weights(model, args.path, args.budget, policy=policy, prefetch=prefetch,
-                                       direct_io=direct)
+                                       direct_io=direct, zero_copy=zero_copy)
     baseline_rss = psutil.Process().memory_info().rss
     _reset_peak_rss()
     # Protocol on stdin/stdout, one line each: "warm" / "run" -> one forward (reply: seconds),
@@ -207,7 +212,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small model and fewer repeats")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per forward (batch of 1)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--all-direct", action="store_true", help="O_DIRECT rows at every budget, not only 25%%")
     parser.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -262,7 +267,7 @@ def main() -> None:
         if have_accelerate:
             runs += [("accelerate-disk", 0), ("accelerate-cpu", 0)]
         for b in budgets:
-            runs += [("lru", b), ("scan+prefetch", b)]
+            runs += [("lru", b), ("scan+prefetch", b), ("scan+prefetch+mmap", b)]
             if direct_bandwidth is not None and (b == budgets[0] or args.all_direct):
                 runs.append(("scan+prefetch+O_DIRECT", b))
         children = [Child(variant, budget, workdir, config, path, args)
