@@ -72,6 +72,16 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+// Fresh multi-MB buffers about to be filled: transparent huge pages (where the system allows
+// them) fault in 2 MiB at a time instead of 4 KiB. Advisory; failures are ignored.
+void advise_huge_pages(void* data, int64_t nbytes) {
+  constexpr uintptr_t kHuge = 2 << 20;
+  if (nbytes < static_cast<int64_t>(2 * kHuge)) return;
+  const auto begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const auto end = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(nbytes)) & ~(kHuge - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
 }  // namespace
 
 at::ScalarType safetensors_dtype(const std::string& dtype, const std::string& what) {
@@ -331,6 +341,7 @@ at::Tensor SafetensorsSource::load(const std::string& name, bool pin_memory) con
   const auto options = at::TensorOptions().dtype(e.info.dtype).pinned_memory(pin_memory);
   if (!direct_io_ || e.info.nbytes == 0) {
     at::Tensor out = at::empty(e.info.shape, options);
+    advise_huge_pages(out.data_ptr(), e.info.nbytes);
     pread_exact(e.file->fd, out.data_ptr(), e.info.nbytes, e.offset, e.file->path);
     return out;
   }
