@@ -23,9 +23,12 @@ torch.ops.load_library(str(_LIBRARY))
 
 from . import _C  # noqa: E402  (needs the core library loaded first)
 from . import memory  # noqa: E402
+from . import paging  # noqa: E402
 from .checkpoint import (  # noqa: E402
     CheckpointedSequential, CheckpointPlan, checkpoint, checkpoint_sequential, plan_checkpoints)
+from .paging import LayerPager, SafetensorsSource, page_weights, save_pageable, unpage  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["library_path", "memory", "checkpoint", "CheckpointedSequential", "CheckpointPlan",
-           "checkpoint_sequential", "plan_checkpoints"]
+__all__ = ["library_path", "memory",
+           "checkpoint", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
+           "paging", "LayerPager", "SafetensorsSource", "page_weights", "unpage", "save_pageable"]

@@ -10,7 +10,7 @@ import time
 import torch
 
 import torch_ext
-from torch_ext import memory
+from torch_ext import cache, memory, paging, plan
 from torch_ext.checkpoint import demo as demo_checkpoint
 from torch_ext.models import GPT, GPTConfig, language_model_loss
 
@@ -89,6 +89,9 @@ def demo_memory(progress) -> None:
 DEMO_SECTIONS = [
     ("CPU memory accounting", demo_memory),
     ("Segment checkpointing", demo_checkpoint),
+    ("Weight paging", paging.demo),
+    ("Lazy node cache", cache.demo),
+    ("Dynamic-batch plan cache", plan.demo),
 ]
 
 

@@ -1,0 +1,363 @@
+"""Weight paging benchmark: a GPT-2-style decoder whose fp32 weights (>= 1 GB) live in a
+safetensors file, run at budgets of 25%, 50% and 100% of the weights.
+
+Variants (each measured in its own subprocess, so peak RSS never mixes):
+  resident        the whole model in memory (load_model from the file)
+  accelerate-disk accelerate.disk_offload reading the same safetensors file (its index points at it)
+  accelerate-cpu  accelerate.cpu_offload with the file's state dict in RAM
+  lru             torch_ext.page_weights, LRU, no prefetch
+  scan+prefetch   torch_ext.page_weights, scan-resistant policy + prefetch
+  scan+prefetch+mmap       the same, zero_copy: views of the mapped file (pages mapped in ahead)
+  scan+prefetch+O_DIRECT   the same with copies read by O_DIRECT (past the page cache; 25% only
+                           unless --all-direct)
+
+    python benchmarks/bench_paging.py            # full run (~1.2 GB model)
+    python benchmarks/bench_paging.py --quick    # small model, a smoke test
+
+Needs accelerate==1.15.0 for the accelerate rows (benchmark-only; skipped when missing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch_ext  # noqa: E402
+from harness import Report, format_bytes, format_seconds, timing_of  # noqa: E402
+from torch_ext.models import GPT, GPTConfig  # noqa: E402
+
+FULL = dict(vocab_size=50257, block_size=1024, n_layer=20, n_head=16, n_embd=1024)
+QUICK = dict(vocab_size=8192, block_size=256, n_layer=6, n_head=8, n_embd=512)
+PREFETCH = 12  # tensors ahead: one transformer block's 12 tensors
+
+
+# ------------------------------------------------------------------------ child side
+
+def _vm_hwm_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets VmHWM (peak RSS) to the current RSS (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _tied_names(model) -> dict[str, list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return {n: names for names in groups.values() for n in names}
+
+
+def _full_state_dict(model, path: str) -> dict[str, torch.Tensor]:
+    """The file's tensors under every name the model uses (tied weights are stored once)."""
+    from safetensors.torch import load_file
+
+    stored = load_file(path)
+    out = {}
+    for name, names in _tied_names(model).items():
+        out[name] = stored[next(n for n in names if n in stored)]
+    return out
+
+
+def child(args) -> None:
+    import psutil
+
+    config = GPTConfig(**json.loads(args.config))
+    with torch.device("meta"):
+        model = GPT(config).eval()
+    batch = torch.randint(0, config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    pager = None
+    variant = args.child
+    if variant == "resident":
+        # Tied weights share one tensor, as in the checkpoint.
+        model.load_state_dict(_full_state_dict(model, args.path), strict=True, assign=True)
+    elif variant == "accelerate-disk":
+        from accelerate import disk_offload
+
+        disk_offload(model, args.offload_dir, execution_device=torch.device("cpu"))
+    elif variant == "accelerate-cpu":
+        from accelerate import cpu_offload
+
+        cpu_offload(model, execution_device=torch.device("cpu"), state_dict=_full_state_dict(model, args.path))
+    else:
+        policy, prefetch, direct, zero_copy = {
+            "lru": ("lru", 0, False, False),
+            "scan+prefetch": ("scan_resistant", PREFETCH, False, False),
+            "scan+prefetch+mmap": ("scan_resistant", PREFETCH, False, True),
+            "scan+prefetch+O_DIRECT": ("scan_resistant", PREFETCH, True, False)}[variant]
+        pager = torch_ext.page_weights(model, args.path, args.budget, policy=policy, prefetch=prefetch,
+                                       direct_io=direct, zero_copy=zero_copy)
+    baseline_rss = psutil.Process().memory_info().rss
+    _reset_peak_rss()
+    # Protocol on stdin/stdout, one line each: "warm" / "run" -> one forward (reply: seconds),
+    # "reset" -> reset the pager's statistics, "finish" -> write results and exit.
+    samples, forwards, out = [], 0, None
+    print("ready", flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command in ("warm", "run"):
+            with torch.no_grad():
+                start = time.perf_counter()
+                out = model(batch)
+                seconds = time.perf_counter() - start
+            if command == "run":
+                samples.append(seconds)
+                forwards += 1
+            if pager is not None:
+                _wait_until_quiet(pager)
+            print(f"{seconds:.6f}", flush=True)
+        elif command == "reset":
+            if pager is not None:
+                pager.reset_stats()
+            print("ok", flush=True)
+        elif command == "finish":
+            break
+    peak = _vm_hwm_bytes()
+    result = {"variant": variant, "timing": timing_of(samples).__dict__, "baseline_rss": baseline_rss,
+              "peak_rss": peak, "peak_above_baseline": peak - baseline_rss}
+    if pager is not None:
+        s = pager.stats()
+        result["stats"] = {k: (float(v) if isinstance(v, bool) else v) for k, v in s.items()}
+        result["forwards"] = forwards
+    torch.save(out, args.output)
+    Path(args.json).write_text(json.dumps(result))
+
+
+def _wait_until_quiet(pager) -> None:
+    """Let the prefetcher finish what it started before another variant's forward is timed."""
+    last = None
+    while True:
+        s = pager.stats()
+        now = (s["prefetches"], s["bytes_loaded"])
+        if now == last:
+            return
+        last = now
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------------ parent side
+
+def read_bandwidth(path: str, direct_io: bool) -> float:
+    """Bytes per second reading every tensor of the file into fresh memory, as the pager does."""
+    source = torch_ext.SafetensorsSource(path, direct_io=direct_io)
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        total = 0
+        for name in source.names():
+            total += source.load(name).nbytes
+        best = max(best, total / (time.perf_counter() - start))
+    return best
+
+
+class Child:
+    """One variant in its own process, driven a forward at a time so variants interleave."""
+
+    def __init__(self, variant: str, budget: int, workdir: Path, config: dict, path: str, args) -> None:
+        self.variant, self.budget = variant, budget
+        self.json = workdir / f"{variant}-{budget}.json"
+        self.tensor = workdir / f"{variant}-{budget}.pt"
+        command = [sys.executable, __file__, "--child", variant, "--budget", str(budget), "--path", path,
+                   "--offload-dir", str(workdir / "offload"), "--config", json.dumps(config),
+                   "--tokens", str(args.tokens), "--json", str(self.json), "--output", str(self.tensor)]
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        # A fixed mmap threshold: glibc otherwise raises it after large frees and serves later
+        # multi-MB allocations from the heap, whose RSS does not go back to the OS. Same for all variants.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.expect("ready")
+
+    def ask(self, command: str) -> str:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline().strip()
+        if not reply:
+            raise RuntimeError(f"bench_paging: variant {self.variant} (budget {self.budget}) exited "
+                               f"with {self.process.wait()}")
+        return reply
+
+    def expect(self, word: str) -> None:
+        reply = self.process.stdout.readline().strip()
+        if reply != word:
+            raise RuntimeError(f"bench_paging: variant {self.variant} said {reply!r}, expected {word!r} "
+                               f"(exit code {self.process.poll()})")
+
+    def finish(self) -> dict:
+        self.process.stdin.write("finish\n")
+        self.process.stdin.flush()
+        if self.process.wait() != 0:
+            raise RuntimeError(f"bench_paging: variant {self.variant} failed")
+        result = json.loads(self.json.read_text())
+        result["output"] = torch.load(self.tensor)
+        return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small model and fewer repeats")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per forward (batch of 1)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--all-direct", action="store_true", help="O_DIRECT rows at every budget, not only 25%%")
+    parser.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--offload-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--output", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    from tqdm import tqdm
+
+    config = QUICK if args.quick else FULL
+    if args.quick:
+        args.repeat, args.warmup = min(args.repeat, 3), min(args.warmup, 2)
+    try:
+        import accelerate  # noqa: F401
+        have_accelerate = True
+    except ImportError:
+        have_accelerate = False
+
+    with tempfile.TemporaryDirectory(dir=args.workdir) as folder:
+        workdir = Path(folder)
+        path = str(workdir / "gpt.safetensors")
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**config))
+        torch_ext.save_pageable(model, path)
+        source = torch_ext.SafetensorsSource(path)
+        weights = source.total_bytes()
+        largest_layer = max(sum(p.nbytes for p in m.parameters(recurse=False)) for m in model.modules())
+        largest_block = sum(p.nbytes for p in model.blocks[0].parameters())
+        # accelerate's disk offload reads the same file: its index points each weight at it.
+        (workdir / "offload").mkdir()
+        index = {}
+        for name, names in _tied_names(model).items():
+            stored = next(n for n in names if n in source)
+            index[name] = {"safetensors_file": path, "weight_name": stored, "dtype": "float32"}
+        (workdir / "offload" / "index.json").write_text(json.dumps(index))
+        del model
+
+        bandwidth = read_bandwidth(path, direct_io=False)
+        try:
+            direct_bandwidth = read_bandwidth(path, direct_io=True)
+        except RuntimeError:
+            direct_bandwidth = None
+
+        budgets = [weights // 4, weights // 2, weights]
+        runs = [("resident", 0)]
+        if have_accelerate:
+            runs += [("accelerate-disk", 0), ("accelerate-cpu", 0)]
+        for b in budgets:
+            runs += [("lru", b), ("scan+prefetch", b), ("scan+prefetch+mmap", b)]
+            if direct_bandwidth is not None and (b == budgets[0] or args.all_direct):
+                runs.append(("scan+prefetch+O_DIRECT", b))
+        children = [Child(variant, budget, workdir, config, path, args)
+                    for variant, budget in tqdm(runs, desc="starting variants", file=sys.stderr)]
+        for _ in range(args.warmup):
+            for c in children:
+                c.ask("warm")
+        for c in children:
+            c.ask("reset")
+        for _ in tqdm(range(args.repeat), desc="interleaved rounds", file=sys.stderr):
+            for c in children:
+                c.ask("run")
+        results = {(c.variant, c.budget): c.finish() for c in children}
+
+    resident = results[("resident", 0)]
+    # The machine is shared: other work only ever adds time, so the targets use each variant's
+    # fastest forward (the table shows the median too).
+    compute = resident["timing"]["min_seconds"]
+    # What a forward costs in RSS besides the weights (code pages, activations, scratch), from the
+    # resident run: a paged run may exceed it by at most the budget plus one layer.
+    floor = resident["peak_rss"] - weights
+    command = "python benchmarks/bench_paging.py" + (" --quick" if args.quick else "")
+    report = Report("paging" + ("_quick" if args.quick else ""),
+                    f"Weight paging: GPT ({weights / 1e9:.2f} GB fp32), 1x{args.tokens} tokens per forward",
+                    ["variant", "budget", "time / forward: min (median)", "vs resident", "peak RSS (above start)", "hit rate",
+                     "stall / forward", "loaded / forward", "target"], command)
+    checks = []
+    for (variant, budget), r in results.items():
+        t = r["timing"]["min_seconds"]
+        cells = {"variant": variant, "budget": f"{budget / weights:.0%} ({format_bytes(budget)})" if budget else "-",
+                 "time / forward: min (median)": f"{format_seconds(t)} ({format_seconds(r['timing']['median_seconds'])})",
+                 "vs resident": f"{t / compute:.2f}x",
+                 "peak RSS (above start)": f"{format_bytes(r['peak_rss'])} ({format_bytes(r['peak_above_baseline'])})"}
+        raw = {"seconds": t, "median_seconds": r["timing"]["median_seconds"], "peak_rss": r["peak_rss"], "peak_above_baseline": r["peak_above_baseline"],
+               "equal_to_resident": bool(torch.equal(r["output"], resident["output"]))}
+        if "stats" in r:
+            s, n = r["stats"], r["forwards"]
+            accesses = s["hits"] + s["misses"]
+            loaded = s["bytes_loaded"] / n
+            cells["hit rate"] = f"{s['hits'] / accesses:.0%}" if accesses else "-"
+            cells["stall / forward"] = format_seconds(s["stall_seconds"] / n)
+            cells["loaded / forward"] = format_bytes(loaded)
+            raw.update(stats=s, bytes_loaded_per_forward=loaded)
+            if variant.startswith("scan+prefetch"):
+                bw = direct_bandwidth if "O_DIRECT" in variant else bandwidth
+                bound = max(compute, loaded / bw)
+                accelerate_best = min((results[(v, 0)]["timing"]["min_seconds"]
+                                       for v in ("accelerate-disk", "accelerate-cpu") if (v, 0) in results),
+                                      default=None)
+                within = r["peak_rss"] <= floor + budget + largest_layer
+                ok_time = t <= 1.3 * bound
+                ok_fast = accelerate_best is None or t < accelerate_best
+                cells["target"] = (f"{'met' if ok_time else 'MISSED'} {t / bound:.2f}x of bound; "
+                                   f"{'faster' if ok_fast else 'SLOWER'} than accelerate; "
+                                   f"RSS {'within' if within else 'OVER'} budget+layer")
+                raw.update(bound_seconds=bound, ratio_to_bound=t / bound, faster_than_accelerate=ok_fast,
+                           rss_within_budget_plus_layer=within)
+                checks.append((variant, budget, ok_time, ok_fast, within))
+        if not raw["equal_to_resident"]:
+            cells["target"] = (cells.get("target", "") + " OUTPUT DIFFERS").strip()
+        report.add_row(cells, **raw)
+    report.data = {"weights_bytes": weights, "rss_floor_bytes": floor, "largest_layer_bytes": largest_layer, "largest_block_bytes": largest_block,
+                   "read_bandwidth_bytes_per_second": bandwidth,
+                   "direct_read_bandwidth_bytes_per_second": direct_bandwidth, "compute_seconds": compute,
+                   "config": config, "tokens": args.tokens, "warmup": args.warmup, "repeat": args.repeat}
+    report.notes += [
+        "",
+        f"Time: fastest and median of {args.repeat} forwards after {args.warmup} warm-up forwards (the first "
+        f"records the access order); ratios and targets use the fastest, since other work on this shared 2-core "
+        f"machine only adds time. "
+        f"Each variant lives in its own subprocess (all started up front) and the parent runs one "
+        f"forward of each in turn, {args.repeat} rounds, so load from other work on the machine hits every variant "
+        f"alike; after a forward a paged variant waits until its prefetcher is idle before the next variant runs. "
+        f"Peak RSS: VmHWM of the variant's process, reset after its model is set up; in brackets, the peak "
+        f"above the RSS at that point. Hit rate, stall and bytes loaded: "
+        f"the pager's statistics over the timed forwards. Every variant's logits equal the resident model's "
+        f"(torch.equal) unless the row says otherwise.",
+        f"Read bandwidth measured here: {bandwidth / 1e9:.2f} GB/s with pread from the page cache"
+        + (f", {direct_bandwidth / 1e9:.2f} GB/s with O_DIRECT" if direct_bandwidth else "")
+        + f". The file ({weights / 1e9:.2f} GB) fits in this machine's page cache, so pread rows read from RAM; "
+          f"the O_DIRECT rows bypass it and read the disk.",
+        f"Targets for scan+prefetch: time <= 1.3 x max(compute {format_seconds(compute)} = resident time, bytes "
+        f"loaded / read bandwidth); faster than accelerate's best offload; peak RSS <= the resident run's peak RSS "
+        f"without its weights ({format_bytes(floor)}: interpreter, libraries, activations) + budget + the "
+        f"largest layer's weights ({format_bytes(largest_layer)}, the tied embedding; one block is "
+        f"{format_bytes(largest_block)}). accelerate's offloads have no budget (cpu_offload keeps every weight "
+        f"in RAM). glibc's mmap threshold is fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_) in every subprocess.",
+    ]
+    report.write()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+#include "torch_ext/paging/source.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <set>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+
+#include "torch_ext/paging/json.h"
+
+namespace torch_ext::paging {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t kMaxHeaderBytes = 100 << 20;  // the format's own limit (100 MB)
+constexpr int64_t kDirectAlignment = 4096;
+
+struct DtypeName {
+  const char* name;
+  at::ScalarType type;
+};
+constexpr DtypeName kDtypes[] = {
+    {"F64", at::kDouble},  {"F32", at::kFloat},   {"F16", at::kHalf},    {"BF16", at::kBFloat16},
+    {"I64", at::kLong},    {"I32", at::kInt},     {"I16", at::kShort},   {"I8", at::kChar},
+    {"U64", at::kUInt64},  {"U32", at::kUInt32},  {"U16", at::kUInt16},  {"U8", at::kByte},
+    {"BOOL", at::kBool},   {"F8_E4M3", at::kFloat8_e4m3fn}, {"F8_E5M2", at::kFloat8_e5m2},
+    {"C64", at::kComplexFloat},
+};
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Reads exactly n bytes at offset; throws naming the file on errors and on a short file.
+void pread_exact(int fd, void* dst, int64_t n, int64_t offset, const std::string& path) {
+  auto* out = static_cast<char*>(dst);
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, out, static_cast<size_t>(std::min<int64_t>(n, 1 << 30)), offset);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      TORCH_CHECK(false, path, ": read of ", n, " bytes at offset ", offset, " failed: ", errno_text());
+    }
+    TORCH_CHECK(got > 0, path, ": unexpected end of file at offset ", offset, " (", n,
+                " more bytes expected; was the file truncated after it was opened?)");
+    out += got;
+    offset += got;
+    n -= got;
+  }
+}
+
+int64_t checked_numel_bytes(const std::vector<int64_t>& shape, int64_t itemsize, const std::string& what) {
+  int64_t total = itemsize;
+  for (const int64_t d : shape) {
+    TORCH_CHECK(d >= 0, what, ": negative dimension ", d, " in shape");
+    TORCH_CHECK(!__builtin_mul_overflow(total, d, &total), what, ": shape's byte size overflows 64 bits");
+  }
+  return total;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Fresh multi-MB buffers about to be filled: transparent huge pages (where the system allows
+// them) fault in 2 MiB at a time instead of 4 KiB. Advisory; failures are ignored.
+void advise_huge_pages(void* data, int64_t nbytes) {
+  constexpr uintptr_t kHuge = 2 << 20;
+  if (nbytes < static_cast<int64_t>(2 * kHuge)) return;
+  const auto begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const auto end = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(nbytes)) & ~(kHuge - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+}  // namespace
+
+at::ScalarType safetensors_dtype(const std::string& dtype, const std::string& what) {
+  for (const auto& d : kDtypes) {
+    if (dtype == d.name) return d.type;
+  }
+  std::string known;
+  for (const auto& d : kDtypes) known += std::string(known.empty() ? "" : " ") + d.name;
+  TORCH_CHECK(false, what, ": unknown dtype \"", dtype, "\" (known: ", known, ")");
+}
+
+std::string safetensors_dtype_name(at::ScalarType dtype) {
+  for (const auto& d : kDtypes) {
+    if (dtype == d.type) return d.name;
+  }
+  TORCH_CHECK(false, "safetensors has no dtype for ", c10::toString(dtype));
+}
+
+struct SafetensorsSource::File {
+  std::string path;
+  int fd = -1;
+  int direct_fd = -1;
+  int64_t size = 0;
+  char* map = nullptr;
+
+  ~File() {
+    if (map != nullptr) ::munmap(map, static_cast<size_t>(size));
+    if (fd >= 0) ::close(fd);
+    if (direct_fd >= 0) ::close(direct_fd);
+  }
+};
+
+SafetensorsSource::SafetensorsSource(const std::string& path, bool direct_io)
+    : path_(path), direct_io_(direct_io) {
+  std::error_code ec;
+  fs::path p(path);
+  if (fs::is_directory(p, ec)) {
+    if (fs::exists(p / "model.safetensors.index.json", ec)) {
+      p /= "model.safetensors.index.json";
+    } else if (fs::exists(p / "model.safetensors", ec)) {
+      p /= "model.safetensors";
+    } else {
+      TORCH_CHECK(false, path, ": directory holds neither model.safetensors.index.json nor model.safetensors");
+    }
+  }
+  const std::string resolved = p.string();
+  if (resolved.size() >= 5 && resolved.compare(resolved.size() - 5, 5, ".json") == 0) {
+    // A sharded checkpoint: {"metadata": {...}, "weight_map": {"name": "shard file", ...}}.
+    const int fd = ::open(resolved.c_str(), O_RDONLY | O_CLOEXEC);
+    TORCH_CHECK(fd >= 0, resolved, ": cannot open the index: ", errno_text());
+    struct stat st {};
+    std::string text;
+    try {
+      TORCH_CHECK(::fstat(fd, &st) == 0, resolved, ": stat failed: ", errno_text());
+      TORCH_CHECK(st.st_size <= kMaxHeaderBytes, resolved, ": index of ", st.st_size, " bytes is larger than ",
+                  kMaxHeaderBytes);
+      text.resize(static_cast<size_t>(st.st_size));
+      pread_exact(fd, text.data(), st.st_size, 0, resolved);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    ::close(fd);
+    const JsonValue index = parse_json(text, resolved);
+    TORCH_CHECK(index.kind == JsonValue::Kind::Object, resolved, ": the index must be a JSON object");
+    const JsonValue* map = index.find("weight_map");
+    TORCH_CHECK(map != nullptr && map->kind == JsonValue::Kind::Object, resolved,
+                ": the index has no \"weight_map\" object");
+    TORCH_CHECK(!map->object.empty(), resolved, ": the index's weight_map is empty");
+    std::vector<std::string> shard_order;
+    std::map<std::string, std::vector<std::string>> shards;
+    for (const auto& [name, file] : map->object) {
+      TORCH_CHECK(file.kind == JsonValue::Kind::String, resolved, ": weight_map[\"", name,
+                  "\"] must be a file name string");
+      const fs::path rel(file.string);
+      TORCH_CHECK(!file.string.empty() && rel.is_relative() &&
+                      std::none_of(rel.begin(), rel.end(), [](const fs::path& part) { return part == ".."; }),
+                  resolved, ": weight_map[\"", name, "\"] = \"", file.string,
+                  "\" must be a relative path inside the checkpoint's folder");
+      auto [it, inserted] = shards.try_emplace(file.string);
+      if (inserted) shard_order.push_back(file.string);
+      it->second.push_back(name);
+    }
+    const fs::path folder = p.parent_path();
+    for (const auto& shard : shard_order) add_file((folder / shard).string(), &shards.at(shard));
+  } else {
+    add_file(resolved, nullptr);
+  }
+}
+
+SafetensorsSource::~SafetensorsSource() = default;
+
+void SafetensorsSource::add_file(const std::string& file_path, const std::vector<std::string>* expected) {
+  auto file = std::make_shared<File>();
+  file->path = file_path;
+  const std::string& what = file->path;
+  file->fd = ::open(what.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(file->fd >= 0, what, ": cannot open: ", errno_text());
+  struct stat st {};
+  TORCH_CHECK(::fstat(file->fd, &st) == 0, what, ": stat failed: ", errno_text());
+  TORCH_CHECK(S_ISREG(st.st_mode), what, ": not a regular file");
+  file->size = st.st_size;
+  TORCH_CHECK(file->size >= 8, what, ": file of ", file->size,
+              " bytes is truncated: a safetensors file starts with an 8-byte header length");
+
+  unsigned char length_bytes[8];
+  pread_exact(file->fd, length_bytes, 8, 0, what);
+  uint64_t header_length = 0;
+  for (int i = 7; i >= 0; --i) header_length = (header_length << 8) | length_bytes[i];
+  TORCH_CHECK(header_length <= static_cast<uint64_t>(kMaxHeaderBytes), what, ": absurd header length ",
+              header_length, " (the format allows at most ", kMaxHeaderBytes, " bytes)");
+  TORCH_CHECK(static_cast<int64_t>(header_length) <= file->size - 8, what, ": header length ", header_length,
+              " exceeds the ", file->size - 8, " bytes after the length field (truncated file?)");
+  TORCH_CHECK(header_length >= 2, what, ": header length ", header_length, " is too short for a JSON object");
+  const int64_t n = static_cast<int64_t>(header_length);
+  std::string header(static_cast<size_t>(n), '\0');
+  pread_exact(file->fd, header.data(), n, 8, what);
+  TORCH_CHECK(header[0] == '{', what, ": the header must start with '{'");
+  const JsonValue root = parse_json(header, what);
+  TORCH_CHECK(root.kind == JsonValue::Kind::Object, what, ": the header must be a JSON object");
+
+  const int64_t data_start = 8 + n;
+  const int64_t data_bytes = file->size - data_start;
+  struct Span {
+    int64_t begin, end;
+    const std::string* name;
+  };
+  std::vector<Span> spans;
+  std::vector<Entry> found;
+  std::map<std::string, std::string> metadata;
+  for (const auto& [name, value] : root.object) {
+    if (name == "__metadata__") {
+      TORCH_CHECK(value.kind == JsonValue::Kind::Object, what, ": __metadata__ must be an object of strings");
+      for (const auto& [k, v] : value.object) {
+        TORCH_CHECK(v.kind == JsonValue::Kind::String, what, ": __metadata__[\"", k, "\"] must be a string, found ",
+                    JsonValue::kind_name(v.kind));
+        metadata[k] = v.string;
+      }
+      continue;
+    }
+    const std::string tensor_what = what + ": tensor \"" + name + "\"";
+    TORCH_CHECK(value.kind == JsonValue::Kind::Object, tensor_what, ": entry must be an object, found ",
+                JsonValue::kind_name(value.kind));
+    for (const auto& [k, v] : value.object) {
+      TORCH_CHECK(k == "dtype" || k == "shape" || k == "data_offsets", tensor_what, ": unexpected field \"", k,
+                  "\" (expected dtype, shape, data_offsets)");
+    }
+    const JsonValue* dtype = value.find("dtype");
+    const JsonValue* shape = value.find("shape");
+    const JsonValue* offsets = value.find("data_offsets");
+    TORCH_CHECK(dtype != nullptr && dtype->kind == JsonValue::Kind::String, tensor_what,
+                ": \"dtype\" must be a string");
+    TORCH_CHECK(shape != nullptr && shape->kind == JsonValue::Kind::Array, tensor_what,
+                ": \"shape\" must be an array of integers");
+    TORCH_CHECK(offsets != nullptr && offsets->kind == JsonValue::Kind::Array && offsets->array.size() == 2,
+                tensor_what, ": \"data_offsets\" must be an array [begin, end]");
+    Entry e;
+    e.file = file;
+    e.info.name = name;
+    e.info.dtype = safetensors_dtype(dtype->string, tensor_what);
+    for (const auto& d : shape->array) {
+      TORCH_CHECK(d.kind == JsonValue::Kind::Int && d.integer >= 0, tensor_what,
+                  ": shape entries must be non-negative integers");
+      e.info.shape.push_back(d.integer);
+    }
+    for (const auto& o : offsets->array) {
+      TORCH_CHECK(o.kind == JsonValue::Kind::Int, tensor_what, ": data_offsets must be integers");
+    }
+    const int64_t begin = offsets->array[0].integer;
+    const int64_t end = offsets->array[1].integer;
+    TORCH_CHECK(0 <= begin && begin <= end && end <= data_bytes, tensor_what, ": data_offsets [", begin, ", ",
+                end, "] are out of range: the data buffer holds ", data_bytes, " bytes");
+    e.info.nbytes = checked_numel_bytes(e.info.shape, c10::elementSize(e.info.dtype), tensor_what);
+    TORCH_CHECK(end - begin == e.info.nbytes, tensor_what, ": data_offsets [", begin, ", ", end, "] span ",
+                end - begin, " bytes but dtype ", dtype->string, " and shape ", shape_text(e.info.shape), " need ",
+                e.info.nbytes);
+    e.offset = data_start + begin;
+    found.push_back(std::move(e));
+    spans.push_back({begin, end, &name});
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+  int64_t covered = 0;
+  const std::string* previous = nullptr;
+  for (const auto& s : spans) {
+    TORCH_CHECK(s.begin >= covered, what, ": tensors \"", *previous, "\" and \"", *s.name,
+                "\" have overlapping data_offsets");
+    TORCH_CHECK(s.begin == covered, what, ": ", s.begin - covered, " bytes before tensor \"", *s.name,
+                "\" belong to no tensor (the data buffer must have no holes)");
+    covered = s.end;
+    previous = s.name;
+  }
+  TORCH_CHECK(covered == data_bytes, what, ": the data buffer holds ", data_bytes, " bytes but its tensors cover ",
+              covered, " (", data_bytes - covered, " bytes of trailing data)");
+
+  std::set<std::string> in_file;
+  for (const auto& e : found) in_file.insert(e.info.name);
+  if (expected != nullptr) {
+    for (const auto& name : *expected) {
+      TORCH_CHECK(in_file.count(name), path_, ": the index places tensor \"", name, "\" in ", what,
+                  ", which does not hold it");
+    }
+  }
+  for (const auto& e : found) {
+    TORCH_CHECK(!entries_.count(e.info.name), path_, ": tensor \"", e.info.name, "\" appears in ",
+                entries_.count(e.info.name) ? entries_.at(e.info.name).file->path : "", " and in ", what);
+  }
+
+  if (file->size > 0) {
+    void* map = ::mmap(nullptr, static_cast<size_t>(file->size), PROT_READ | PROT_WRITE, MAP_PRIVATE, file->fd, 0);
+    TORCH_CHECK(map != MAP_FAILED, what, ": mmap failed: ", errno_text());
+    file->map = static_cast<char*>(map);
+  }
+  if (direct_io_) {
+    file->direct_fd = ::open(what.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    TORCH_CHECK(file->direct_fd >= 0, what, ": cannot open with O_DIRECT (direct_io=True): ", errno_text());
+  }
+
+  std::set<std::string> wanted;
+  if (expected != nullptr) wanted.insert(expected->begin(), expected->end());
+  for (auto& e : found) {
+    if (expected != nullptr && !wanted.count(e.info.name)) continue;
+    std::string name = e.info.name;
+    total_bytes_ += e.info.nbytes;
+    order_.push_back(name);
+    entries_.emplace(std::move(name), std::move(e));
+  }
+  for (auto& [k, v] : metadata) metadata_[k] = v;
+  files_.push_back(std::move(file));
+}
+
+std::vector<std::string> SafetensorsSource::names() const { return order_; }
+
+bool SafetensorsSource::contains(const std::string& name) const { return entries_.count(name) != 0; }
+
+const SafetensorsSource::Entry& SafetensorsSource::entry(const std::string& name) const {
+  const auto it = entries_.find(name);
+  TORCH_CHECK(it != entries_.end(), path_, ": no tensor named \"", name, "\"");
+  return it->second;
+}
+
+const TensorInfo& SafetensorsSource::info(const std::string& name) const { return entry(name).info; }
+
+std::vector<std::string> SafetensorsSource::files() const {
+  std::vector<std::string> out;
+  for (const auto& f : files_) out.push_back(f->path);
+  return out;
+}
+
+void SafetensorsSource::read_into(const std::string& name, void* dst) const {
+  const Entry& e = entry(name);
+  pread_exact(e.file->fd, dst, e.info.nbytes, e.offset, e.file->path);
+}
+
+at::Tensor SafetensorsSource::load(const std::string& name, bool pin_memory) const {
+  const Entry& e = entry(name);
+  const auto options = at::TensorOptions().dtype(e.info.dtype).pinned_memory(pin_memory);
+  if (!direct_io_ || e.info.nbytes == 0) {
+    at::Tensor out = at::empty(e.info.shape, options);
+    advise_huge_pages(out.data_ptr(), e.info.nbytes);
+    pread_exact(e.file->fd, out.data_ptr(), e.info.nbytes, e.offset, e.file->path);
+    return out;
+  }
+  // O_DIRECT: offset, length and buffer aligned to 4096; read the aligned span into an aligned
+  // region of a byte buffer and return a view of the tensor's bytes inside it (no extra copy).
+  const int64_t begin = e.offset & ~(kDirectAlignment - 1);
+  const int64_t end = e.offset + e.info.nbytes;
+  const int64_t span = ((end + kDirectAlignment - 1) & ~(kDirectAlignment - 1)) - begin;
+  at::Tensor buffer =
+      at::empty({span + kDirectAlignment}, at::TensorOptions().dtype(at::kByte).pinned_memory(pin_memory));
+  const auto base = reinterpret_cast<uintptr_t>(buffer.data_ptr());
+  const auto mask = ~static_cast<uintptr_t>(kDirectAlignment - 1);
+  char* aligned = reinterpret_cast<char*>((base + kDirectAlignment - 1) & mask);
+  int64_t got = 0;
+  while (got < end - begin) {
+    const ssize_t r = ::pread(e.file->direct_fd, aligned + got, static_cast<size_t>(span - got), begin + got);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      TORCH_CHECK(false, e.file->path, ": O_DIRECT read of tensor \"", name, "\" failed: ", errno_text());
+    }
+    TORCH_CHECK(r > 0, e.file->path, ": unexpected end of file reading tensor \"", name, "\"");
+    got += r;
+    TORCH_CHECK(got >= end - begin || got % kDirectAlignment == 0, e.file->path,
+                ": unaligned short O_DIRECT read of tensor \"", name, "\"");
+  }
+  char* data = aligned + (e.offset - begin);
+  if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.info.dtype) != 0) {
+    at::Tensor out = at::empty(e.info.shape, options);
+    std::memcpy(out.data_ptr(), data, static_cast<size_t>(e.info.nbytes));
+    return out;
+  }
+  return at::from_blob(data, e.info.shape, [buffer](void*) {}, at::TensorOptions().dtype(e.info.dtype));
+}
+
+at::Tensor SafetensorsSource::view(const std::string& name) const {
+  const Entry& e = entry(name);
+  if (e.info.nbytes == 0) return at::empty(e.info.shape, at::TensorOptions().dtype(e.info.dtype));
+  char* data = e.file->map + e.offset;
+  if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.info.dtype) != 0) return load(name);
+  std::shared_ptr<File> keep = e.file;
+  return at::from_blob(data, e.info.shape, [keep](void*) {}, at::TensorOptions().dtype(e.info.dtype));
+}
+
+void SafetensorsSource::populate(const std::string& name) const {
+  const Entry& e = entry(name);
+  if (e.info.nbytes == 0) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(e.file->map + e.offset) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(e.file->map + e.offset + e.info.nbytes);
+  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ) == 0) return;
+  // Kernels before 5.14: fault the pages in by reading one byte of each.
+  volatile char sink = 0;
+  for (uintptr_t p = begin; p < end; p += page) sink = sink + *reinterpret_cast<const char*>(p);
+}
+
+void SafetensorsSource::release_pages(const std::string& name) const {
+  const Entry& e = entry(name);
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  // Only pages wholly inside the tensor: its neighbours may still be in use.
+  const auto begin = (reinterpret_cast<uintptr_t>(e.file->map + e.offset) + page - 1) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(e.file->map + e.offset + e.info.nbytes) & ~(page - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+}  // namespace torch_ext::paging

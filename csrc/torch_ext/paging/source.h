@@ -1,0 +1,107 @@
+#pragma once
+// Backing stores for LayerPager.
+//
+// PagerSource: named tensors with a known dtype and shape that can be loaded on demand.
+// SafetensorsSource: one .safetensors file, or a sharded checkpoint (model.safetensors.index.json
+// and its shards, or a directory holding either), validated completely when opened. Files are
+// mapped with mmap: view() is zero-copy (the tensor keeps the mapping alive, writes stay private
+// to the process); load() copies into memory the caller owns with pread, or with O_DIRECT reads
+// when direct_io is set (for files larger than the page cache). Immutable after construction:
+// every method is thread-safe.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/custom_class.h>
+
+namespace torch_ext::paging {
+
+struct TensorInfo {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  int64_t nbytes = 0;
+};
+
+class PagerSource : public torch::CustomClassHolder {
+ public:
+  ~PagerSource() override = default;
+  // Names in file order.
+  virtual std::vector<std::string> names() const = 0;
+  virtual bool contains(const std::string& name) const = 0;
+  // Throws naming the source and the tensor when `name` is unknown.
+  virtual const TensorInfo& info(const std::string& name) const = 0;
+  // A new tensor owning its memory; pinned host memory when pin_memory is set.
+  virtual at::Tensor load(const std::string& name, bool pin_memory = false) const = 0;
+  // Reads the tensor's bytes (info(name).nbytes) into dst.
+  virtual void read_into(const std::string& name, void* dst) const = 0;
+  // Whether read_into() is as good as load() for any destination (false: load() needs its own
+  // buffers, e.g. aligned ones for O_DIRECT), so a pager may reuse evicted memory.
+  virtual bool reads_into_any_buffer() const { return true; }
+  // Zero-copy sources (a mapped file): view() aliases the stored bytes; populate() maps them in
+  // ahead of use; release_pages() returns their memory to the system (the data stays stored).
+  virtual bool supports_views() const { return false; }
+  virtual at::Tensor view(const std::string& name) const {
+    TORCH_CHECK(false, describe(), ": this source serves no zero-copy views");
+  }
+  virtual void populate(const std::string& name) const {}
+  virtual void release_pages(const std::string& name) const {}
+  // What the source reads from (file names), for error messages.
+  virtual std::string describe() const = 0;
+};
+
+class SafetensorsSource : public PagerSource {
+ public:
+  explicit SafetensorsSource(const std::string& path, bool direct_io = false);
+  ~SafetensorsSource() override;
+
+  std::vector<std::string> names() const override;
+  bool contains(const std::string& name) const override;
+  const TensorInfo& info(const std::string& name) const override;
+  at::Tensor load(const std::string& name, bool pin_memory = false) const override;
+  std::string describe() const override { return path_; }
+
+  // Zero-copy view of the mapped file (a copy when the data is not aligned for its dtype).
+  at::Tensor view(const std::string& name) const override;
+  bool supports_views() const override { return true; }
+  void populate(const std::string& name) const override;       // MADV_POPULATE_READ
+  void release_pages(const std::string& name) const override;  // MADV_DONTNEED on whole pages
+  // Reads the tensor's bytes into dst (info(name).nbytes bytes) with pread, through the page cache.
+  void read_into(const std::string& name, void* dst) const override;
+  bool reads_into_any_buffer() const override { return !direct_io_; }
+  // The __metadata__ of every file (keys of later shards win on conflicts).
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  std::vector<std::string> files() const;
+  int64_t total_bytes() const { return total_bytes_; }
+  bool direct_io() const { return direct_io_; }
+  const std::string& path() const { return path_; }
+
+  struct File;  // one mapped .safetensors file
+
+ private:
+  struct Entry {
+    TensorInfo info;
+    std::shared_ptr<File> file;
+    int64_t offset = 0;  // absolute offset of the data in the file
+  };
+  const Entry& entry(const std::string& name) const;
+  void add_file(const std::string& file_path, const std::vector<std::string>* expected);
+
+  std::string path_;
+  bool direct_io_ = false;
+  std::vector<std::string> order_;
+  std::map<std::string, Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+  std::vector<std::shared_ptr<File>> files_;
+  int64_t total_bytes_ = 0;
+};
+
+// "F32" -> at::kFloat; throws naming `what` for an unknown dtype.
+at::ScalarType safetensors_dtype(const std::string& dtype, const std::string& what);
+std::string safetensors_dtype_name(at::ScalarType dtype);
+
+}  // namespace torch_ext::paging

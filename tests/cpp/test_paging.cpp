@@ -1,0 +1,418 @@
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <c10/util/Exception.h>
+
+#include "torch_ext/paging/json.h"
+#include "torch_ext/paging/layer_pager.h"
+#include "torch_ext/paging/source.h"
+
+namespace fs = std::filesystem;
+namespace pg = torch_ext::paging;
+
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path_ = fs::temp_directory_path() / ("torch_ext_paging_" + std::to_string(::getpid()) + "_" +
+                                         std::to_string(counter++));
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string with_length(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+  return out + header + data;
+}
+
+// A valid safetensors file of float32 tensors, written the way the format specifies.
+std::string safetensors_bytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::string& metadata = "") {
+  std::string header = "{";
+  std::string data;
+  if (!metadata.empty()) header += "\"__metadata__\":" + metadata + ",";
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, t] = tensors[i];
+    std::string shape;
+    for (int64_t d = 0; d < t.dim(); ++d) shape += (d ? "," : "") + std::to_string(t.size(d));
+    const size_t begin = data.size();
+    data.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
+    header += (i ? "," : "") + std::string("\"") + name + "\":{\"dtype\":\"F32\",\"shape\":[" + shape +
+              "],\"data_offsets\":[" + std::to_string(begin) + "," + std::to_string(data.size()) + "]}";
+  }
+  header += "}";
+  while ((8 + header.size()) % 8 != 0) header += ' ';
+  return with_length(header, data);
+}
+
+at::Tensor values(int64_t n, float start) { return at::arange(start, start + static_cast<float>(n), at::kFloat); }
+
+// n tensors "t0".."t{n-1}" of `floats` float32 each.
+std::vector<std::pair<std::string, at::Tensor>> layers(int n, int64_t floats) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (int i = 0; i < n; ++i) out.emplace_back("t" + std::to_string(i), values(floats, 1000.0f * i));
+  return out;
+}
+
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error mentioning " << needles.front();
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    for (const auto& needle : needles) {
+      EXPECT_NE(message.find(needle), std::string::npos) << "'" << needle << "' not in: " << message;
+    }
+  }
+}
+
+c10::intrusive_ptr<pg::SafetensorsSource> open(const std::string& path) {
+  return c10::make_intrusive<pg::SafetensorsSource>(path);
+}
+
+c10::intrusive_ptr<pg::LayerPager> make_pager(const c10::intrusive_ptr<pg::SafetensorsSource>& source,
+                                              int64_t budget, pg::EvictionPolicy policy = pg::EvictionPolicy::LRU,
+                                              int64_t prefetch = 0, std::vector<std::string> pinned = {}) {
+  pg::PagerOptions options;
+  options.budget_bytes = budget;
+  options.policy = policy;
+  options.prefetch = prefetch;
+  options.pinned = std::move(pinned);
+  return c10::make_intrusive<pg::LayerPager>(source, options);
+}
+
+}  // namespace
+
+TEST(PagingJson, ParsesObjectsArraysStringsIntegers) {
+  const auto v = pg::parse_json(R"( {"a": [1, -2, 9223372036854775807], "s": "x\"\u00e9\ud83d\ude00", "t": true} )", "j");
+  ASSERT_EQ(v.kind, pg::JsonValue::Kind::Object);
+  EXPECT_EQ(v.find("a")->array[2].integer, INT64_MAX);
+  EXPECT_EQ(v.find("a")->array[1].integer, -2);
+  EXPECT_EQ(v.find("s")->string, "x\"\xc3\xa9\xf0\x9f\x98\x80");
+  EXPECT_TRUE(v.find("t")->boolean);
+}
+
+TEST(PagingJson, RejectsMalformedInput) {
+  for (const char* bad : {"{", "{\"a\":1,}", "{\"a\" 1}", "[1 2]", "{\"a\":1.5}", "{\"a\":1e3}",
+                          "{\"a\":01}", "{\"a\":\"\\x\"}", "{\"a\":1}}", "{\"a\":1,\"a\":2}",
+                          "{\"a\":99999999999999999999}", "{\"a\":\"\\ud800\"}", "{\"a\":tru}", ""}) {
+    expect_error([&] { pg::parse_json(bad, "hdr.json"); }, {"hdr.json", "malformed JSON"});
+  }
+  std::string deep(100, '[');
+  expect_error([&] { pg::parse_json(deep, "deep"); }, {"nesting"});
+}
+
+TEST(PagingSource, ReadsNamesShapesDataAndMetadata) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes({{"b", values(6, 1).view({2, 3})}, {"a", values(4, -3)}}, R"({"format":"pt"})"));
+  auto source = open(path);
+  EXPECT_EQ(source->names(), (std::vector<std::string>{"b", "a"}));
+  EXPECT_EQ(source->info("b").shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(source->info("b").nbytes, 24);
+  EXPECT_EQ(source->total_bytes(), 40);
+  EXPECT_EQ(source->metadata().at("format"), "pt");
+  EXPECT_TRUE(at::equal(source->load("b"), values(6, 1).view({2, 3})));
+  EXPECT_TRUE(at::equal(source->view("a"), values(4, -3)));
+  // A view outlives the source object: it keeps the mapping alive.
+  at::Tensor view = source->view("b");
+  source.reset();
+  EXPECT_TRUE(at::equal(view, values(6, 1).view({2, 3})));
+  expect_error([&] { open(path)->info("zz"); }, {"m.safetensors", "zz"});
+}
+
+TEST(PagingSource, DirectIoReadsTheSameBytes) {
+  TempDir dir;
+  const auto path = dir.file("d.safetensors");
+  write_bytes(path, safetensors_bytes(layers(3, 3001)));
+  c10::intrusive_ptr<pg::SafetensorsSource> source;
+  try {
+    source = c10::make_intrusive<pg::SafetensorsSource>(path, /*direct_io=*/true);
+  } catch (const c10::Error& e) {
+    GTEST_SKIP() << "O_DIRECT unsupported on " << path << ": " << e.what_without_backtrace();
+  }
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(at::equal(source->load("t" + std::to_string(i)), values(3001, 1000.0f * i)));
+  }
+}
+
+TEST(PagingSource, ShardedIndexIsOneSource) {
+  TempDir dir;
+  write_bytes(dir.file("s1.safetensors"), safetensors_bytes({{"x", values(3, 0)}}));
+  write_bytes(dir.file("s2.safetensors"), safetensors_bytes({{"y", values(5, 7)}, {"z", values(2, 9)}}));
+  write_bytes(dir.file("model.safetensors.index.json"),
+              R"({"metadata": {"total_size": 40}, "weight_map": {"x": "s1.safetensors", "y": "s2.safetensors", "z": "s2.safetensors"}})");
+  for (const auto& path : {dir.file("model.safetensors.index.json"), dir.file("")}) {
+    auto source = open(path);
+    EXPECT_EQ(source->names().size(), 3u);
+    EXPECT_TRUE(at::equal(source->load("y"), values(5, 7)));
+    EXPECT_TRUE(at::equal(source->load("x"), values(3, 0)));
+  }
+  write_bytes(dir.file("bad.index.json"), R"({"weight_map": {"x": "s2.safetensors"}})");
+  expect_error([&] { open(dir.file("bad.index.json")); }, {"bad.index.json", "\"x\"", "s2.safetensors"});
+  write_bytes(dir.file("missing.index.json"), R"({"weight_map": {"x": "nope.safetensors"}})");
+  expect_error([&] { open(dir.file("missing.index.json")); }, {"nope.safetensors", "cannot open"});
+  write_bytes(dir.file("escape.index.json"), R"({"weight_map": {"x": "../s1.safetensors"}})");
+  expect_error([&] { open(dir.file("escape.index.json")); }, {"escape.index.json", "relative path"});
+}
+
+TEST(PagingSource, BadFilesRaiseNamingFileAndTensor) {
+  TempDir dir;
+  const auto path = dir.file("bad.safetensors");
+  const std::string data(16, '\0');
+  auto check = [&](const std::string& bytes, const std::vector<std::string>& needles) {
+    write_bytes(path, bytes);
+    auto all = needles;
+    all.push_back("bad.safetensors");
+    expect_error([&] { open(path); }, all);
+  };
+  const std::string good = safetensors_bytes({{"w", values(4, 0)}});
+  check(good.substr(0, 5), {"truncated"});
+  check(good.substr(0, good.size() - 3), {"\"w\"", "out of range"});
+  std::string absurd = good;
+  std::memset(absurd.data(), 0xFF, 8);
+  check(absurd, {"absurd header length"});
+  std::string too_long = good;
+  too_long[0] = static_cast<char>(200);
+  check(too_long, {"exceeds"});
+  check(with_length("{\"w\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]", data), {"malformed JSON"});
+  check(with_length(R"({"w":{"dtype":"F33","shape":[4],"data_offsets":[0,16]}})", data), {"\"w\"", "unknown dtype", "F33"});
+  check(with_length(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,32]}})", data), {"\"w\"", "out of range"});
+  check(with_length(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[-1,15]}})", data), {"\"w\"", "out of range"});
+  check(with_length(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}})", data), {"\"w\"", "need 12"});
+  check(with_length(R"({"w":{"dtype":"F32","shape":[-4],"data_offsets":[0,16]}})", data), {"\"w\"", "non-negative"});
+  check(with_length(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", data),
+        {"\"a\"", "\"b\"", "overlapping"});
+  check(with_length(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]}})", data),
+        {"\"b\"", "holes"});
+  check(with_length(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", data), {"trailing"});
+  check(with_length(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16],"extra":1}})", data), {"\"w\"", "extra"});
+  check(with_length(R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,16]}})", data), {"\"w\"", "overflow"});
+  check(with_length(R"({"__metadata__":{"k":1}})", ""), {"__metadata__"});
+  check(with_length("[1]", ""), {"must start with '{'"});
+  expect_error([&] { open(dir.file("absent.safetensors")); }, {"absent.safetensors", "cannot open"});
+}
+
+TEST(Paging, AcquireLoadsExactDataAndKeepsTheBudget) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(6, 256)));
+  auto pager = make_pager(open(path), 3 * 1024);
+  EXPECT_EQ(pager->budget_bytes(), 3 * 1024);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int i = 0; i < 6; ++i) {
+      EXPECT_TRUE(at::equal(pager->acquire("t" + std::to_string(i)), values(256, 1000.0f * i)));
+      EXPECT_LE(pager->resident_bytes(), 3 * 1024);
+    }
+  }
+  EXPECT_EQ(pager->resident_count(), 3);
+  EXPECT_TRUE(pager->is_resident("t5"));
+  EXPECT_FALSE(pager->is_resident("t0"));
+  const auto s = pager->stats();
+  EXPECT_EQ(s.misses, 12);  // LRU on a cyclic sweep larger than the budget never hits
+  EXPECT_EQ(s.hits, 0);
+  EXPECT_EQ(s.evictions, 9);
+  EXPECT_EQ(s.bytes_loaded, 12 * 1024);
+  EXPECT_FALSE(s.pinned_over_budget);
+  expect_error([&] { pager->acquire("nope"); }, {"m.safetensors", "nope"});
+}
+
+TEST(Paging, HeldTensorsStayValidAndAreNotEvicted) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(4, 256)));
+  auto pager = make_pager(open(path), 1024);
+  at::Tensor held = pager->acquire("t0");
+  at::Tensor t1 = pager->acquire("t1");  // t0 is held: loading t1 goes over budget
+  EXPECT_TRUE(pager->is_resident("t0"));
+  EXPECT_EQ(pager->stats().over_budget_loads, 1);
+  t1.reset();
+  pager->acquire("t2");  // t1 is free to go; t0 is still held
+  EXPECT_TRUE(pager->is_resident("t0"));
+  EXPECT_FALSE(pager->is_resident("t1"));
+  held.add_(0);  // still valid
+  EXPECT_TRUE(at::equal(held, values(256, 0)));
+  held.reset();
+  pager->acquire("t3");
+  EXPECT_FALSE(pager->is_resident("t0"));
+  EXPECT_EQ(pager->resident_bytes(), 1024);
+}
+
+TEST(Paging, PinnedTensorsAreNeverEvicted) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(5, 256)));
+  auto pager = make_pager(open(path), 2048, pg::EvictionPolicy::LRU, 0, {"t0"});
+  EXPECT_TRUE(pager->is_pinned("t0"));
+  EXPECT_FALSE(pager->is_pinned("t1"));
+  for (int pass = 0; pass < 3; ++pass) {
+    for (int i = 0; i < 5; ++i) pager->acquire("t" + std::to_string(i));
+    EXPECT_TRUE(pager->is_resident("t0"));
+  }
+  pager->evict_all();
+  EXPECT_TRUE(pager->is_resident("t0"));
+  EXPECT_EQ(pager->resident_bytes(), 1024);
+  EXPECT_FALSE(pager->stats().pinned_over_budget);
+  expect_error([&] { make_pager(open(path), 1, pg::EvictionPolicy::LRU, 0, {"zz"}); }, {"pinned", "zz"});
+}
+
+TEST(Paging, PinnedOverBudgetIsBestEffortWithoutError) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(4, 256)));
+  auto pager = make_pager(open(path), 1500, pg::EvictionPolicy::LRU, 0, {"t0", "t1"});
+  EXPECT_TRUE(pager->stats().pinned_over_budget);
+  for (int i = 0; i < 4; ++i) pager->acquire("t" + std::to_string(i));
+  // Every unpinned candidate went; the pinned ones stay, over budget.
+  EXPECT_TRUE(pager->is_resident("t0"));
+  EXPECT_TRUE(pager->is_resident("t1"));
+  EXPECT_EQ(pager->resident_count(), 3);
+  EXPECT_GT(pager->stats().over_budget_loads, 0);
+}
+
+TEST(Paging, ScanResistantPolicyHitsWhereLruDoesNot) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(8, 256)));
+  auto run = [&](pg::EvictionPolicy policy) {
+    auto pager = make_pager(open(path), 4 * 1024, policy);
+    for (int pass = 0; pass < 5; ++pass) {
+      pager->begin_pass();
+      if (pass == 2) pager->reset_stats();
+      for (int i = 0; i < 8; ++i) pager->acquire("t" + std::to_string(i));
+    }
+    return pager->stats();
+  };
+  const auto lru = run(pg::EvictionPolicy::LRU);
+  const auto scan = run(pg::EvictionPolicy::ScanResistant);
+  EXPECT_EQ(lru.hits, 0);
+  // Belady on the recorded cycle keeps budget-1 entries resident: 3 hits in each of 3 passes.
+  EXPECT_EQ(scan.hits, 9);
+  EXPECT_EQ(scan.misses, 15);
+}
+
+TEST(Paging, RecordedOrderAndSetOrder) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(3, 4)));
+  auto pager = make_pager(open(path), 1 << 20, pg::EvictionPolicy::ScanResistant);
+  pager->begin_pass();
+  for (const char* id : {"t2", "t0", "t2"}) pager->acquire(id);
+  pager->begin_pass();
+  EXPECT_EQ(pager->order(), (std::vector<std::string>{"t2", "t0", "t2"}));
+  pager->set_order({"t1", "t0"});
+  EXPECT_EQ(pager->order(), (std::vector<std::string>{"t1", "t0"}));
+  expect_error([&] { pager->set_order({"t9"}); }, {"t9"});
+}
+
+TEST(Paging, PrefetchLoadsAheadWithinTheBudget) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(8, 4096)));
+  const int64_t budget = 4 * 16384;
+  auto pager = make_pager(open(path), budget, pg::EvictionPolicy::ScanResistant, /*prefetch=*/2);
+  for (int pass = 0; pass < 6; ++pass) {
+    pager->begin_pass();
+    for (int i = 0; i < 8; ++i) {
+      EXPECT_TRUE(at::equal(pager->acquire("t" + std::to_string(i)), values(4096, 1000.0f * i)));
+      EXPECT_LE(pager->resident_bytes(), budget);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));  // "compute"
+    }
+  }
+  const auto s = pager->stats();
+  EXPECT_GT(s.prefetches, 0);
+  EXPECT_GT(s.prefetch_hits, 10);
+  EXPECT_EQ(s.over_budget_loads, 0);
+  EXPECT_LE(pager->resident_bytes(), budget);
+}
+
+TEST(Paging, ZeroCopyServesTheMappedFileWithinTheBudget) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(6, 4096)));
+  auto source = open(path);
+  pg::PagerOptions options;
+  options.budget_bytes = 2 * 16384;
+  options.policy = pg::EvictionPolicy::ScanResistant;
+  options.prefetch = 1;
+  options.zero_copy = true;
+  auto pager = c10::make_intrusive<pg::LayerPager>(source, options);
+  for (int pass = 0; pass < 3; ++pass) {
+    pager->begin_pass();
+    for (int i = 0; i < 6; ++i) {
+      const std::string id = "t" + std::to_string(i);
+      at::Tensor t = pager->acquire(id);
+      EXPECT_EQ(t.data_ptr(), source->view(id).data_ptr());
+      EXPECT_TRUE(at::equal(t, values(4096, 1000.0f * i)));
+      EXPECT_LE(pager->resident_bytes(), options.budget_bytes);
+    }
+  }
+  EXPECT_EQ(pager->stats().over_budget_loads, 0);
+  options.device = c10::Device(c10::kMeta);
+  expect_error([&] { c10::make_intrusive<pg::LayerPager>(source, options); }, {"zero_copy", "cpu"});
+}
+
+TEST(Paging, ConcurrentAcquiresLoadOnce) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(2, 1 << 20)));
+  auto pager = make_pager(open(path), 16 << 20);
+  constexpr int kThreads = 8;
+  std::vector<at::Tensor> got(kThreads);
+  std::vector<std::thread> threads;
+  std::atomic<int> ready{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      ready++;
+      while (ready.load() < kThreads) std::this_thread::yield();
+      got[t] = pager->acquire("t1");
+    });
+  }
+  for (auto& th : threads) th.join();
+  const auto s = pager->stats();
+  EXPECT_EQ(s.misses, 1);
+  EXPECT_EQ(s.hits, kThreads - 1);
+  EXPECT_EQ(s.bytes_loaded, 4 << 20);
+  for (const auto& t : got) EXPECT_EQ(t.data_ptr(), got[0].data_ptr());
+  EXPECT_TRUE(at::equal(got[0], values(1 << 20, 1000.0f)));
+}
+
+TEST(Paging, BadArguments) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(1, 4)));
+  expect_error([&] { make_pager(open(path), -1); }, {"budget_bytes", "m.safetensors"});
+  expect_error([&] { make_pager(open(path), 1, pg::EvictionPolicy::LRU, -2); }, {"prefetch"});
+  expect_error([&] { pg::parse_policy("fifo"); }, {"fifo"});
+}
