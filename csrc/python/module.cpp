@@ -5,6 +5,8 @@
 
 namespace py = pybind11;
 
+void bind_cache(py::module_& m);
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_ext's Python bindings (internal; use the torch_ext package)";
 
@@ -14,6 +16,8 @@ PYBIND11_MODULE(_C, m) {
   memory.def("uninstall_counting_allocator", &torch_ext::memory::uninstall_counting_allocator,
              "Restore the CPU allocator the counting wrapper replaced.");
   memory.def("counting_allocator_installed", &torch_ext::memory::counting_allocator_installed);
+
+  bind_cache(m);
 
   py::dict build;
 #ifdef TORCH_EXT_WITH_CUDA
