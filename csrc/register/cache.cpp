@@ -23,11 +23,12 @@ using Self = c10::intrusive_ptr<NodeCache>;
 std::vector<c10::IValue> as_inputs(const c10::IValue& inputs) {
   if (inputs.isList()) {
     const auto list = inputs.toListRef();
-    return {list.begin(), list.end()};
+    // Parentheses: braces would pick the initializer_list constructor (two IValue(bool)s).
+    return std::vector<c10::IValue>(list.begin(), list.end());
   }
   if (inputs.isTuple()) {
     const auto& elements = inputs.toTupleRef().elements();
-    return {elements.begin(), elements.end()};
+    return std::vector<c10::IValue>(elements.begin(), elements.end());
   }
   return {inputs};
 }
