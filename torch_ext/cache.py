@@ -438,25 +438,15 @@ class LazyExecutor(nn.Module):
                 if status[j] > st:
                     st = status[j]
             kind = step.kind
-            key_extra = None
+            module = key_extra = None
             if op == "call_module":
                 module = getattr(step.parent, step.attr)
-                key_extra = [d[k] for d, k in step.state]
-                key_extra.append(module.training)
-                source = self._source_status(step, key_extra)
-                if source > st:
-                    st = source
                 if module.training and (step.random_in_training or step.buffers):
                     kind = "random" if step.random_in_training else "side_effect"
-                fn = module
-                call_args, call_kwargs = step.build(env)
-            elif op == "call_method":
-                call_args, call_kwargs = step.build(env)
-                fn = getattr(call_args[0], step.target)
-                call_args = call_args[1:]
-            else:
-                fn = step.target
-                call_args, call_kwargs = step.build(env)
+                elif st != VARYING:
+                    # The module's parameters, buffers and mode are inputs of the node too.
+                    key_extra = [d[k] for d, k in step.state]
+                    key_extra.append(module.training)
             if step.never and kind == "pure":
                 kind = "side_effect"
 
@@ -464,16 +454,17 @@ class LazyExecutor(nn.Module):
                 if step.cached:
                     cache.invalidate_node(step.node_id)
                     step.cached = False
-                value = fn(*call_args, **call_kwargs)
+                value = self._call(step, env, module)
                 computed += 1
                 if kind == "random":
                     st = VARYING
                 elif kind == "side_effect" and st == STABLE:
                     st = FRESH
-                elif kind == "pure" and not step.has_tensor and st != STABLE:
-                    st = self._value_status(step, value, st)
-                if kind == "pure" and not step.has_tensor and _tensors_of(value):
-                    step.has_tensor = True  # learned wrong once: look it up from now on
+                elif kind == "pure" and not step.has_tensor:
+                    if st != STABLE:
+                        st = self._value_status(step, value, st)
+                    if _tensors_of(value):
+                        step.has_tensor = True  # learned wrong once: look it up from now on
             else:
                 key = [env[j] for j in step.inputs]
                 if key_extra is not None:
@@ -481,23 +472,31 @@ class LazyExecutor(nn.Module):
                 value = cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
                 if value is not _MISS:
                     reused += 1
+                    step.streak = 0  # the module's state is in the key: unchanged
                 else:
+                    if key_extra is not None:
+                        source = self._source_status(step, key_extra)
+                        if source > st:
+                            st = source
                     start = perf_counter()
-                    value = fn(*call_args, **call_kwargs)
+                    value = self._call(step, env, module)
                     cost = perf_counter() - start
                     computed += 1
                     tensors = _tensors_of(value)
                     if not tensors:
                         step.has_tensor = False
                         st = self._value_status(step, value, max(st, FRESH))
+                    elif st == VARYING:  # its parameters change at every call (training)
+                        if step.cached:
+                            cache.invalidate_node(step.node_id)
+                            step.cached = False
                     else:
                         st = FRESH
-                        if cache.put(step.node_id, key, value, cost):
-                            step.cached = True
-                            if grad_enabled:
-                                for tensor in tensors:
-                                    if tensor.grad_fn is not None:
-                                        tensor.grad_fn.register_hook(step.on_backward)
+                        step.cached = cache.put(step.node_id, key, value, cost)
+                        if step.cached and grad_enabled:
+                            for tensor in tensors:
+                                if tensor.grad_fn is not None:
+                                    tensor.grad_fn.register_hook(step.on_backward)
             env[i] = value
             status[i] = st
         self._calls += 1
@@ -506,6 +505,15 @@ class LazyExecutor(nn.Module):
         if plan.pytree_io:
             return plan.codegen.process_outputs(result)
         return result
+
+    @staticmethod
+    def _call(step: _Step, env: list, module: Optional[nn.Module]) -> Any:
+        args, kwargs = step.build(env)
+        if module is not None:
+            return module(*args, **kwargs)
+        if step.op == "call_method":
+            return getattr(args[0], step.target)(*args[1:], **kwargs)
+        return step.target(*args, **kwargs)
 
     @staticmethod
     def _value_status(step: _Step, value: Any, status: int) -> int:

@@ -198,6 +198,33 @@ def test_training_outputs_gradients_and_parameters_equal_the_plain_module():
         assert same(p, q)
     # x * scale depends on the input and a buffer only: reused at every step after the first.
     assert executor.stats()["hits"] >= 3
+    # Parameters changed at every step: their dependents are no longer stored.
+    assert executor.cached_nodes() == ["mul"]
+
+
+def test_under_inference_mode_nothing_is_reused_and_outputs_stay_exact():
+    model = Denoiser().eval()
+    executor = LazyExecutor(model)
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert same(executor(x, cond), model(x, cond))
+    assert executor.stats()["hits"] == 0
+
+
+def test_the_executor_is_freed_with_grad_outputs_cached():
+    import gc
+    import weakref
+
+    executor = LazyExecutor(Denoiser())
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    out = executor(x, cond)
+    out = executor(x, cond)  # cached outputs with autograd graphs and backward hooks
+    ref = weakref.ref(executor)
+    del executor
+    gc.collect()
+    assert ref() is None
+    out.sum().backward()  # the hooks of a freed executor do nothing
 
 
 def test_gradient_accumulation_reuses_nothing_whose_graph_a_backward_freed():
