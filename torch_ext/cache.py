@@ -90,7 +90,7 @@ _SIDE_EFFECT_FUNCTIONS = {
 _RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "bernoulli_", "exponential_",
                    "geometric_", "cauchy_", "log_normal_"}
 _SIDE_EFFECT_METHODS = {"backward", "register_hook", "retain_grad", "new_empty", "new_empty_strided", "record_stream",
-                        "tolist"}
+                        "__setitem__", "__delitem__"}
 _RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
                    nn.RReLU)
 _PLAIN_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
@@ -126,10 +126,12 @@ def _function_kind(node: fx.Node) -> str:
     if node.op == "call_method":
         if target in _RANDOM_METHODS:
             return "random"
-        if target in _SIDE_EFFECT_METHODS or (target.endswith("_") and not target.endswith("__")):
+        if (target in _SIDE_EFFECT_METHODS or (target.endswith("_") and not target.endswith("__"))
+                or (target.startswith("__i") and target.endswith("__")) or node.kwargs.get("inplace") is not None
+                and node.kwargs.get("inplace") is not False):
             return "side_effect"
         return "pure"
-    if "out" in node.kwargs:
+    if "out" in node.kwargs or _writes_in_place(node):
         return "side_effect"
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         overloads = ([target] if isinstance(target, torch._ops.OpOverload)
@@ -158,6 +160,24 @@ def _function_kind(node: fx.Node) -> str:
         p = _argument(node, 4, "dropout_p", 0.0)
         return "pure" if isinstance(p, (int, float)) and p == 0 else "random"
     return "pure"
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """torch.relu_-style functions, and functions called with inplace=True (or an inplace
+    argument that is not the constant False)."""
+    target = node.target
+    name = getattr(target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+    if "inplace" not in parameters:
+        return False
+    position = list(parameters).index("inplace")
+    value = node.args[position] if len(node.args) > position else node.kwargs.get("inplace", False)
+    return value is not False
 
 
 def _random_in_training(module: nn.Module) -> bool:
@@ -266,6 +286,8 @@ class _Plan:
                         step.state.extend((owner._parameters, k) for k in owner._parameters)
                         step.state.extend((owner._buffers, k) for k in owner._buffers)
                     step.random_in_training = _random_in_training(module)
+                    if getattr(module, "inplace", False) is True:  # nn.ReLU(inplace=True) and the like
+                        step.kind = "side_effect"
                     step.buffers = any(True for _ in module.buffers())
                 else:
                     step.kind = _function_kind(node)

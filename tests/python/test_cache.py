@@ -311,6 +311,28 @@ def test_nodes_with_side_effects_are_never_cached():
     assert not {"add_", "bn"} & set(executor.cached_nodes())
 
 
+def test_in_place_activations_are_never_cached():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            a = F.relu(self.fc1(x), inplace=True)
+            b = self.act(self.fc2(a))
+            c = torch.relu_(self.fc3(b))
+            return F.leaky_relu(c, 0.1, True) + x
+
+    model = InPlace().eval()
+    executor = LazyExecutor(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert same(executor(x), model(x))
+    assert not {"relu", "act", "relu_", "leaky_relu"} & set(executor.cached_nodes())
+
+
 def test_never_cache_names_nodes_and_callables():
     model = Denoiser().eval()
     executor = LazyExecutor(model, never_cache={"encoder_fc1", F.gelu})
