@@ -132,6 +132,37 @@ def test_in_place_edits_of_inputs_parameters_and_buffers_recompute_dependents():
             assert same(executor(x), model(x))
 
 
+def test_buffers_preprocessed_in_forward_are_traced_not_frozen():
+    class Dequant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("qweight", torch.randint(-127, 128, (4, 8), dtype=torch.int8))
+            self.register_buffer("scale", torch.rand(4, 1))
+
+        def forward(self, x):
+            return F.linear(x, self.qweight.float() * self.scale)
+
+    model = Dequant().eval()
+    executor = LazyExecutor(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        executor(x), executor(x)
+        assert {"float_1", "mul"} <= set(executor.cached_nodes())
+        model.qweight.neg_()  # new weights loaded in place
+        assert same(executor(x), model(x))
+
+
+def test_a_random_tensor_frozen_by_tracing_is_refused():
+    class FrozenNoise(nn.Module):
+        def forward(self, x):
+            return x + torch.randn(4, 8)
+
+    state = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="differs between two traces"):
+        LazyExecutor(FrozenNoise())
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's random stream is untouched
+
+
 def test_writes_through_data_are_not_seen_until_invalidate():
     model = WeightNormNet().eval()
     executor = LazyExecutor(model)
