@@ -42,8 +42,13 @@ served from the cache are the same tensor objects as on the call that computed t
 not modify them in place (if you do, the cache notices and recomputes, but references kept
 from earlier calls see the change). A traced module's structure is captured once per
 combination of its submodules' training flags; attributes read by plain Python code at
-trace time (not tensors) are constants of the graph. Costs are host seconds, which on CUDA
-measure the launch rather than the kernel; they only order evictions.
+trace time (not tensors) are constants of the graph, and tracing refuses a random tensor it
+would freeze (torch.randn(4, 8) drawn without an input). Modules torch.fx treats as leaves
+(torch.nn modules, parametrized ones included) are one node each: their internal weight
+preprocessing is reused only together with their output. Interior outputs of a reused
+subgraph are held too (each node's key names its inputs, so the chain must stay):
+capacity_bytes bounds them and memory_estimate() tells what they take. Costs are host
+seconds, which on CUDA measure the launch rather than the kernel; they only order evictions.
 """
 from __future__ import annotations
 
@@ -231,7 +236,7 @@ class _Step:
 
     __slots__ = ("index", "node_id", "name", "op", "target", "build", "inputs", "kind", "parent", "attr",
                  "state", "random_in_training", "buffers", "streak", "has_tensor", "last_value", "cached",
-                 "on_backward", "placeholder_default", "never")
+                 "on_backward", "placeholder_default", "never", "release")
 
     def __init__(self, index: int, node_id: int, node: fx.Node) -> None:
         self.index, self.node_id, self.name, self.op, self.target = index, node_id, node.name, node.op, node.target
@@ -248,6 +253,7 @@ class _Step:
         self.on_backward = None
         self.placeholder_default = _MISS
         self.never = False
+        self.release: list[int] = []  # env slots whose last use is this node
 
 
 class _Plan:
@@ -292,6 +298,17 @@ class _Plan:
                 else:
                     step.kind = _function_kind(node)
             self.steps.append(step)
+        # Free each value after its last use, as eager execution does (the output node keeps its own).
+        last_use: dict[int, int] = {}
+        for i, node in enumerate(nodes):
+            for n in node.all_input_nodes:
+                last_use[index[n]] = i
+        for producer, consumer in last_use.items():
+            if nodes[consumer].op != "output":
+                self.steps[consumer].release.append(producer)
+        for i, node in enumerate(nodes):
+            if not node.users and node.op not in ("output", "placeholder"):
+                self.steps[i].release.append(i)
         self.size = len(nodes)
         self.ids = [step.node_id for step in self.steps]
 
@@ -511,7 +528,9 @@ class LazyExecutor(nn.Module):
             if step.never and kind == "pure":
                 kind = "side_effect"
 
-            if kind != "pure" or st == VARYING or not step.has_tensor:
+            if kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS:
+                value = step.last_value  # a shape or size of unchanged inputs: as it was
+            elif kind != "pure" or st == VARYING or not step.has_tensor:
                 if step.cached:
                     cache.invalidate_node(step.node_id)
                     step.cached = False
@@ -522,8 +541,7 @@ class LazyExecutor(nn.Module):
                 elif kind == "side_effect" and st == STABLE:
                     st = FRESH
                 elif kind == "pure" and not step.has_tensor:
-                    if st != STABLE:
-                        st = self._value_status(step, value, st)
+                    st = self._value_status(step, value, st)
                     if _tensors_of(value):
                         step.has_tensor = True  # learned wrong once: look it up from now on
             else:
@@ -560,6 +578,8 @@ class LazyExecutor(nn.Module):
                                     tensor.grad_fn.register_hook(step.on_backward)
             env[i] = value
             status[i] = st
+            for j in step.release:
+                env[j] = None
         self._calls += 1
         self._computed += computed
         self._reused += reused
@@ -594,8 +614,8 @@ class LazyExecutor(nn.Module):
         entries, cached_bytes, capacity_bytes) and the executor's: calls, nodes_computed,
         nodes_reused (hits), hit_rate (nodes_reused / (nodes_reused + nodes_computed))."""
         stats = dict(self._cache.stats())
-        with self._lock:
-            stats.update(calls=self._calls, nodes_computed=self._computed, nodes_reused=self._reused)
+        # No lock: a forward hook may ask mid-call; the counters are updated once per call.
+        stats.update(calls=self._calls, nodes_computed=self._computed, nodes_reused=self._reused)
         done = stats["nodes_reused"] + stats["nodes_computed"]
         stats["hit_rate"] = stats["nodes_reused"] / done if done else 0.0
         return stats
