@@ -87,7 +87,7 @@ def main() -> None:
     report = Report("cache" + ("_quick" if quick else ""), "Lazy node cache: plain module vs LazyExecutor",
                     ["workload", "plain", "LazyExecutor", "lazy / plain", "reference", "hit rate", "held",
                      "target"], command)
-    repeat = 3 if quick else 7
+    repeat = 3 if quick else 9
 
     with torch.no_grad():
         # 1. diffusion loop

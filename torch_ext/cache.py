@@ -284,7 +284,7 @@ class _Plan:
                 step.build = _compile_arguments(node.args, node.kwargs, index)
                 if node.op == "call_module":
                     step.parent, step.attr = _resolve((root, graph_module), node.target, node.name)
-                    module = getattr(step.parent, step.attr)
+                    module = step.parent._modules.get(step.attr)
                     if not isinstance(module, nn.Module):
                         raise TypeError(f"LazyExecutor: node {node.name} calls {node.target}, which is not an nn.Module")
                     step.never = step.never or type(module) in never_cache
@@ -518,7 +518,7 @@ class LazyExecutor(nn.Module):
             kind = step.kind
             module = key_extra = None
             if op == "call_module":
-                module = getattr(step.parent, step.attr)
+                module = step.parent._modules[step.attr]  # what getattr finds, without its slow path
                 if module.training and (step.random_in_training or step.buffers):
                     kind = "random" if step.random_in_training else "side_effect"
                 elif st != VARYING:
