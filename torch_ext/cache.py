@@ -528,7 +528,8 @@ class LazyExecutor(nn.Module):
             if step.never and kind == "pure":
                 kind = "side_effect"
 
-            if kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS:
+            if (kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS
+                    and module is None):  # a module's result may depend on its state, which st does not cover
                 value = step.last_value  # a shape or size of unchanged inputs: as it was
             elif kind != "pure" or st == VARYING or not step.has_tensor:
                 if step.cached:
