@@ -22,13 +22,22 @@ if not _LIBRARY.is_file():
 torch.ops.load_library(str(_LIBRARY))
 
 from . import _C  # noqa: E402  (needs the core library loaded first)
-from . import memory  # noqa: E402
-from . import paging  # noqa: E402
-from .checkpoint import (  # noqa: E402
+from . import cache, memory, paging, plan  # noqa: E402
+from .cache import LazyExecutor, NodeCache, lazy  # noqa: E402
+from .checkpoint import (  # noqa: E402  (torch_ext.checkpoint is the decorator; the module is torch_ext.checkpoint in sys.modules)
     CheckpointedSequential, CheckpointPlan, checkpoint, checkpoint_sequential, plan_checkpoints)
 from .paging import LayerPager, SafetensorsSource, page_weights, save_pageable, unpage  # noqa: E402
+from .plan import PlanCache  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["library_path", "memory",
-           "checkpoint", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
-           "paging", "LayerPager", "SafetensorsSource", "page_weights", "unpage", "save_pageable"]
+__all__ = [
+    "library_path", "memory",
+    # segment checkpointing
+    "checkpoint", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
+    # weight paging
+    "paging", "LayerPager", "SafetensorsSource", "page_weights", "unpage", "save_pageable",
+    # lazy node cache
+    "cache", "LazyExecutor", "NodeCache", "lazy",
+    # dynamic-batch plan cache
+    "plan", "PlanCache",
+]

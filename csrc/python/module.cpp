@@ -6,6 +6,7 @@
 namespace py = pybind11;
 
 void bind_checkpoint(py::module_& m);
+void bind_cache(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_ext's Python bindings (internal; use the torch_ext package)";
@@ -18,6 +19,7 @@ PYBIND11_MODULE(_C, m) {
   memory.def("counting_allocator_installed", &torch_ext::memory::counting_allocator_installed);
 
   bind_checkpoint(m);
+  bind_cache(m);
 
   py::dict build;
 #ifdef TORCH_EXT_WITH_CUDA

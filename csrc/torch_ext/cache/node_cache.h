@@ -1,0 +1,143 @@
+#pragma once
+// NodeCache: outputs of graph nodes, reused only while their inputs are unchanged.
+//
+// An entry holds a node's output (any IValue) and the InputKey and ModeKey it was computed
+// under. get() returns it only while every input is the same live tensor at the same version,
+// data pointer, storage, sizes, strides, offset, dtype, device and requires_grad, the thread
+// is in the same grad / inference / autocast mode, and the output tensors themselves have not
+// been changed in place since put(). A failed check drops the entry.
+//
+// Bytes held: every storage referenced by a cached output, counted once however many
+// outputs share it (a view of a parameter counts the parameter's storage: it is what the
+// cache keeps alive). Tensors saved by a cached output's autograd graph are not counted.
+// Over capacity, put() evicts entries whose inputs have been freed, then entries in order of
+// measured cost per byte held (cost_seconds / bytes: cheapest to recompute per byte first),
+// least recently used first among equals, and only entries cheaper per byte than the new
+// one; if that cannot make room the new entry is not stored.
+//
+// Thread safety: every method may be called from any thread; one mutex guards all state.
+// Values are released after the mutex is let go, so a value whose destructor takes another
+// lock (a Python object and the GIL) cannot deadlock against the cache.
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include "torch_ext/cache/input_key.h"
+
+namespace torch_ext::cache {
+
+struct CacheStats {
+  int64_t hits = 0;                // get() calls answered from the cache
+  int64_t misses = 0;              // get() calls that found no valid entry
+  int64_t tensors_recomputed = 0;  // tensors put for nodes that had been cached before (stale,
+                                   // invalidated or evicted entries)
+  int64_t evictions = 0;           // entries dropped to stay within capacity_bytes
+  int64_t invalidations = 0;       // entries dropped by invalidate_node() / invalidate()
+  int64_t entries = 0;             // entries held now
+  int64_t cached_bytes = 0;        // bytes held now (each storage once)
+  int64_t capacity_bytes = 0;
+};
+
+class NodeCache : public torch::CustomClassHolder {
+ public:
+  static constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
+
+  explicit NodeCache(int64_t capacity_bytes = kUnlimited);
+  ~NodeCache() override;
+  NodeCache(const NodeCache&) = delete;
+  NodeCache& operator=(const NodeCache&) = delete;
+
+  // The node's cached output when its entry is valid for these inputs now; nullopt otherwise
+  // (a miss; an invalid entry is dropped).
+  std::optional<c10::IValue> get(int64_t node_id, c10::ArrayRef<c10::IValue> inputs);
+
+  // Caches value as node_id's output for these inputs, replacing any entry. cost_seconds is
+  // the measured time to compute it (>= 0). held_tensors: the tensors value holds, when
+  // value is opaque to C++ (a Python object); otherwise they are found inside value.
+  // Returns false, storing nothing, when an input or output tensor cannot be keyed (see
+  // input_key.h) or no room can be made within capacity_bytes.
+  bool put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IValue value, double cost_seconds,
+           const std::optional<std::vector<at::Tensor>>& held_tensors = std::nullopt);
+
+  // Records the key of inputs under source_id (a namespace apart from node ids, no entry is
+  // created) and returns whether it differs from the key recorded there before; true the first
+  // time or when the inputs cannot be keyed. Lets a caller tell inputs that vary from
+  // inputs that stay.
+  bool observe(int64_t source_id, c10::ArrayRef<c10::IValue> inputs);
+
+  // Drops node_id's entry: the next get() misses and the next put() counts as a recompute.
+  void invalidate_node(int64_t node_id);
+  void invalidate_nodes(c10::ArrayRef<int64_t> node_ids);
+  // Drops every entry and every observed key.
+  void invalidate();
+
+  int64_t cached_count() const;
+  int64_t cached_bytes() const;
+  std::vector<int64_t> cached_node_ids() const;
+  int64_t capacity_bytes() const;
+  // Evicts (cheapest per byte first) until the cache fits the new capacity.
+  void set_capacity_bytes(int64_t capacity_bytes);
+
+  // Bytes the given nodes' outputs took when last put (each node's distinct storages;
+  // storages shared between nodes count per node, so this bounds the cache from above).
+  // Nodes never put count 0. Without node ids: every node ever put.
+  int64_t memory_estimate(c10::ArrayRef<int64_t> node_ids) const;
+  int64_t memory_estimate() const;
+
+  CacheStats stats() const;
+  // Zeroes hits, misses, tensors_recomputed, evictions and invalidations.
+  void reset_stats();
+
+ private:
+  struct HeldTensor {
+    at::Tensor tensor;
+    uint32_t version;
+    const void* data;
+  };
+  struct Entry {
+    InputKey inputs;
+    ModeKey mode;
+    c10::IValue value;
+    std::vector<HeldTensor> outputs;
+    std::vector<const void*> storages;  // distinct StorageImpls of outputs
+    int64_t bytes = 0;                  // their nbytes
+    double cost_seconds = 0;
+    uint64_t last_use = 0;
+    int64_t tensor_count = 0;
+  };
+  struct StorageUse {
+    int64_t nbytes = 0;
+    int64_t users = 0;
+  };
+  struct NodeHistory {
+    int64_t bytes = 0;       // entry bytes at the last put
+    bool had_entry = false;  // an entry was put once: the next put is a recompute
+  };
+
+  bool outputs_unchanged(const Entry& entry) const;
+  // Moves the entry out (its storages released from the accounting); the caller destroys
+  // it after unlocking.
+  void remove_locked(std::unordered_map<int64_t, Entry>::iterator it, std::vector<Entry>& dead);
+  // Evicts entries per the policy until `incoming` fits with `incoming_storages`; returns
+  // false (changing nothing) when it cannot.
+  bool make_room_locked(int64_t limit, double incoming_score, const std::vector<const void*>& incoming_storages,
+                        const std::vector<int64_t>& incoming_nbytes, std::vector<Entry>& dead);
+
+  mutable std::mutex mutex_;
+  int64_t capacity_bytes_;
+  int64_t cached_bytes_ = 0;
+  uint64_t clock_ = 0;
+  std::unordered_map<int64_t, Entry> entries_;
+  std::unordered_map<const void*, StorageUse> storages_;
+  std::unordered_map<int64_t, NodeHistory> history_;
+  std::unordered_map<int64_t, std::optional<InputKey>> observed_;
+  CacheStats stats_;
+};
+
+}  // namespace torch_ext::cache

@@ -1,0 +1,310 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/custom_class.h>
+
+#include "torch_ext/cache/node_cache.h"
+
+using torch_ext::cache::NodeCache;
+
+namespace {
+
+constexpr int64_t kFloat = 4;
+
+at::Tensor floats(int64_t n) { return at::ones({n}, at::kFloat); }
+
+bool hit(NodeCache& cache, int64_t node, std::vector<c10::IValue> inputs) { return cache.get(node, inputs).has_value(); }
+
+}  // namespace
+
+TEST(Cache, HitReturnsTheSameOutputForTheSameInputs) {
+  NodeCache cache;
+  at::Tensor x = floats(8);
+  at::Tensor y = x * 2;
+  ASSERT_TRUE(cache.put(0, {x}, y, 1e-3));
+  auto got = cache.get(0, {x});
+  ASSERT_TRUE(got.has_value());
+  EXPECT_TRUE(got->toTensor().is_same(y));
+  EXPECT_EQ(cache.stats().hits, 1);
+  EXPECT_EQ(cache.stats().misses, 0);
+}
+
+TEST(Cache, AnotherTensorWithEqualValuesMisses) {
+  NodeCache cache;
+  at::Tensor x = floats(8);
+  ASSERT_TRUE(cache.put(0, {x}, x * 2, 0));
+  EXPECT_FALSE(hit(cache, 0, {floats(8)}));
+  EXPECT_EQ(cache.stats().misses, 1);
+  EXPECT_EQ(cache.cached_count(), 0);  // the invalid entry is dropped
+}
+
+TEST(Cache, InPlaceChangeOfAnInputMisses) {
+  NodeCache cache;
+  at::Tensor x = floats(8);
+  ASSERT_TRUE(cache.put(0, {x}, x * 2, 0));
+  x.add_(1);
+  EXPECT_FALSE(hit(cache, 0, {x}));
+}
+
+TEST(Cache, AFreedInputCanNeverHitEvenAtAReusedAddress) {
+  NodeCache cache;
+  at::Tensor x = floats(1024);
+  ASSERT_TRUE(cache.put(0, {x}, at::zeros({4}), 0));
+  const void* freed_data = x.data_ptr();
+  x.reset();
+  // The allocator usually hands the same block to the next tensor of that size.
+  for (int i = 0; i < 8; ++i) {
+    at::Tensor again = floats(1024);
+    EXPECT_FALSE(hit(cache, 0, {again})) << "data reused: " << (again.data_ptr() == freed_data);
+    ASSERT_TRUE(cache.put(0, {again}, at::zeros({4}), 0));
+  }
+}
+
+TEST(Cache, MetadataChangesWithoutAVersionBumpMiss) {
+  NodeCache cache;
+  at::Tensor x = floats(8);
+  ASSERT_TRUE(cache.put(0, {x}, x * 2, 0));
+  x.set_requires_grad(true);
+  EXPECT_FALSE(hit(cache, 0, {x}));
+
+  at::Tensor w = floats(8);
+  ASSERT_TRUE(cache.put(1, {w}, w * 2, 0));
+  // `w.data = other` in Python: swaps the storage, does not bump the version.
+  w.set_data(at::zeros({8}));
+  EXPECT_FALSE(hit(cache, 1, {w}));
+}
+
+TEST(Cache, WritesThroughDataAreNotSeenAndInvalidateNodeFixesThat) {
+  NodeCache cache;
+  at::Tensor w = floats(8);
+  ASSERT_TRUE(cache.put(0, {w}, w * 2, 0));
+  w.variable_data().add_(1);  // Python's `w.data.add_(1)`: no version bump, same storage
+  EXPECT_TRUE(hit(cache, 0, {w}));  // documented limitation
+  cache.invalidate_node(0);
+  EXPECT_FALSE(hit(cache, 0, {w}));
+}
+
+TEST(Cache, GradModeAndAutocastArePartOfTheKey) {
+  NodeCache cache;
+  at::Tensor x = floats(8);
+  {
+    at::NoGradGuard no_grad;
+    ASSERT_TRUE(cache.put(0, {x}, x * 2, 0));
+    EXPECT_TRUE(hit(cache, 0, {x}));
+  }
+  EXPECT_FALSE(hit(cache, 0, {x}));
+
+  ASSERT_TRUE(cache.put(1, {x}, x * 2, 0));
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  const bool hit_under_autocast = hit(cache, 1, {x});
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  EXPECT_FALSE(hit_under_autocast);
+}
+
+TEST(Cache, AnOutputChangedInPlaceIsNotReturned) {
+  NodeCache cache;
+  at::Tensor x = floats(8);
+  at::Tensor y = x * 2;
+  ASSERT_TRUE(cache.put(0, {x}, y, 0));
+  y.mul_(3);
+  EXPECT_FALSE(hit(cache, 0, {x}));
+}
+
+TEST(Cache, NonTensorInputsCompareByValueAndContainersByElement) {
+  NodeCache cache;
+  at::Tensor x = floats(4);
+  c10::List<int64_t> shape({2, 2});
+  ASSERT_TRUE(cache.put(0, {x, int64_t{3}, 0.5, c10::IValue(shape), c10::IValue()}, x.view({2, 2}), 0));
+  EXPECT_TRUE(hit(cache, 0, {x, int64_t{3}, 0.5, c10::IValue(c10::List<int64_t>({2, 2})), c10::IValue()}));
+  EXPECT_FALSE(hit(cache, 0, {x, int64_t{4}, 0.5, c10::IValue(shape), c10::IValue()}));
+  ASSERT_TRUE(cache.put(0, {x, -0.0}, x, 0));
+  EXPECT_FALSE(hit(cache, 0, {x, 0.0}));  // -0.0 and 0.0 are told apart
+  ASSERT_TRUE(cache.put(0, {x, 1.0}, x, 0));
+  EXPECT_FALSE(hit(cache, 0, {x}));  // a different number of inputs
+  EXPECT_FALSE(hit(cache, 0, {x, int64_t{1}}));  // int and float differ
+}
+
+TEST(Cache, InferenceTensorsAreNeverCached) {
+  NodeCache cache;
+  at::Tensor plain = floats(4);
+  at::Tensor inference;
+  {
+    c10::InferenceMode guard;
+    inference = floats(4);
+    EXPECT_FALSE(cache.put(0, {inference}, plain, 0));  // untracked input
+    EXPECT_FALSE(cache.put(1, {plain}, inference, 0));  // untracked output
+  }
+  EXPECT_EQ(cache.cached_count(), 0);
+}
+
+TEST(Cache, SharedStoragesAreCountedOnce) {
+  NodeCache cache;
+  at::Tensor x = floats(256);
+  at::Tensor base = x * 2;
+  ASSERT_TRUE(cache.put(0, {x}, base, 0));
+  ASSERT_TRUE(cache.put(1, {base}, base.view({16, 16}), 0));
+  ASSERT_TRUE(cache.put(2, {x}, c10::ivalue::Tuple::create({base.narrow(0, 0, 8), base.narrow(0, 8, 8)}), 0));
+  EXPECT_EQ(cache.cached_bytes(), 256 * kFloat);
+  EXPECT_EQ(cache.stats().cached_bytes, 256 * kFloat);
+  cache.invalidate_node(0);
+  cache.invalidate_node(1);
+  EXPECT_EQ(cache.cached_bytes(), 256 * kFloat);  // node 2 still holds the storage
+  cache.invalidate_node(2);
+  EXPECT_EQ(cache.cached_bytes(), 0);
+}
+
+TEST(Cache, EvictionPrefersTheCheapestPerByteThenTheLeastRecent) {
+  NodeCache cache(3 * 100 * kFloat);
+  std::vector<at::Tensor> inputs{floats(1), floats(1), floats(1), floats(1), floats(1)};
+  ASSERT_TRUE(cache.put(0, {inputs[0]}, floats(100), 5.0));  // expensive
+  ASSERT_TRUE(cache.put(1, {inputs[1]}, floats(100), 0.1));  // cheap
+  ASSERT_TRUE(cache.put(2, {inputs[2]}, floats(100), 1.0));
+  EXPECT_EQ(cache.cached_count(), 3);
+  ASSERT_TRUE(cache.put(3, {inputs[3]}, floats(100), 1.0));
+  EXPECT_EQ(cache.cached_node_ids(), (std::vector<int64_t>{0, 2, 3}));  // node 1 was cheapest
+  EXPECT_EQ(cache.stats().evictions, 1);
+  // Equal cost per byte: the least recently used goes first.
+  EXPECT_TRUE(hit(cache, 2, {inputs[2]}));
+  ASSERT_TRUE(cache.put(4, {inputs[4]}, floats(100), 1.0));
+  EXPECT_EQ(cache.cached_node_ids(), (std::vector<int64_t>{0, 2, 4}));
+  // An entry cheaper per byte than everything held is not admitted, and nothing is evicted.
+  EXPECT_FALSE(cache.put(5, {inputs[0]}, floats(100), 0.0));
+  EXPECT_EQ(cache.cached_node_ids(), (std::vector<int64_t>{0, 2, 4}));
+  // Larger than the whole capacity: not stored.
+  EXPECT_FALSE(cache.put(6, {inputs[0]}, floats(400), 100.0));
+  EXPECT_EQ(cache.cached_count(), 3);
+  EXPECT_LE(cache.cached_bytes(), cache.capacity_bytes());
+}
+
+TEST(Cache, EntriesOfFreedInputsAreEvictedFirst) {
+  NodeCache cache(2 * 100 * kFloat);
+  at::Tensor keep = floats(1);
+  ASSERT_TRUE(cache.put(0, {keep}, floats(100), 0.0));  // cheap but live
+  {
+    at::Tensor gone = floats(1);
+    ASSERT_TRUE(cache.put(1, {gone}, floats(100), 10.0));  // expensive but its input dies
+  }
+  ASSERT_TRUE(cache.put(2, {keep}, floats(100), 1.0));
+  EXPECT_EQ(cache.cached_node_ids(), (std::vector<int64_t>{0, 2}));
+}
+
+TEST(Cache, SetCapacityEvictsDownToTheNewBudget) {
+  NodeCache cache;
+  at::Tensor x = floats(1);
+  for (int64_t node = 0; node < 4; ++node) {
+    ASSERT_TRUE(cache.put(node, {x}, floats(100), static_cast<double>(node)));
+  }
+  cache.set_capacity_bytes(2 * 100 * kFloat);
+  EXPECT_EQ(cache.cached_node_ids(), (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(cache.capacity_bytes(), 2 * 100 * kFloat);
+}
+
+TEST(Cache, InvalidationMakesTheNextAccessAMissAndARecompute) {
+  NodeCache cache;
+  at::Tensor x = floats(4);
+  ASSERT_TRUE(cache.put(0, {x}, c10::ivalue::Tuple::create({x * 2, x * 3}), 0));
+  ASSERT_TRUE(cache.put(1, {x}, x * 4, 0));
+  EXPECT_EQ(cache.stats().tensors_recomputed, 0);
+  cache.invalidate_node(0);
+  EXPECT_FALSE(hit(cache, 0, {x}));
+  EXPECT_TRUE(hit(cache, 1, {x}));
+  ASSERT_TRUE(cache.put(0, {x}, c10::ivalue::Tuple::create({x * 2, x * 3}), 0));
+  EXPECT_EQ(cache.stats().tensors_recomputed, 2);
+  cache.invalidate();
+  EXPECT_EQ(cache.cached_count(), 0);
+  EXPECT_EQ(cache.cached_bytes(), 0);
+  EXPECT_FALSE(hit(cache, 1, {x}));
+  const auto s = cache.stats();
+  EXPECT_EQ(s.invalidations, 3);
+  EXPECT_EQ(s.hits, 1);
+  EXPECT_EQ(s.misses, 2);
+  cache.reset_stats();
+  EXPECT_EQ(cache.stats().hits, 0);
+}
+
+TEST(Cache, MemoryEstimateUsesMeasuredSizesAndOutlivesEntries) {
+  NodeCache cache;
+  at::Tensor x = floats(4);
+  ASSERT_TRUE(cache.put(0, {x}, floats(10), 0));
+  ASSERT_TRUE(cache.put(1, {x}, at::zeros({3}, at::kDouble), 0));
+  EXPECT_EQ(cache.memory_estimate(std::vector<int64_t>{0}), 10 * kFloat);
+  EXPECT_EQ(cache.memory_estimate(std::vector<int64_t>{0, 1, 7}), 10 * kFloat + 3 * 8);
+  cache.invalidate();
+  EXPECT_EQ(cache.memory_estimate(), 10 * kFloat + 3 * 8);
+}
+
+TEST(Cache, ObserveTellsChangedInputsFromStableOnes) {
+  NodeCache cache;
+  at::Tensor x = floats(4);
+  EXPECT_TRUE(cache.observe(0, {x}));
+  EXPECT_FALSE(cache.observe(0, {x}));
+  x.add_(1);
+  EXPECT_TRUE(cache.observe(0, {x}));
+  EXPECT_FALSE(cache.observe(0, {x}));
+  EXPECT_TRUE(cache.observe(0, {floats(4)}));
+  EXPECT_EQ(cache.cached_count(), 0);
+}
+
+TEST(Cache, BadArgumentsAreRejectedWithoutChangingState) {
+  EXPECT_THROW(NodeCache(-1), c10::Error);
+  NodeCache cache;
+  at::Tensor x = floats(4);
+  EXPECT_THROW(cache.put(0, {x}, x, -1.0), c10::Error);
+  EXPECT_THROW(cache.put(0, {x}, x, std::nan("")), c10::Error);
+  EXPECT_THROW(cache.set_capacity_bytes(-5), c10::Error);
+  EXPECT_EQ(cache.cached_count(), 0);
+  EXPECT_EQ(cache.capacity_bytes(), NodeCache::kUnlimited);
+}
+
+TEST(Cache, ConcurrentUseKeepsCountsAndBudgetConsistent) {
+  constexpr int kThreads = 4;
+  constexpr int kIterations = 2000;
+  NodeCache cache(8 * 64 * kFloat);
+  std::vector<at::Tensor> inputs;
+  for (int i = 0; i < 16; ++i) {
+    inputs.push_back(floats(1));
+  }
+  std::atomic<int64_t> gets{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kIterations; ++i) {
+        const int node = (i * 7 + t) % 16;
+        if (!cache.get(node, {inputs[node]})) {
+          cache.put(node, {inputs[node]}, floats(64), 1e-6 * (node + 1));
+        }
+        ++gets;
+        if (i % 97 == 0) {
+          cache.invalidate_node(node);
+        }
+        EXPECT_LE(cache.cached_bytes(), 8 * 64 * kFloat);
+      }
+    });
+  }
+  for (auto& thread : threads) {
+    thread.join();
+  }
+  const auto s = cache.stats();
+  EXPECT_EQ(s.hits + s.misses, gets.load());
+  EXPECT_EQ(s.cached_bytes, s.entries * 64 * kFloat);
+}
+
+TEST(Cache, RegisteredAsATorchScriptClass) {
+  auto type = torch::getCustomClass("__torch__.torch.classes.torch_ext.NodeCache");
+  ASSERT_TRUE(type);
+  for (const char* method : {"get", "lookup", "put", "invalidate_node", "invalidate", "stats", "memory_estimate"}) {
+    EXPECT_NE(type->findMethod(method), nullptr) << method;
+  }
+}

@@ -1,0 +1,571 @@
+import copy
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from torch import fx, nn
+from torch.nn import functional as F
+
+import torch_ext
+from torch_ext import LazyExecutor, NodeCache, lazy
+from torch_ext.models import GPT, GPTConfig
+
+
+# ---- models ----
+class Encoder(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 32), nn.Linear(32, 32)
+
+    def forward(self, cond):
+        return self.fc2(F.gelu(self.fc1(cond)))
+
+
+class Denoiser(nn.Module):
+    """A conditioning encoder and a denoiser: the diffusion sampler's shape."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.encoder = Encoder(dim)
+        self.inp, self.out = nn.Linear(dim, 32), nn.Linear(32, dim)
+
+    def forward(self, x, cond):
+        c = self.encoder(cond)
+        return self.out(F.gelu(self.inp(x) + c))
+
+
+class WeightNormLinear(nn.Module):
+    """Weight normalisation written out, so the weight-only subgraph is visible to torch.fx."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+        self.g = nn.Parameter(torch.ones(n_out, 1))
+        self.b = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        w = self.g * self.v / self.v.norm(dim=1, keepdim=True)
+        return F.linear(x, w, self.b)
+
+
+class WeightNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = WeightNormLinear(8, 16), WeightNormLinear(16, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x * self.scale)))
+
+
+class Stochastic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        noise = torch.randn_like(x)
+        return self.drop(self.fc(x)) + noise + F.dropout(x, 0.3, training=self.training)
+
+
+def same(a, b):
+    return torch.equal(a, b)
+
+
+# ---- outputs and reuse ----
+def test_repeated_inputs_are_reused_and_outputs_equal_the_plain_module():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)).eval()
+    executor = LazyExecutor(model)
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        first = executor(idx)
+        assert executor.stats()["nodes_reused"] == 0
+        second = executor(idx)
+        assert same(first, model(idx)) and same(second, model(idx))
+    stats = executor.stats()
+    assert stats["hits"] > 0 and stats["nodes_reused"] == stats["hits"]
+    assert "wpe" in executor.cached_nodes()
+
+
+def test_diffusion_loop_reuses_the_conditioning_and_recomputes_the_rest():
+    torch.manual_seed(0)
+    model = Denoiser().eval()
+    executor = lazy(model)
+    cond = torch.randn(4, 16)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(5):
+            expected = model(x, cond)
+            got = executor(x, cond)
+            assert same(got, expected)
+            x = x - 0.1 * got
+    cached = executor.cached_nodes()
+    assert {"encoder_fc1", "gelu", "encoder_fc2"} <= set(cached)
+    assert "inp" not in cached and "out" not in cached  # x varies: never stored after the second step
+    stats = executor.stats()
+    assert stats["hits"] == 4 * 3  # steps 2..5 reuse the encoder's three nodes
+    assert stats["misses"] == 0
+
+
+def test_in_place_edits_of_inputs_parameters_and_buffers_recompute_dependents():
+    torch.manual_seed(0)
+    model = WeightNormNet().eval()
+    executor = LazyExecutor(model)
+    x = torch.randn(5, 8)
+    edits = [
+        lambda: x.add_(1.0),                                      # an input
+        lambda: model.l1.g.mul_(2.0),                             # a parameter
+        lambda: model.scale.add_(0.25),                           # a buffer
+        lambda: setattr(model.l2.v, "data", torch.randn(4, 16)),  # `.data =` swaps the storage
+        lambda: model.l2.b.copy_(torch.randn(4)),
+    ]
+    with torch.no_grad():
+        executor(x), executor(x)
+        for edit in edits:
+            edit()
+            assert same(executor(x), model(x))
+            assert same(executor(x), model(x))
+
+
+def test_buffers_preprocessed_in_forward_are_traced_not_frozen():
+    class Dequant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("qweight", torch.randint(-127, 128, (4, 8), dtype=torch.int8))
+            self.register_buffer("scale", torch.rand(4, 1))
+
+        def forward(self, x):
+            return F.linear(x, self.qweight.float() * self.scale)
+
+    model = Dequant().eval()
+    executor = LazyExecutor(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        executor(x), executor(x)
+        assert {"float_1", "mul"} <= set(executor.cached_nodes())
+        model.qweight.neg_()  # new weights loaded in place
+        assert same(executor(x), model(x))
+
+
+def test_a_random_tensor_frozen_by_tracing_is_refused():
+    class FrozenNoise(nn.Module):
+        def forward(self, x):
+            return x + torch.randn(4, 8)
+
+    state = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="differs between two traces"):
+        LazyExecutor(FrozenNoise())
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's random stream is untouched
+
+
+def test_writes_through_data_are_not_seen_until_invalidate():
+    model = WeightNormNet().eval()
+    executor = LazyExecutor(model)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        before = executor(x)
+        executor(x)
+        model.l1.g.data.mul_(3.0)  # no version bump: the documented limitation
+        stale = executor(x)
+        assert same(stale, before) and not same(stale, model(x))
+        executor.invalidate()
+        assert same(executor(x), model(x))
+
+
+def test_an_output_changed_in_place_by_the_caller_is_recomputed():
+    model = Denoiser().eval()
+    executor = LazyExecutor(model)
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        executor(x, cond), executor(x, cond)
+        out = executor(x, cond)
+        out.mul_(0)
+        assert same(executor(x, cond), model(x, cond))
+
+
+def test_grad_mode_and_autocast_are_part_of_the_key():
+    model = Denoiser()
+    executor = LazyExecutor(model)
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        executor(x, cond), executor(x, cond)
+    out = executor(x, cond)  # grad enabled now: the no_grad outputs must not be reused
+    assert out.requires_grad
+    out.sum().backward()
+    assert model.encoder.fc1.weight.grad is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        expected = model(x, cond)
+        got = executor(x, cond)
+    assert got.dtype == expected.dtype == torch.bfloat16 and same(got, expected)
+    with torch.no_grad():
+        assert same(executor(x, cond), model(x, cond))
+
+
+# ---- training ----
+def test_training_outputs_gradients_and_parameters_equal_the_plain_module():
+    torch.manual_seed(0)
+    plain = WeightNormNet()
+    lazy_model = copy.deepcopy(plain)
+    executor = LazyExecutor(lazy_model)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt_lazy = torch.optim.SGD(executor.parameters(), lr=0.1, momentum=0.9)
+    x, target = torch.randn(6, 8), torch.randn(6, 4)
+    for _ in range(4):
+        loss_plain = F.mse_loss(plain(x), target)
+        loss_lazy = F.mse_loss(executor(x), target)
+        assert same(loss_plain, loss_lazy)
+        loss_plain.backward()
+        loss_lazy.backward()
+        for p, q in zip(plain.parameters(), lazy_model.parameters()):
+            assert same(p.grad, q.grad)
+        opt_plain.step(), opt_lazy.step()
+        opt_plain.zero_grad(), opt_lazy.zero_grad()
+    for p, q in zip(plain.parameters(), lazy_model.parameters()):
+        assert same(p, q)
+    # x * scale depends on the input and a buffer only: reused at every step after the first.
+    assert executor.stats()["hits"] >= 3
+    # Parameters changed at every step: their dependents are no longer stored.
+    assert executor.cached_nodes() == ["mul"]
+
+
+def test_under_inference_mode_nothing_is_reused_and_outputs_stay_exact():
+    model = Denoiser().eval()
+    executor = LazyExecutor(model)
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert same(executor(x, cond), model(x, cond))
+    assert executor.stats()["hits"] == 0
+
+
+def test_the_executor_is_freed_with_grad_outputs_cached():
+    import gc
+    import weakref
+
+    executor = LazyExecutor(Denoiser())
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    out = executor(x, cond)
+    out = executor(x, cond)  # cached outputs with autograd graphs and backward hooks
+    ref = weakref.ref(executor)
+    del executor
+    gc.collect()
+    assert ref() is None
+    out.sum().backward()  # the hooks of a freed executor do nothing
+
+
+def test_gradient_accumulation_reuses_nothing_whose_graph_a_backward_freed():
+    torch.manual_seed(0)
+    plain = WeightNormNet()
+    lazy_model = copy.deepcopy(plain)
+    executor = LazyExecutor(lazy_model)
+    x = torch.randn(6, 8)
+    for _ in range(3):  # no optimizer step: parameters stay, backward frees the graphs
+        plain(x).square().sum().backward()
+        executor(x).square().sum().backward()  # would raise "backward through the graph a second time"
+    for p, q in zip(plain.parameters(), lazy_model.parameters()):
+        assert same(p.grad, q.grad)
+
+
+def test_gradients_through_an_output_reused_within_one_graph():
+    torch.manual_seed(0)
+    plain = Denoiser()
+    lazy_model = copy.deepcopy(plain)
+    executor = LazyExecutor(lazy_model)
+    cond = torch.randn(3, 16)
+    x_plain = x_lazy = torch.randn(3, 16)
+    for _ in range(4):
+        x_plain = x_plain - 0.1 * plain(x_plain, cond)
+        x_lazy = x_lazy - 0.1 * executor(x_lazy, cond)
+    assert executor.stats()["hits"] > 0
+    x_plain.sum().backward()
+    x_lazy.sum().backward()
+    # The reused encoder output gets its four uses' gradients summed before one backward;
+    # the plain module backpropagates each use: the same sum in another order, so rounding
+    # may differ in the last bits.
+    for p, q in zip(plain.parameters(), lazy_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---- never cached ----
+def test_random_nodes_are_never_cached_and_consume_rng_like_the_plain_module():
+    model = Stochastic().train()
+    executor = LazyExecutor(model)
+    x = torch.randn(4, 8)
+    outputs = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        expected = model(x)
+        torch.manual_seed(seed)
+        got = executor(x)
+        assert same(got, expected)
+        outputs.append(got)
+    assert not same(outputs[0], outputs[1])
+    cached = executor.cached_nodes()
+    assert not {"randn_like", "drop", "dropout"} & set(cached)
+    model.eval()  # dropout is deterministic in eval, randn_like is not
+    with torch.no_grad():
+        torch.manual_seed(5)
+        expected = model(x)
+        torch.manual_seed(5)
+        assert same(executor(x), expected)
+        torch.manual_seed(6)
+        executor(x)
+    assert "drop" in executor.cached_nodes() and "randn_like" not in executor.cached_nodes()
+
+
+def test_nodes_with_side_effects_are_never_cached():
+    class Effects(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(8)
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.fc(x)
+            y.add_(1.0)
+            return self.bn(y)
+
+    model = Effects().train()
+    reference = copy.deepcopy(model)
+    executor = LazyExecutor(model)
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert same(executor(x), reference(x))
+    assert same(model.bn.running_mean, reference.bn.running_mean)
+    assert model.bn.num_batches_tracked.item() == 3
+    assert not {"add_", "bn"} & set(executor.cached_nodes())
+
+
+def test_in_place_activations_are_never_cached():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            a = F.relu(self.fc1(x), inplace=True)
+            b = self.act(self.fc2(a))
+            c = torch.relu_(self.fc3(b))
+            return F.leaky_relu(c, 0.1, True) + x
+
+    model = InPlace().eval()
+    executor = LazyExecutor(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert same(executor(x), model(x))
+    assert not {"relu", "act", "relu_", "leaky_relu"} & set(executor.cached_nodes())
+
+
+def test_never_cache_names_nodes_and_callables():
+    model = Denoiser().eval()
+    executor = LazyExecutor(model, never_cache={"encoder_fc1", F.gelu})
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        for _ in range(3):
+            assert same(executor(x, cond), model(x, cond))
+    assert not {"encoder_fc1", "gelu", "gelu_1"} & set(executor.cached_nodes())
+
+
+# ---- graph inputs ----
+def test_graph_modules_and_exported_programs_run_with_reuse():
+    torch.manual_seed(0)
+    model = Denoiser().eval()
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    for source in (fx.symbolic_trace(model), torch.export.export(model, (x, cond))):
+        executor = LazyExecutor(source)
+        with torch.no_grad():
+            for step in range(3):
+                x = x + 0.01
+                assert same(executor(x, cond=cond), model(x, cond))
+        assert executor.stats()["hits"] > 0, type(source)
+
+
+def test_keyword_arguments_and_argument_errors():
+    model = Denoiser().eval()
+    executor = LazyExecutor(model)
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        assert same(executor(cond=cond, x=x), model(x, cond))
+    with pytest.raises(TypeError, match="Denoiser"):
+        executor(x)
+    with pytest.raises(TypeError, match="Denoiser"):
+        executor(x, cond, x)
+
+
+# ---- control and budget ----
+def test_invalidate_node_invalidate_and_stats():
+    model = Denoiser().eval()
+    executor = LazyExecutor(model)
+    x, cond = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        executor(x, cond), executor(x, cond)
+        assert "encoder_fc2" in executor.cached_nodes()
+        executor.invalidate_node("encoder_fc2")
+        assert "encoder_fc2" not in executor.cached_nodes()
+        before = executor.stats()
+        assert same(executor(x, cond), model(x, cond))
+        after = executor.stats()
+        assert after["misses"] == before["misses"] + 1
+        # encoder_fc2 and the three nodes downstream of it (add, gelu_1, out) had entries.
+        assert after["tensors_recomputed"] == before["tensors_recomputed"] + 4
+        executor.invalidate()
+        assert executor.cached_nodes() == []
+        assert executor.stats()["cached_bytes"] == 0
+    assert executor.memory_estimate() > 0
+    with pytest.raises(ValueError, match="no node named 'nope'"):
+        executor.invalidate_node("nope")
+    executor.reset_stats()
+    assert executor.stats()["hits"] == 0 and executor.stats()["calls"] == 0
+
+
+def test_capacity_bytes_bounds_what_is_held_and_results_stay_exact():
+    torch.manual_seed(0)
+    model = WeightNormNet().eval()
+    unlimited = LazyExecutor(model)
+    x = torch.randn(64, 8)
+    with torch.no_grad():
+        unlimited(x), unlimited(x)
+    need = unlimited.stats()["cached_bytes"]
+    executor = LazyExecutor(model, capacity_bytes=need // 2)
+    with torch.no_grad():
+        for _ in range(4):
+            assert same(executor(x), model(x))
+            assert executor.stats()["cached_bytes"] <= need // 2
+    assert 0 < len(executor.cached_nodes()) < len(unlimited.cached_nodes())
+    executor.capacity_bytes = 0
+    assert executor.stats()["cached_bytes"] == 0 and executor.capacity_bytes == 0
+    executor.capacity_bytes = None
+    assert executor.capacity_bytes is None
+
+
+def test_bad_arguments_are_rejected_with_clear_errors():
+    with pytest.raises(TypeError, match="got int"):
+        LazyExecutor(3)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        LazyExecutor(Denoiser(), capacity_bytes=-1)
+
+    class Untraceable(nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+
+    with pytest.raises(RuntimeError, match="could not trace Untraceable"):
+        LazyExecutor(Untraceable())
+    cache = NodeCache()
+    with pytest.raises(RuntimeError, match="cost_seconds"):
+        cache.put(0, [torch.ones(1)], torch.ones(1), -1.0)
+    with pytest.raises(TypeError, match="list or tuple"):
+        cache.get(0, torch.ones(1))
+    with pytest.raises(RuntimeError, match="capacity_bytes"):
+        NodeCache(-1)
+
+
+def test_concurrent_calls_are_serialised_and_exact():
+    torch.manual_seed(0)
+    model = Denoiser().eval()
+    executor = LazyExecutor(model)
+    cond = torch.randn(2, 16)
+    inputs = [torch.randn(2, 16) for _ in range(8)]
+    expected = [model(x, cond).detach() for x in inputs]
+    errors = []
+
+    def work(k):
+        with torch.no_grad():
+            for i in range(20):
+                j = (i + k) % len(inputs)
+                if not same(executor(inputs[j], cond), expected[j]):
+                    errors.append(j)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert executor.stats()["calls"] == 80
+
+
+# ---- the NodeCache itself, from Python and TorchScript ----
+def test_node_cache_keys_by_identity_version_and_value():
+    cache = NodeCache()
+    x = torch.randn(4)
+    y = x * 2
+    assert cache.put(7, [x, 3, (1, 2), "s", torch.float32], y, 0.5)
+    assert cache.get(7, [x, 3, (1, 2), "s", torch.float32]) is y
+    assert cache.get(7, [x, 3, (1, 2), "s", torch.float64], "miss") == "miss"
+    cache.put(7, [x, 3], y, 0.5)
+    assert cache.get(7, [x.clone(), 3], "miss") == "miss"
+    cache.put(7, [x, 3], y, 0.5)
+    x.add_(1)
+    assert cache.get(7, [x, 3], "miss") == "miss"
+    stats = cache.stats()
+    assert set(stats) == {"hits", "misses", "tensors_recomputed", "evictions", "invalidations", "entries",
+                          "cached_bytes", "capacity_bytes"}
+    assert stats["hits"] == 1 and stats["misses"] == 3
+
+
+def test_torchscript_uses_the_registered_class():
+    @torch.jit.script
+    def cached_double(cache: torch.classes.torch_ext.NodeCache, x: torch.Tensor) -> torch.Tensor:
+        hit, value = cache.lookup(0, [x])
+        if hit:
+            assert isinstance(value, torch.Tensor)  # refines Any
+            return value
+        y = x * 2
+        cache.put(0, [x], y, 0.001)
+        return y
+
+    cache = torch.classes.torch_ext.NodeCache(1 << 20)
+    x = torch.randn(8)
+    first = cached_double(cache, x)
+    second = cached_double(cache, x)
+    assert same(first, x * 2) and first.data_ptr() == second.data_ptr()
+    assert cache.stats()["hits"] == 1 and cache.cached_bytes() == x.nbytes
+    x.add_(1)
+    assert same(cached_double(cache, x), x * 2)
+    assert cache.get(0, [torch.randn(8)]) is None
+
+
+def test_a_scripted_module_with_a_cache_saves_and_loads_in_a_fresh_process(tmp_path):
+    script = tmp_path / "scripted_cache.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        torch.ops.load_library({torch_ext.library_path()!r})
+        assert "torch_ext" not in sys.modules
+
+        class Table(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.cache = torch.classes.torch_ext.NodeCache(4096)
+                self.weight = torch.nn.Parameter(torch.randn(4, 4))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                hit, cached = self.cache.lookup(0, [self.weight])
+                if hit:
+                    assert isinstance(cached, torch.Tensor)
+                    w = cached
+                else:
+                    w = self.weight.softmax(dim=1)
+                    self.cache.put(0, [self.weight], w, 0.0)
+                return x @ w
+
+        path = {str(tmp_path / "table.pt")!r}
+        torch.jit.script(Table()).save(path)
+        loaded = torch.jit.load(path)
+        x = torch.randn(2, 4)
+        with torch.no_grad():
+            a, b = loaded(x), loaded(x)
+        assert torch.equal(a, x @ loaded.weight.softmax(dim=1)) and torch.equal(a, b)
+        assert loaded.cache.capacity_bytes() == 4096 and loaded.cache.stats()["hits"] == 1
+        print("ok")
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

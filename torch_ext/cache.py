@@ -1,0 +1,755 @@
+"""Lazy node cache: run a torch.fx / torch.export graph node by node and reuse the outputs of
+nodes whose inputs did not change since they were computed.
+
+    executor = torch_ext.LazyExecutor(model)          # or torch_ext.lazy(model)
+    out = executor(x, cond)                           # same results as model(x, cond)
+
+Which nodes are reused. A node's cached output is returned only when the C++ NodeCache
+(torch_ext._C.cache.NodeCache, csrc/torch_ext/cache/node_cache.h) finds every input the same
+live tensor at the same version, data pointer, storage, sizes, strides, offset, dtype, device
+and requires_grad (and the same values for non-tensors), the same grad / inference / autocast
+mode, and the cached output tensors unchanged in place. For call_module nodes the module's
+parameters, buffers and training flag are inputs too. Optimizer steps and other in-place
+updates bump version counters, so everything that depends on the updated tensors recomputes.
+
+Never cached: random nodes (dropout in training, torch.rand*/randn*/randint*/bernoulli/
+multinomial/normal/poisson, random in-place methods, aten ops tagged nondeterministic_seeded,
+scaled_dot_product_attention with dropout, modules of the Dropout family and RReLU in
+training); nodes with side effects (in-place methods and operators, setitem, out= calls,
+mutable aten ops, torch.empty*, modules holding buffers while in training mode: they may
+update them, like BatchNorm's running statistics); nodes named in never_cache.
+
+Adaptive bookkeeping. Inputs and parameters are "sources". A source that changed on two
+calls in a row is treated as varying: nodes depending on it are computed without looking
+them up or storing them (no overhead, no memory), e.g. the noisy latent of a diffusion
+sampler or the tokens of a full-miss workload. A node whose input was recomputed in this
+call is computed and stored without a lookup (it cannot hit). Only nodes whose inputs all
+came from the cache (or from unchanged sources) are looked up.
+
+Training and gradients. An output computed with grad enabled keeps its autograd graph and is
+reused as is, so gradients flow through every use of it into the same parameters (summed by
+autograd, as the plain module's per-use graphs are). Once a backward pass runs through it,
+its graph's saved tensors are freed: a hook on its grad_fn then invalidates the entry, and
+the next call recomputes it. Outputs computed under no_grad are never returned with grad
+enabled, nor the other way round.
+
+Limitations (documented, not detected): writes that bypass version counters (`p.data.copy_`,
+`p.data.mul_`, NumPy views, writes to inference tensors) are invisible: call invalidate()
+after them, or write through `with torch.no_grad(): p.copy_(...)`, which is seen.
+Assignments like `p.data = t` are seen (the storage changes). Nodes whose inputs are
+inference tensors (torch.inference_mode) are never reused: use torch.no_grad(). Graph outputs
+served from the cache are the same tensor objects as on the call that computed them: do
+not modify them in place (if you do, the cache notices and recomputes, but references kept
+from earlier calls see the change). A traced module's structure is captured once per
+combination of its submodules' training flags; attributes read by plain Python code at
+trace time (not tensors) are constants of the graph, and tracing refuses a random tensor it
+would freeze (torch.randn(4, 8) drawn without an input). Modules torch.fx treats as leaves
+(torch.nn modules, parametrized ones included) are one node each: their internal weight
+preprocessing is reused only together with their output. Interior outputs of a reused
+subgraph are held too (each node's key names its inputs, so the chain must stay):
+capacity_bytes bounds them and memory_estimate() tells what they take. Costs are host
+seconds, which on CUDA measure the launch rather than the kernel; they only order evictions.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import fx, nn
+from torch.fx.node import map_aggregate
+from torch.nn import functional as F
+
+from . import _C
+
+NodeCache = _C.cache.NodeCache
+
+STABLE, FRESH, VARYING = 0, 1, 2
+_MISS = object()
+_UNLIMITED = 2**63 - 1
+
+_RANDOM_FUNCTIONS = {
+    torch.rand, torch.rand_like, torch.randn, torch.randn_like, torch.randint, torch.randint_like,
+    torch.randperm, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, torch.rrelu,
+    F.gumbel_softmax, F.rrelu,
+}
+# Dropout-like functions: random unless p is the constant 0 or training the constant False.
+# name -> (position of p, position of training, keyword of training)
+_DROPOUT_FUNCTIONS = {
+    F.dropout: (1, 2, "training"), F.dropout1d: (1, 2, "training"), F.dropout2d: (1, 2, "training"),
+    F.dropout3d: (1, 2, "training"), F.alpha_dropout: (1, 2, "training"),
+    F.feature_alpha_dropout: (1, 2, "training"), torch.dropout: (1, 2, "train"),
+    torch.alpha_dropout: (1, 2, "train"), torch.feature_dropout: (1, 2, "train"),
+    torch.feature_alpha_dropout: (1, 2, "train"),
+}
+_SIDE_EFFECT_FUNCTIONS = {
+    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift, torch.empty, torch.empty_like, torch.empty_strided,
+    print,
+}
+_RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "bernoulli_", "exponential_",
+                   "geometric_", "cauchy_", "log_normal_"}
+_SIDE_EFFECT_METHODS = {"backward", "register_hook", "retain_grad", "new_empty", "new_empty_strided", "record_stream",
+                        "__setitem__", "__delitem__"}
+_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+                   nn.RReLU)
+_PLAIN_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, _PLAIN_TYPES):
+        return True
+    if type(value) in (tuple, list, torch.Size):
+        return all(isinstance(v, _PLAIN_TYPES) for v in value)
+    return False
+
+
+def _tensors_of(value: Any) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_of(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_of(v)]
+    return []
+
+
+def _argument(node: fx.Node, position: int, keyword: str, default: Any) -> Any:
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(keyword, default)
+
+
+def _function_kind(node: fx.Node) -> str:
+    """'pure', 'random' or 'side_effect' for a call_function / call_method node."""
+    target = node.target
+    if node.op == "call_method":
+        if target in _RANDOM_METHODS:
+            return "random"
+        if (target in _SIDE_EFFECT_METHODS or (target.endswith("_") and not target.endswith("__"))
+                or (target.startswith("__i") and target.endswith("__")) or node.kwargs.get("inplace") is not None
+                and node.kwargs.get("inplace") is not False):
+            return "side_effect"
+        return "pure"
+    if "out" in node.kwargs or _writes_in_place(node):
+        return "side_effect"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        overloads = ([target] if isinstance(target, torch._ops.OpOverload)
+                     else [getattr(target, name) for name in target.overloads()])
+        if any(op._schema.is_mutable for op in overloads):
+            return "side_effect"
+        if any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads):
+            if any(op.__name__.split(".")[0] in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout")
+                   for op in overloads) and _argument(node, 2, "train", True) is False:
+                return "pure"
+            return "random"
+        name = target.__name__.split(".")[0]
+        if name.startswith("empty") or name.startswith("new_empty"):
+            return "side_effect"
+        return "pure"
+    if target in _RANDOM_FUNCTIONS:
+        return "random"
+    if target in _DROPOUT_FUNCTIONS:
+        p_position, training_position, training_keyword = _DROPOUT_FUNCTIONS[target]
+        if _argument(node, 3, "inplace", False) is not False:
+            return "side_effect"
+        p = _argument(node, p_position, "p", 0.5)
+        training = _argument(node, training_position, training_keyword, True)
+        return "pure" if training is False or (isinstance(p, (int, float)) and p == 0) else "random"
+    if target is F.scaled_dot_product_attention:
+        p = _argument(node, 4, "dropout_p", 0.0)
+        return "pure" if isinstance(p, (int, float)) and p == 0 else "random"
+    return "pure"
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """torch.relu_-style functions, and functions called with inplace=True (or an inplace
+    argument that is not the constant False)."""
+    target = node.target
+    name = getattr(target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+    if "inplace" not in parameters:
+        return False
+    position = list(parameters).index("inplace")
+    value = node.args[position] if len(node.args) > position else node.kwargs.get("inplace", False)
+    return value is not False
+
+
+def _random_in_training(module: nn.Module) -> bool:
+    for m in module.modules():
+        if isinstance(m, _RANDOM_MODULES):
+            return True
+        dropout = getattr(m, "dropout", None)
+        if isinstance(dropout, float) and dropout > 0:
+            return True
+    return False
+
+
+def _compile_arguments(args: tuple, kwargs: dict, index: dict) -> Callable[[list], tuple]:
+    """A function env -> (args, kwargs) with each node replaced by its value."""
+    def flat(value):
+        return isinstance(value, fx.Node) or not isinstance(value, (tuple, list, dict, slice))
+
+    if all(flat(a) for a in args) and all(flat(v) for v in kwargs.values()):
+        arg_refs = [(i, index[a]) for i, a in enumerate(args) if isinstance(a, fx.Node)]
+        kw_refs = [(k, index[v]) for k, v in kwargs.items() if isinstance(v, fx.Node)]
+        arg_template, kw_template = list(args), dict(kwargs)
+        if not kw_refs:
+            if len(arg_refs) == 1 and len(args) == 1:
+                (_, only), = arg_refs
+                return lambda env: ((env[only],), kw_template)
+            def build(env):
+                a = arg_template.copy()
+                for position, ref in arg_refs:
+                    a[position] = env[ref]
+                return a, kw_template
+            return build
+
+        def build_with_kwargs(env):
+            a = arg_template.copy()
+            for position, ref in arg_refs:
+                a[position] = env[ref]
+            kw = kw_template.copy()
+            for key, ref in kw_refs:
+                kw[key] = env[ref]
+            return a, kw
+        return build_with_kwargs
+
+    def build_nested(env):
+        lookup = lambda n: env[index[n]] if isinstance(n, fx.Node) else n  # noqa: E731
+        return map_aggregate(args, lookup), map_aggregate(kwargs, lookup)
+    return build_nested
+
+
+class _Step:
+    """One node of a plan, with everything the run loop needs precomputed."""
+
+    __slots__ = ("index", "node_id", "name", "op", "target", "build", "inputs", "kind", "parent", "attr",
+                 "state", "random_in_training", "buffers", "streak", "has_tensor", "last_value", "cached",
+                 "on_backward", "placeholder_default", "never", "release")
+
+    def __init__(self, index: int, node_id: int, node: fx.Node) -> None:
+        self.index, self.node_id, self.name, self.op, self.target = index, node_id, node.name, node.op, node.target
+        self.build = None
+        self.inputs: list[int] = []
+        self.kind = "pure"
+        self.parent = self.attr = None
+        self.state: list = []  # (dict, key) pairs of a call_module's parameters and buffers
+        self.random_in_training = self.buffers = False
+        self.streak = 0
+        self.has_tensor = True
+        self.last_value = _MISS
+        self.cached = False
+        self.on_backward = None
+        self.placeholder_default = _MISS
+        self.never = False
+        self.release: list[int] = []  # env slots whose last use is this node
+
+
+class _Plan:
+    def __init__(self, graph_module: fx.GraphModule, root: nn.Module, first_id: int, never_cache: set) -> None:
+        self.graph_module = graph_module
+        graph = graph_module.graph
+        nodes = list(graph.nodes)
+        index = {node: i for i, node in enumerate(nodes)}
+        self.steps: list[_Step] = []
+        self.placeholders: list[_Step] = []
+        self.output_build = None
+        self.codegen = graph._codegen
+        self.pytree_io = type(self.codegen).__name__ == "_PyTreeCodeGen"
+        for i, node in enumerate(nodes):
+            step = _Step(i, first_id + i, node)
+            step.inputs = [index[n] for n in node.all_input_nodes]
+            step.never = node.name in never_cache or node.target in never_cache
+            if node.op == "placeholder":
+                if node.args:
+                    step.placeholder_default = node.args[0]
+                self.placeholders.append(step)
+            elif node.op == "get_attr":
+                step.parent, step.attr = _resolve((root, graph_module), node.target, node.name)
+            elif node.op == "output":
+                build = _compile_arguments(node.args, {}, index)
+                self.output_build = lambda env, build=build: build(env)[0][0]
+            else:
+                step.build = _compile_arguments(node.args, node.kwargs, index)
+                if node.op == "call_module":
+                    step.parent, step.attr = _resolve((root, graph_module), node.target, node.name)
+                    module = step.parent._modules.get(step.attr)
+                    if not isinstance(module, nn.Module):
+                        raise TypeError(f"LazyExecutor: node {node.name} calls {node.target}, which is not an nn.Module")
+                    step.never = step.never or type(module) in never_cache
+                    for owner in module.modules():
+                        step.state.extend((owner._parameters, k) for k in owner._parameters)
+                        step.state.extend((owner._buffers, k) for k in owner._buffers)
+                    step.random_in_training = _random_in_training(module)
+                    if getattr(module, "inplace", False) is True:  # nn.ReLU(inplace=True) and the like
+                        step.kind = "side_effect"
+                    step.buffers = any(True for _ in module.buffers())
+                else:
+                    step.kind = _function_kind(node)
+            self.steps.append(step)
+        # Free each value after its last use, as eager execution does (the output node keeps its own).
+        last_use: dict[int, int] = {}
+        for i, node in enumerate(nodes):
+            for n in node.all_input_nodes:
+                last_use[index[n]] = i
+        for producer, consumer in last_use.items():
+            if nodes[consumer].op != "output":
+                self.steps[consumer].release.append(producer)
+        for i, node in enumerate(nodes):
+            if not node.users and node.op not in ("output", "placeholder"):
+                self.steps[i].release.append(i)
+        self.size = len(nodes)
+        self.ids = [step.node_id for step in self.steps]
+
+
+class _Tracer(fx.Tracer):
+    # Buffers become get_attr nodes even where forward calls their methods (self.qweight.float()),
+    # instead of being evaluated once at trace time into a constant that in-place edits never reach.
+    proxy_buffer_attributes = True
+
+
+def _trace_once(module: nn.Module) -> fx.GraphModule:
+    tracer = _Tracer()
+    graph = tracer.trace(module)
+    return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def _trace(module: nn.Module) -> fx.GraphModule:
+    """Trace module with torch.fx, and refuse graphs into which tracing baked a random tensor.
+
+    A tensor created in forward from constants alone (torch.randn(4, 8)) is evaluated at trace
+    time and stored as a constant: the plain module draws a new one at every call, the graph
+    would not. Tracing twice under different seeds (the caller's RNG state is restored) tells
+    such constants from real ones."""
+    name = type(module).__name__
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0x1A2B)
+            first = _trace_once(module)
+            torch.manual_seed(0x3C4D)
+            second = _trace_once(module)
+    except Exception as error:
+        raise RuntimeError(f"LazyExecutor: torch.fx could not trace {name}: {error}; pass a torch.fx.GraphModule "
+                           f"or a torch.export.ExportedProgram instead") from error
+    own = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    for node in first.graph.nodes:
+        if node.op == "get_attr" and node.target not in own:
+            a, b = getattr(first, node.target, None), getattr(second, node.target, None)
+            if isinstance(a, torch.Tensor) and not (isinstance(b, torch.Tensor) and a.shape == b.shape
+                                                    and torch.equal(a, b)):
+                raise RuntimeError(
+                    f"LazyExecutor: tracing {name} turned a tensor created in forward into the constant "
+                    f"{node.target} (used by {', '.join(u.name for u in node.users)}), and it differs between "
+                    f"two traces: a random tensor drawn without an input (like torch.randn(4, 8)) would be "
+                    f"frozen. Derive it from an input (torch.randn_like(x), torch.randn(x.shape)) or pass a "
+                    f"torch.export.ExportedProgram.")
+    return first
+
+
+def _resolve(roots: tuple, target: str, node_name: str):
+    """(owner, attribute) for a qualified attribute name: on the user's module first, so that
+    reassigned parameters are seen, then on the graph module (constants tracing created)."""
+    prefix, _, attr = target.rpartition(".")
+    for root in roots:
+        try:
+            owner = root.get_submodule(prefix) if prefix else root
+        except AttributeError:
+            continue
+        if hasattr(owner, attr):
+            return owner, attr
+    raise ValueError(f"LazyExecutor: node {node_name} refers to {target!r}, which {type(roots[0]).__name__} "
+                     f"does not have")
+
+
+class LazyExecutor(nn.Module):
+    """Runs a module's graph node by node, reusing node outputs whose inputs are unchanged.
+
+    module: an nn.Module (traced with torch.fx, once per training-mode setting), a
+    torch.fx.GraphModule (run as is), or a torch.export.ExportedProgram (its .module()).
+    capacity_bytes: the most bytes of cached outputs to hold (None: no limit).
+    never_cache: node names, callables or module classes never to cache, for functions with
+    effects the executor cannot see.
+
+    Calls are serialised by a lock; the cache itself may be invalidated from any thread.
+    See the module docstring for what is reused, what never is, and the limitations.
+    """
+
+    def __init__(self, module: Union[nn.Module, fx.GraphModule, "torch.export.ExportedProgram"],
+                 capacity_bytes: Optional[int] = None, never_cache: Iterable[Any] = ()) -> None:
+        super().__init__()
+        if isinstance(module, torch.export.ExportedProgram):
+            module = module.module()
+            self._trace = False
+        elif isinstance(module, fx.GraphModule):
+            self._trace = False
+        elif isinstance(module, nn.Module):
+            self._trace = True
+        else:
+            raise TypeError(f"LazyExecutor: expected an nn.Module, torch.fx.GraphModule or torch.export."
+                            f"ExportedProgram, got {type(module).__name__}")
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes < 0):
+            raise ValueError(f"LazyExecutor: capacity_bytes must be None or an int >= 0, got {capacity_bytes!r}")
+        self.module = module
+        self._cache = NodeCache(_UNLIMITED if capacity_bytes is None else capacity_bytes)
+        self._never_cache = set(never_cache)
+        self._lock = threading.Lock()
+        self._plans: dict = {}
+        self._names: dict[int, str] = {}
+        self._next_id = 0
+        self._all_modules = list(module.modules())
+        self._calls = self._computed = self._reused = 0
+        try:
+            self._signature = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            self._signature = None
+        self._plan()  # trace now: errors surface at construction
+
+    # ---- plans ----
+    def _plan(self) -> _Plan:
+        key = tuple(m.training for m in self._all_modules) if self._trace else None
+        plan = self._plans.get(key)
+        if plan is None:
+            if self._trace:
+                graph_module = _trace(self.module)
+            else:
+                graph_module = self.module
+            plan = _Plan(graph_module, self.module, self._next_id, self._never_cache)
+            self._next_id += plan.size
+            for step in plan.steps:
+                self._names[step.node_id] = step.name
+                step.on_backward = self._backward_hook(step)
+            self._plans[key] = plan
+        return plan
+
+    def _backward_hook(self, step: _Step):
+        cache_ref = weakref.ref(self._cache)
+        node_id = step.node_id
+
+        def on_backward(grad_inputs, grad_outputs):
+            # The graph behind the cached output is being freed (or was used once): recompute.
+            cache = cache_ref()
+            if cache is not None:
+                cache.invalidate_node(node_id)
+        return on_backward
+
+    def _bind(self, plan: _Plan, args: tuple, kwargs: dict) -> list:
+        if kwargs:
+            if self._signature is None:
+                raise TypeError(f"LazyExecutor: {type(self.module).__name__} takes no keyword arguments")
+            try:
+                bound = self._signature.bind(*args, **kwargs)
+            except TypeError as error:
+                raise TypeError(f"LazyExecutor({type(self.module).__name__}): {error}") from None
+            bound.apply_defaults()
+            args = tuple(bound.args) + tuple(bound.kwargs.values())
+        if plan.pytree_io:
+            return list(plan.codegen.process_inputs(*args))
+        values = []
+        positional = list(args)
+        for step in plan.placeholders:
+            if step.target.startswith("**"):
+                values.append({})
+            elif step.target.startswith("*"):
+                values.append(tuple(positional))
+                positional = []
+            elif positional:
+                values.append(positional.pop(0))
+            elif step.placeholder_default is not _MISS:
+                values.append(step.placeholder_default)
+            else:
+                raise TypeError(f"LazyExecutor({type(self.module).__name__}): missing argument {step.target!r}")
+        if positional:
+            raise TypeError(f"LazyExecutor({type(self.module).__name__}): takes {len(plan.placeholders)} "
+                            f"arguments, got {len(args)}")
+        return values
+
+    # ---- running ----
+    def _source_status(self, step: _Step, inputs: list) -> int:
+        if not self._cache.observe(step.node_id, inputs):
+            step.streak = 0
+            return STABLE
+        step.streak += 1
+        return VARYING if step.streak >= 2 else FRESH
+
+    def forward(self, *args, **kwargs):
+        with self._lock:
+            plan = self._plan()
+            return self._run(plan, self._bind(plan, args, kwargs))
+
+    def _run(self, plan: _Plan, placeholder_values: list):
+        cache = self._cache
+        env: list = [None] * plan.size
+        status = [STABLE] * plan.size
+        next_placeholder = iter(placeholder_values)
+        computed = reused = 0
+        grad_enabled = torch.is_grad_enabled()
+        perf_counter = time.perf_counter
+        for step in plan.steps:
+            i = step.index
+            op = step.op
+            if op == "placeholder":
+                value = next(next_placeholder)
+                env[i] = value
+                status[i] = self._source_status(step, [value])
+                continue
+            if op == "get_attr":
+                value = getattr(step.parent, step.attr)
+                env[i] = value
+                status[i] = self._source_status(step, [value])
+                continue
+            if op == "output":
+                result = plan.output_build(env)
+                break
+            st = STABLE
+            for j in step.inputs:
+                if status[j] > st:
+                    st = status[j]
+            kind = step.kind
+            module = key_extra = None
+            if op == "call_module":
+                module = step.parent._modules[step.attr]  # what getattr finds, without its slow path
+                if module.training and (step.random_in_training or step.buffers):
+                    kind = "random" if step.random_in_training else "side_effect"
+                elif st != VARYING:
+                    # The module's parameters, buffers and mode are inputs of the node too.
+                    key_extra = [d[k] for d, k in step.state]
+                    key_extra.append(module.training)
+            if step.never and kind == "pure":
+                kind = "side_effect"
+
+            if (kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS
+                    and module is None):  # a module's result may depend on its state, which st does not cover
+                value = step.last_value  # a shape or size of unchanged inputs: as it was
+            elif kind != "pure" or st == VARYING or not step.has_tensor:
+                if step.cached:
+                    cache.invalidate_node(step.node_id)
+                    step.cached = False
+                value = self._call(step, env, module)
+                computed += 1
+                if kind == "random":
+                    st = VARYING
+                elif kind == "side_effect" and st == STABLE:
+                    st = FRESH
+                elif kind == "pure" and not step.has_tensor:
+                    st = self._value_status(step, value, st)
+                    if _tensors_of(value):
+                        step.has_tensor = True  # learned wrong once: look it up from now on
+            else:
+                key = [env[j] for j in step.inputs]
+                if key_extra is not None:
+                    key.extend(key_extra)
+                value = cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
+                if value is not _MISS:
+                    reused += 1
+                    step.streak = 0  # the module's state is in the key: unchanged
+                else:
+                    if key_extra is not None:
+                        source = self._source_status(step, key_extra)
+                        if source > st:
+                            st = source
+                    start = perf_counter()
+                    value = self._call(step, env, module)
+                    cost = perf_counter() - start
+                    computed += 1
+                    tensors = _tensors_of(value)
+                    if not tensors:
+                        step.has_tensor = False
+                        st = self._value_status(step, value, max(st, FRESH))
+                    elif st == VARYING:  # its parameters change at every call (training)
+                        if step.cached:
+                            cache.invalidate_node(step.node_id)
+                            step.cached = False
+                    else:
+                        st = FRESH
+                        step.cached = cache.put(step.node_id, key, value, cost)
+                        if step.cached and grad_enabled:
+                            for tensor in tensors:
+                                if tensor.grad_fn is not None:
+                                    tensor.grad_fn.register_hook(step.on_backward)
+            env[i] = value
+            status[i] = st
+            for j in step.release:
+                env[j] = None
+        self._calls += 1
+        self._computed += computed
+        self._reused += reused
+        if plan.pytree_io:
+            return plan.codegen.process_outputs(result)
+        return result
+
+    @staticmethod
+    def _call(step: _Step, env: list, module: Optional[nn.Module]) -> Any:
+        args, kwargs = step.build(env)
+        if module is not None:
+            return module(*args, **kwargs)
+        if step.op == "call_method":
+            return getattr(args[0], step.target)(*args[1:], **kwargs)
+        return step.target(*args, **kwargs)
+
+    @staticmethod
+    def _value_status(step: _Step, value: Any, status: int) -> int:
+        """A non-tensor output equal to the last one is as good as cached."""
+        if not _is_plain(value):
+            step.last_value = _MISS
+            return status
+        last = step.last_value
+        step.last_value = value
+        if last is not _MISS and type(last) is type(value) and last == value:
+            return STABLE
+        return status
+
+    # ---- inspection and control ----
+    def stats(self) -> dict:
+        """The NodeCache's counters (hits, misses, tensors_recomputed, evictions, invalidations,
+        entries, cached_bytes, capacity_bytes) and the executor's: calls, nodes_computed,
+        nodes_reused (hits), hit_rate (nodes_reused / (nodes_reused + nodes_computed))."""
+        stats = dict(self._cache.stats())
+        # No lock: a forward hook may ask mid-call; the counters are updated once per call.
+        stats.update(calls=self._calls, nodes_computed=self._computed, nodes_reused=self._reused)
+        done = stats["nodes_reused"] + stats["nodes_computed"]
+        stats["hit_rate"] = stats["nodes_reused"] / done if done else 0.0
+        return stats
+
+    def reset_stats(self) -> None:
+        self._cache.reset_stats()
+        with self._lock:
+            self._calls = self._computed = self._reused = 0
+
+    def invalidate(self) -> None:
+        """Drop every cached output: the next call recomputes every node."""
+        self._cache.invalidate()
+
+    def invalidate_node(self, name: str) -> None:
+        """Drop the cached output of the node called name (in every traced plan)."""
+        ids = [node_id for node_id, node_name in self._names.items() if node_name == name]
+        if not ids:
+            known = sorted(set(self._names.values()))
+            raise ValueError(f"LazyExecutor: no node named {name!r}; nodes are {known[:20]}"
+                             f"{' ...' if len(known) > 20 else ''}")
+        self._cache.invalidate_nodes(ids)
+
+    def cached_nodes(self) -> list[str]:
+        """Names of the nodes whose outputs are cached now, in graph order."""
+        return [self._names[node_id] for node_id in self._cache.cached_node_ids()]
+
+    def memory_estimate(self) -> int:
+        """Bytes the cacheable nodes' outputs took when last stored (an upper bound on what caching
+        all of them holds: storages shared between nodes count per node)."""
+        return self._cache.memory_estimate(list(self._names))
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        capacity = self._cache.capacity_bytes
+        return None if capacity == _UNLIMITED else capacity
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: Optional[int]) -> None:
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"LazyExecutor: capacity_bytes must be None or an int >= 0, got {value!r}")
+        self._cache.capacity_bytes = _UNLIMITED if value is None else value
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The graph run for the module's current training mode."""
+        with self._lock:
+            return self._plan().graph_module
+
+
+def lazy(module, capacity_bytes: Optional[int] = None, never_cache: Iterable[Any] = ()) -> LazyExecutor:
+    """Shorthand for LazyExecutor(module, capacity_bytes, never_cache)."""
+    return LazyExecutor(module, capacity_bytes=capacity_bytes, never_cache=never_cache)
+
+
+# ---- the demo's (and benchmark's) diffusion-style model ----
+class ConditionedDenoiser(nn.Module):
+    """A diffusion-style model: a conditioning encoder (token embeddings and transformer
+    blocks, mean-pooled) and a denoiser (transformer blocks over the latent tokens, with the
+    conditioning and a timestep embedding added). A sampler calls it at every step with a new
+    latent and timestep but the same conditioning."""
+
+    def __init__(self, width: int = 256, heads: int = 4, encoder_layers: int = 6, denoiser_layers: int = 2,
+                 vocab_size: int = 1024, cond_tokens: int = 77) -> None:
+        super().__init__()
+        from .models import Block, GPTConfig
+
+        config = GPTConfig(vocab_size=vocab_size, block_size=cond_tokens, n_layer=encoder_layers, n_head=heads,
+                           n_embd=width)
+        self.token_embedding = nn.Embedding(vocab_size, width)
+        self.position_embedding = nn.Parameter(torch.randn(cond_tokens, width) * 0.02)
+        self.encoder = nn.ModuleList(Block(config) for _ in range(encoder_layers))
+        self.encoder_norm = nn.LayerNorm(width)
+        self.time_mlp = nn.Sequential(nn.Linear(1, width), nn.SiLU(), nn.Linear(width, width))
+        self.denoiser = nn.ModuleList(Block(config) for _ in range(denoiser_layers))
+        self.out = nn.Linear(width, width)
+
+    def encode(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.token_embedding(tokens) + self.position_embedding
+        for block in self.encoder:
+            h = block(h)
+        return self.encoder_norm(h).mean(dim=1, keepdim=True)
+
+    def denoise(self, latent: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        h = latent + cond + self.time_mlp(t.reshape(-1, 1, 1))
+        for block in self.denoiser:
+            h = block(h)
+        return self.out(h)
+
+    def forward(self, latent: torch.Tensor, t: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.denoise(latent, t, self.encode(tokens))
+
+
+def sample(model: Callable, latent: torch.Tensor, tokens: torch.Tensor, steps: int, progress=None) -> torch.Tensor:
+    """A plain Euler-style sampling loop: `steps` calls of model(latent, t, tokens)."""
+    schedule = torch.linspace(1.0, 0.0, steps + 1)
+    iterator = range(steps) if progress is None else progress(range(steps), desc="sampling steps")
+    for i in iterator:
+        t = schedule[i].reshape(1)
+        latent = latent + (schedule[i + 1] - schedule[i]) * model(latent, t, tokens)
+    return latent
+
+
+def demo(progress) -> None:
+    """A 50-step diffusion-style loop, plain and through a LazyExecutor: time per step, hit rate."""
+    torch.manual_seed(0)
+    model = ConditionedDenoiser().eval()
+    tokens = torch.randint(0, 1024, (1, 77))
+    latent = torch.randn(1, 64, 256)
+    steps = 50
+    executor = LazyExecutor(model)
+    cond = model.encode(tokens).detach()
+    with torch.no_grad():
+        sample(model, latent, tokens, 2), sample(executor, latent, tokens, 2)  # warm-up
+        executor.reset_stats()
+        start = time.perf_counter()
+        expected = sample(model, latent, tokens, steps, progress)
+        plain_seconds = (time.perf_counter() - start) / steps
+        start = time.perf_counter()
+        got = sample(executor, latent, tokens, steps, progress)
+        lazy_seconds = (time.perf_counter() - start) / steps
+        stats = executor.stats()
+        start = time.perf_counter()
+        sample(lambda x, t, _: model.denoise(x, t, cond), latent, tokens, steps, progress)
+        alone_seconds = (time.perf_counter() - start) / steps
+    print(f"model: conditioning encoder ({len(model.encoder)} blocks over {tokens.shape[1]} tokens) + denoiser "
+          f"({len(model.denoiser)} blocks over {latent.shape[1]} latent tokens), width {latent.shape[2]}")
+    print(f"{steps} steps, same conditioning; time per step (one pass each, see benchmarks/bench_cache.py "
+          f"for interleaved medians):")
+    print(f"  plain module:          {plain_seconds * 1e3:7.2f} ms")
+    print(f"  LazyExecutor:          {lazy_seconds * 1e3:7.2f} ms  ({plain_seconds / lazy_seconds:.2f}x faster)")
+    print(f"  denoiser alone:        {alone_seconds * 1e3:7.2f} ms  (LazyExecutor / denoiser alone = "
+          f"{lazy_seconds / alone_seconds:.2f})")
+    print(f"hit rate: {stats['hit_rate']:.0%} of node executions reused ({stats['nodes_reused']} reused, "
+          f"{stats['nodes_computed']} computed); {stats['entries']} outputs cached, "
+          f"{stats['cached_bytes'] / 2**10:.1f} KiB held")
+    print(f"same result as the plain loop: {torch.equal(expected, got)}")
