@@ -23,6 +23,8 @@ torch.ops.load_library(str(_LIBRARY))
 
 from . import _C  # noqa: E402  (needs the core library loaded first)
 from . import memory  # noqa: E402
+from . import plan  # noqa: E402
+from .plan import PlanCache  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["library_path", "memory"]
+__all__ = ["library_path", "memory", "plan", "PlanCache"]

@@ -87,6 +87,7 @@ def demo_memory(progress) -> None:
 # Each capability adds its section here, in the order of the README.
 DEMO_SECTIONS = [
     ("CPU memory accounting", demo_memory),
+    ("Dynamic-batch plan cache", torch_ext.plan.demo),
 ]
 
 
