@@ -29,6 +29,12 @@ int64_t elapsed_ns(Clock::time_point start) {
 
 double seconds(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
 
+// The message of a torch error without its C++ backtrace.
+const char* message_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
+
 void atomic_max(std::atomic<int64_t>& target, int64_t value) {
   int64_t current = target.load(std::memory_order_relaxed);
   while (value > current && !target.compare_exchange_weak(current, value, std::memory_order_relaxed)) {
@@ -178,9 +184,32 @@ PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options)
               source_.type()->name()->qualifiedName(), ") has no method '", options_.method, "'");
   TORCH_CHECK(!source_.is_training(), "PlanCache: the module (", source_.type()->name()->qualifiedName(),
               ") is in training mode and cannot be frozen; call .eval() on it first");
+  try {
+    std::ostringstream buffer;
+    source_.save(buffer);
+    snapshot_ = buffer.str();
+  } catch (const std::exception&) {
+    snapshot_.clear();  // not serialisable: builds clone and freeze one at a time
+  }
   if (options_.background_builds) {
     worker_ = std::thread([this] { worker_loop(); });
   }
+}
+
+torch::jit::Module PlanCache::private_copy() const {
+  if (!snapshot_.empty()) {
+    std::istringstream buffer(snapshot_);
+    return torch::jit::load(buffer);
+  }
+  std::lock_guard<std::mutex> lock(source_mutex_);
+  return source_.clone();
+}
+
+torch::jit::Module PlanCache::frozen_copy() const {
+  torch::jit::Module copy = private_copy();
+  std::unique_lock<std::mutex> lock(source_mutex_, std::defer_lock);
+  if (snapshot_.empty()) lock.lock();  // the clone shares source_'s CompilationUnit
+  return torch::jit::freeze(copy, std::nullopt, /*optimize_numerics=*/true);
 }
 
 PlanCache::~PlanCache() {
@@ -239,6 +268,11 @@ void PlanCache::check_signature(const std::vector<c10::IValue>& inputs, int64_t 
     std::shared_lock<std::shared_mutex> lock(mutex_);
     signature = signature_;
   }
+  check_signature(signature.get(), inputs, batch_size);
+}
+
+void PlanCache::check_signature(const Signature* signature, const std::vector<c10::IValue>& inputs,
+                                int64_t batch_size) const {
   if (!signature) {
     return;
   }
@@ -348,22 +382,19 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
     if (prebuilt) {
       frozen = *prebuilt;
     } else {
-      torch::jit::Module copy;
-      {
-        std::lock_guard<std::mutex> lock(source_mutex_);
-        copy = source_.clone();
-      }
       try {
-        frozen = torch::jit::freeze(copy, std::nullopt, /*optimize_numerics=*/true);
-      } catch (const c10::Error& e) {
+        frozen = frozen_copy();
+      } catch (const std::exception& e) {
         TORCH_CHECK(false, "PlanCache: freezing the module (", source_.type()->name()->qualifiedName(),
-                    ") failed while building the plan for batch size ", batch_size, ": ", e.what_without_backtrace());
+                    ") failed while building the plan for batch size ", batch_size, ": ", message_of(e));
       }
     }
     if (options_.static_runtime) {
       torch::jit::StaticModuleOptions sr_options;
       plan->static_module = std::make_unique<torch::jit::StaticModule>(frozen, /*is_frozen=*/true, sr_options);
     } else if (options_.optimize_for_inference) {
+      std::unique_lock<std::mutex> lock(source_mutex_, std::defer_lock);
+      if (snapshot_.empty() && !prebuilt) lock.lock();  // shares source_'s CompilationUnit
       frozen = torch::jit::optimize_for_inference(frozen);
     }
     plan->module = frozen;
@@ -379,14 +410,14 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
       }
       plan->warm_ns = elapsed_ns(call_start);
     }
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     std::ostringstream shapes;
     for (size_t i = 0; i < example.size(); ++i) {
       shapes << (i ? ", " : "");
       if (example[i].isTensor()) shapes << example[i].toTensor().sizes(); else shapes << example[i].tagKind();
     }
     TORCH_CHECK(false, "PlanCache: building the plan for batch size ", batch_size, " failed on inputs of shape (",
-                shapes.str(), "): ", e.what_without_backtrace());
+                shapes.str(), "): ", message_of(e));
   }
   plan->build_ns = elapsed_ns(start);
   plan->record->builds.fetch_add(1, std::memory_order_relaxed);
@@ -464,17 +495,15 @@ std::shared_ptr<PlanCache::Plan> PlanCache::get_or_build(int64_t batch_size, con
 }
 
 void PlanCache::enqueue_build(int64_t batch_size, std::vector<c10::IValue> example) {
+  auto promise = std::make_shared<std::promise<std::shared_ptr<Plan>>>();
   {
     std::unique_lock<std::shared_mutex> lock(mutex_);
     if (plans_.count(batch_size) || pending_.count(batch_size)) return;
-    // A marker future: background builds are never waited for by callers.
-    std::promise<std::shared_ptr<Plan>> marker;
-    pending_.emplace(batch_size, marker.get_future().share());
-    marker.set_value(nullptr);
+    pending_.emplace(batch_size, promise->get_future().share());
   }
   {
     std::lock_guard<std::mutex> lock(worker_mutex_);
-    queue_.emplace_back(batch_size, std::move(example));
+    queue_.push_back(Job{batch_size, std::move(example), std::move(promise)});
   }
   worker_cv_.notify_one();
 }
@@ -484,26 +513,35 @@ void PlanCache::worker_loop() {
   while (true) {
     worker_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
     if (stopping_) break;
-    auto [batch_size, example] = std::move(queue_.front());
+    Job job = std::move(queue_.front());
     queue_.pop_front();
     worker_busy_ = true;
     lock.unlock();
     try {
-      auto plan = build_plan(batch_size, example);
-      remember_example(example, batch_size);
+      auto plan = build_plan(job.batch_size, job.example);
+      remember_example(job.example, job.batch_size);
       insert_plan(plan);
+      job.promise->set_value(plan);
     } catch (...) {
-      std::unique_lock<std::shared_mutex> cache_lock(mutex_);
-      pending_.erase(batch_size);
+      {
+        std::unique_lock<std::shared_mutex> cache_lock(mutex_);
+        pending_.erase(job.batch_size);
+      }
       build_failures_.fetch_add(1, std::memory_order_relaxed);
+      job.promise->set_exception(std::current_exception());
     }
     lock.lock();
     worker_busy_ = false;
     if (queue_.empty()) idle_cv_.notify_all();
   }
-  // Sizes still queued were never built: forget them so nothing waits on them.
+  // Sizes still queued are never built: forget them and fail whoever waits for them.
   std::unique_lock<std::shared_mutex> cache_lock(mutex_);
-  for (const auto& job : queue_) pending_.erase(job.first);
+  for (auto& job : queue_) {
+    pending_.erase(job.batch_size);
+    job.promise->set_exception(std::make_exception_ptr(
+        c10::Error("PlanCache: the cache was destroyed before the plan for batch size " +
+                       std::to_string(job.batch_size) + " was built")));
+  }
   queue_.clear();
   worker_busy_ = false;
   idle_cv_.notify_all();
@@ -535,8 +573,8 @@ c10::IValue PlanCache::run_plan(Plan& plan, const std::vector<c10::IValue>& inpu
     } else {
       output = (*plan.method)(inputs);
     }
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "PlanCache: the plan for batch size ", plan.batch_size, " failed: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "PlanCache: the plan for batch size ", plan.batch_size, " failed: ", message_of(e));
   }
   plan.record->plan_runs.fetch_add(1, std::memory_order_relaxed);
   plan.record->plan_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
@@ -547,9 +585,9 @@ c10::IValue PlanCache::run_source(const std::vector<c10::IValue>& inputs) {
   c10::AutoGradMode no_grad(false);
   try {
     return source_.get_method(options_.method)(inputs);
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     TORCH_CHECK(false, "PlanCache: the module (", source_.type()->name()->qualifiedName(), ") rejected the inputs: ",
-                e.what_without_backtrace());
+                message_of(e));
   }
 }
 
@@ -570,19 +608,36 @@ std::optional<PlanCache::Route> PlanCache::choose_route(int64_t batch_size) cons
       break;
     }
   }
+  // Split: the fewest cached pieces that sum to batch_size (dynamic programming over the
+  // cached sizes), run largest first.
   std::optional<Route> split;
   double split_cost = 0;
-  {
-    Route route;
-    int64_t remaining = batch_size;
-    while (remaining > 0) {
-      auto it = std::find_if(cached.rbegin(), cached.rend(), [remaining](const auto& e) { return e.first <= remaining; });
-      if (it == cached.rend()) break;
-      route.plans.push_back(it->second);
-      split_cost += it->second->estimated_seconds();
-      remaining -= it->first;
+  if (cached.front().first < batch_size) {
+    std::vector<int64_t> pieces(batch_size + 1, -1), last(batch_size + 1, 0);
+    pieces[0] = 0;
+    for (int64_t total = 1; total <= batch_size; ++total) {
+      for (const auto& entry : cached) {
+        const int64_t size = entry.first;
+        if (size > total) break;
+        if (pieces[total - size] >= 0 && (pieces[total] < 0 || pieces[total - size] + 1 < pieces[total] ||
+                                          (pieces[total - size] + 1 == pieces[total] && size > last[total]))) {
+          pieces[total] = pieces[total - size] + 1;
+          last[total] = size;
+        }
+      }
     }
-    if (remaining == 0 && route.plans.size() > 1) split = std::move(route);
+    if (pieces[batch_size] > 1) {
+      std::vector<int64_t> sizes;
+      for (int64_t total = batch_size; total > 0; total -= last[total]) sizes.push_back(last[total]);
+      std::sort(sizes.rbegin(), sizes.rend());
+      Route route;
+      for (int64_t size : sizes) {
+        auto it = std::find_if(cached.begin(), cached.end(), [size](const auto& e) { return e.first == size; });
+        route.plans.push_back(it->second);
+        split_cost += it->second->estimated_seconds();
+      }
+      split = std::move(route);
+    }
   }
   switch (options_.miss_mode) {
     case MissMode::pad: return pad;
@@ -721,11 +776,13 @@ c10::IValue PlanCache::run_size(int64_t batch_size, const std::vector<c10::IValu
   const auto start = Clock::now();
   std::shared_ptr<Plan> plan;
   std::shared_ptr<SizeRecord> rec;
+  std::shared_ptr<const Signature> signature;
   {
     std::shared_lock<std::shared_mutex> lock(mutex_);
     if (auto it = plans_.find(batch_size); it != plans_.end()) plan = it->second;
+    signature = signature_;
   }
-  check_signature(inputs, batch_size);
+  check_signature(signature.get(), inputs, batch_size);
   c10::IValue output;
   if (plan) {
     rec = plan->record;
@@ -783,24 +840,38 @@ void PlanCache::preload(const std::vector<int64_t>& sizes, const std::vector<c10
     TORCH_CHECK(options_.max_batch_size == 0 || n <= options_.max_batch_size, "PlanCache.preload: batch size ", n,
                 " is above max_batch_size ", options_.max_batch_size);
   }
+  std::shared_ptr<const Signature> tentative;  // set from example_inputs until a plan builds
   if (!example_inputs.empty()) {
     const int64_t n = batch_size_of(example_inputs);
     check_signature(example_inputs, n);
-    bool known = false;
+    std::shared_ptr<const Signature> before;
     {
       std::shared_lock<std::shared_mutex> lock(mutex_);
-      known = signature_ != nullptr;
+      before = signature_;
     }
-    if (!known) {
-      // The first plan validates the example before it becomes the cache's signature.
-      get_or_build(n, example_inputs);
+    if (!before) {
+      remember_example(example_inputs, n);
+      std::shared_lock<std::shared_mutex> lock(mutex_);
+      tentative = signature_;
     }
   }
   const auto total = static_cast<int64_t>(sizes.size());
   int64_t done = 0;
   for (int64_t n : sizes) {
     if (!contains(n)) {
-      auto plan = get_or_build(n, example_at(n));
+      try {
+        get_or_build(n, example_at(n));
+      } catch (...) {
+        if (tentative && done == 0) {
+          // The example never produced a plan: it must not define the cache's inputs.
+          std::unique_lock<std::shared_mutex> lock(mutex_);
+          if (signature_ == tentative && plans_.empty()) {
+            signature_.reset();
+            example_.clear();
+          }
+        }
+        throw;
+      }
     }
     ++done;
     if (progress) progress(done, total, n);
@@ -926,14 +997,9 @@ void PlanCache::save(const std::string& dir) const {
   TORCH_CHECK(!example.empty(), "PlanCache.save: nothing to save to ", dir, "; no plan was built yet");
   namespace fs = std::filesystem;
   fs::create_directories(dir);
-  torch::jit::Module copy;
-  {
-    std::lock_guard<std::mutex> lock(source_mutex_);
-    copy = source_.clone();
-  }
   // optimize_for_inference's MKLDNN constants cannot be loaded back, so the frozen module is
   // what is saved; load() runs optimize_for_inference again.
-  torch::jit::freeze(copy, std::nullopt, true).save((fs::path(dir) / "module.pt").string());
+  frozen_copy().save((fs::path(dir) / "module.pt").string());
   c10::impl::GenericList rows(c10::AnyType::get());
   for (const auto& v : example) rows.push_back(v);
   const auto bytes = torch::jit::pickle_save(rows);

@@ -155,6 +155,7 @@ class PlanCache {
   std::shared_ptr<SizeRecord> record(int64_t batch_size);
   int64_t batch_size_of(const std::vector<c10::IValue>& inputs) const;
   void check_signature(const std::vector<c10::IValue>& inputs, int64_t batch_size) const;
+  void check_signature(const Signature* signature, const std::vector<c10::IValue>& inputs, int64_t batch_size) const;
   void remember_example(const std::vector<c10::IValue>& inputs, int64_t batch_size);
   std::vector<c10::IValue> example_at(int64_t batch_size) const;
 
@@ -182,7 +183,14 @@ class PlanCache {
 
   torch::jit::Module source_;
   PlanCacheOptions options_;
-  mutable std::mutex source_mutex_;  // clone() of source_ is not safe to run concurrently
+  // Plans are built from private copies of the module loaded from this serialised snapshot:
+  // each load has its own CompilationUnit, so builds run concurrently. clone() and freeze()
+  // register types in the module's shared CompilationUnit, which is not thread-safe; modules
+  // that cannot be serialised (empty snapshot) are cloned and frozen under source_mutex_.
+  std::string snapshot_;
+  mutable std::mutex source_mutex_;
+  torch::jit::Module private_copy() const;
+  torch::jit::Module frozen_copy() const;
 
   mutable std::shared_mutex mutex_;  // guards everything below up to the worker state
   std::unordered_map<int64_t, std::shared_ptr<Plan>> plans_;
@@ -199,7 +207,12 @@ class PlanCache {
   std::mutex worker_mutex_;
   std::condition_variable worker_cv_;
   std::condition_variable idle_cv_;
-  std::deque<std::pair<int64_t, std::vector<c10::IValue>>> queue_;
+  struct Job {
+    int64_t batch_size;
+    std::vector<c10::IValue> example;
+    std::shared_ptr<std::promise<std::shared_ptr<Plan>>> promise;
+  };
+  std::deque<Job> queue_;
   bool worker_busy_ = false;
   bool stopping_ = false;
   std::thread worker_;
