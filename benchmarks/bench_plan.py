@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch_ext  # noqa: E402
-from harness import Report, format_bytes, format_seconds, measure_interleaved  # noqa: E402
+from harness import Report, format_bytes, format_seconds, measure_interleaved, peak_memory  # noqa: E402
 from torch_ext import PlanCache, memory  # noqa: E402
 
 MAX_BATCH = 64
@@ -69,21 +69,6 @@ MODELS = {
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def serve(fn, stream: list[int], inputs: dict[int, torch.Tensor]) -> tuple[list[float], float, int]:
-    """Latency of each request, total seconds, and the peak bytes above the start."""
-    latencies = []
-    memory.reset_peak()
-    base = memory.stats()["current_bytes"]
-    start = time.perf_counter()
-    with torch.no_grad():
-        for n in stream:
-            t = time.perf_counter()
-            fn(inputs[n])
-            latencies.append(time.perf_counter() - t)
-    total = time.perf_counter() - start
-    return latencies, total, memory.stats()["peak_bytes"] - base
 
 
 def spikes(latencies: list[float], stream: list[int], skip_first_per_size: bool) -> tuple[int, float]:
@@ -149,18 +134,40 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
     variants["(e) PlanCache pad + background builds"] = background_pad
 
-    results = {}
+    # Start-up of every variant (preloads), then the stream in rounds: each request goes to every
+    # variant in turn, so drift on this shared machine hits each alike.
+    fns, caches_by_label = {}, {}
     for label, setup in variants.items():
         t = time.perf_counter()
-        fn, cache = setup()
+        fns[label], caches_by_label[label] = setup()
         startup[label] = time.perf_counter() - t
-        latencies, total, peak = serve(fn, stream, inputs)
-        stats = cache.stats() if cache else None
+        print(f"  start-up {label}: {startup[label]:.2f} s", file=sys.stderr)
+    latencies = {label: [] for label in variants}
+    stream_start = time.perf_counter()
+    with torch.no_grad():
+        iterator = stream
+        if not quick:
+            from tqdm import tqdm
+            iterator = tqdm(stream, desc=f"  stream ({name})", file=sys.stderr, leave=False, mininterval=5)
+        for index, n in enumerate(iterator):
+            for label, fn in fns.items():
+                t = time.perf_counter()
+                fn(inputs[n])
+                latencies[label].append(time.perf_counter() - t)
+            cache_e = caches_by_label["(e) PlanCache pad + background builds"]
+            if index and "background_done" not in startup and cache_e.stats()["pending_builds"] == 0 \
+                    and len(cache_e.cached_sizes()) == len(set(stream[:index + 1]) | set(BUCKETS)):
+                startup["background_done"] = index
+    print(f"  stream: {time.perf_counter() - stream_start:.1f} s", file=sys.stderr)
+    results = {}
+    for label in variants:
+        cache = caches_by_label[label]
         if cache:
             cache.wait_for_builds()
-            stats = cache.stats()
-        results[label] = (latencies, total, peak, stats)
-        print(f"  {label}: {total:.2f} s", file=sys.stderr)
+        # Peak memory of one request at each size, on top of what the variant holds.
+        peak = peak_memory(lambda fn=fns[label]: [fn(inputs[n]) for n in range(1, MAX_BATCH + 1)])
+        results[label] = (latencies[label], sum(latencies[label]), peak, cache.stats() if cache else None)
+    report.data.setdefault("background_builds_done_at_request", {})[name] = startup.get("background_done")
 
     best_ab = max(sum(stream) / results[k][1] for k in list(variants)[:2])
     for label, (latencies, total, peak, stats) in results.items():
@@ -198,7 +205,12 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
     build = {}
     for label, opts in steps.items():
         cache = PlanCache(scripted, **opts)
-        cache.preload(sizes, example_inputs=(inputs[1],), progress=False)
+        try:
+            cache.preload(sizes, example_inputs=(inputs[1],), progress=False)
+        except RuntimeError as error:
+            reason = str(error).split("\n")[0]
+            steps_report.notes.append(f"\n{name}, {label}: not supported by this module ({reason[:160]}).")
+            continue
         caches[label] = cache
         build[label] = cache.stats()["build_seconds"] / len(sizes)
     generic = torch.jit.optimize_for_inference(torch.jit.freeze(scripted))
@@ -233,6 +245,10 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
 
 def main() -> None:
+    # One intra-op thread: on this shared, oversubscribed 2-core machine a second OpenMP thread
+    # stalls at every barrier whenever it is descheduled (80 ms outliers), which would bury
+    # the differences measured here. Every variant runs under the same setting.
+    torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="300 requests per variant: a smoke run")
     parser.add_argument("--requests", type=int, default=None)
@@ -262,9 +278,12 @@ def main() -> None:
                              for m, c, o, i, d in lookup_rows]
     report.data["stream_sizes"] = stream
     report.notes.append("\nThroughput counts items (sum of batch sizes) per second over the whole stream, builds "
-                        "included; startup (preload) is not in it. Spikes count every request, first calls included. "
-                        "Peak memory is torch_ext.memory's CPU peak above the stream's start; plans is the cache's "
-                        "plan_bytes (frozen constants).")
+                        "included; start-up (preload) is not in it. The stream runs in rounds (each request through "
+                        "every variant in turn), one intra-op thread. Spikes count every request, first calls "
+                        "included. Peak memory: torch_ext.memory's CPU peak above the start during one request at "
+                        "each size 1..64 after the stream; plans: the cache's plan_bytes (constants its plans "
+                        "reference). (e)'s background builds overlap the first requests of every variant: done by "
+                        f"request {report.data.get('background_builds_done_at_request')}.")
     report.write()
     steps_report.notes.append("\nEach cell: median of interleaved rounds; a round calls every variant at another size "
                               "and then at n, and the cell is half the pair. (a) and (b) serve alternating sizes as a "

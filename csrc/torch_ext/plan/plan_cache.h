@@ -58,7 +58,9 @@ struct PlanCacheOptions {
   int64_t max_plans = 0;       // 0: unbounded
   int64_t max_bytes = 0;       // byte budget over all plans' constants; 0: unbounded
   int64_t max_batch_size = 0;  // largest batch infer() accepts; 0: unbounded
-  int64_t warmup_calls = 3;    // runs at the plan's size before it serves
+  // Runs at the plan's size before it serves: the profiling executor profiles the 1st and
+  // optimises on the 2nd; the 3rd gives a clean latency estimate for auto mode.
+  int64_t warmup_calls = 3;
   bool optimize_for_inference = true;
   // Run plans with TorchScript's static runtime (memory planning for the size) instead of
   // the graph executor; the frozen graph is then not passed through optimize_for_inference.
@@ -139,7 +141,8 @@ class PlanCache {
   void wait_for_builds();
 
   // Writes the frozen module, one example row of each input and a manifest of the cached
-  // sizes to dir; load() rebuilds those plans from it without freezing the source again.
+  // sizes to dir; load() rebuilds those plans from it without freezing the source again
+  // (each plan is still optimised and warmed: executor state cannot be serialised).
   void save(const std::string& dir) const;
   // Returns the number of plans loaded.
   int64_t load(const std::string& dir, const ProgressFn& progress = nullptr);
@@ -159,8 +162,7 @@ class PlanCache {
   void remember_example(const std::vector<c10::IValue>& inputs, int64_t batch_size);
   std::vector<c10::IValue> example_at(int64_t batch_size) const;
 
-  std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example,
-                                   const torch::jit::Module* prebuilt = nullptr);
+  std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example);
   std::shared_ptr<Plan> get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs);
   void insert_plan(const std::shared_ptr<Plan>& plan);
   void evict_locked(int64_t keep_batch_size);
@@ -183,14 +185,15 @@ class PlanCache {
 
   torch::jit::Module source_;
   PlanCacheOptions options_;
-  // Plans are built from private copies of the module loaded from this serialised snapshot:
-  // each load has its own CompilationUnit, so builds run concurrently. clone() and freeze()
-  // register types in the module's shared CompilationUnit, which is not thread-safe; modules
-  // that cannot be serialised (empty snapshot) are cloned and frozen under source_mutex_.
-  std::string snapshot_;
+  // Freezing is independent of the batch size: the module is frozen once (or loaded frozen by
+  // load()) and each plan is a clone of that, optimised and warmed at its size. clone(),
+  // freeze() and optimize_for_inference() register types in the module's CompilationUnit,
+  // which is not thread-safe, so they run under source_mutex_; warm-ups, the bulk of a
+  // build, run outside it.
   mutable std::mutex source_mutex_;
-  torch::jit::Module private_copy() const;
-  torch::jit::Module frozen_copy() const;
+  mutable torch::jit::Module frozen_;  // guarded by source_mutex_
+  mutable bool frozen_ready_ = false;  // guarded by source_mutex_
+  torch::jit::Module frozen_locked() const;
 
   mutable std::shared_mutex mutex_;  // guards everything below up to the worker state
   std::unordered_map<int64_t, std::shared_ptr<Plan>> plans_;
