@@ -174,6 +174,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
         firsts = first_calls(latencies, stream)
         after_startup = label.startswith("(d)") or label.startswith("(e)")
         spike_count, worst = spikes(latencies, stream, skip_first_per_size=False)
+        later_count, later_worst = spikes(latencies, stream, skip_first_per_size=True)
         throughput = sum(stream) / total
         plan_bytes = stats["plan_bytes"] if stats else 0
         report.add_row({
@@ -186,11 +187,13 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             "max": format_seconds(max(latencies)),
             "first call at a new size (median / max)": f"{format_seconds(statistics.median(firsts))} / {format_seconds(max(firsts))}",
             "requests > 2x their size's median": f"{spike_count} (worst {worst:.1f}x)",
+            "same, after each size's first call": f"{later_count} (worst {later_worst:.1f}x)",
             "peak memory / plans": f"{format_bytes(peak)} / {format_bytes(plan_bytes)}",
         }, model=name, variant=label, startup_seconds=startup[label], throughput=throughput, total_seconds=total,
             p50_seconds=percentile(latencies, 0.5), p99_seconds=percentile(latencies, 0.99), max_seconds=max(latencies),
             first_call_median_seconds=statistics.median(firsts), first_call_max_seconds=max(firsts),
-            spikes_over_2x_median=spike_count, worst_ratio_to_median=worst, peak_bytes=peak, plan_bytes=plan_bytes,
+            spikes_over_2x_median=spike_count, worst_ratio_to_median=worst,
+            spikes_after_first_call=later_count, worst_ratio_after_first_call=later_worst, peak_bytes=peak, plan_bytes=plan_bytes,
             after_startup_target=after_startup,
             stats={k: v for k, v in stats.items() if k != "sizes"} if stats else None)
 
@@ -261,7 +264,7 @@ def main() -> None:
     report = Report(name, f"PlanCache: {requests} requests, batch sizes uniform in 1..{MAX_BATCH}",
                     ["model", "variant", "startup", "throughput (items/s)", "vs best of (a),(b)", "p50", "p99", "max",
                      "first call at a new size (median / max)", "requests > 2x their size's median",
-                     "peak memory / plans"], command)
+                     "same, after each size's first call", "peak memory / plans"], command)
     sizes = [1, 32] if args.quick else [1, 8, 32, 64]
     steps_report = Report(f"{name}_steps", "What each step of a plan buys: median latency per call at fixed sizes",
                           ["model", "variant", "build per size"] + [f"n={n}" for n in sizes], command)
