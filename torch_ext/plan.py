@@ -84,6 +84,11 @@ class PlanCache:
 
     def infer(self, *inputs: Any) -> Any:
         """Run the module on inputs whose batch dimensions all have one size."""
+        # Typed calls skip the type inference Python does for an Any argument (~20 us a call).
+        if len(inputs) == 1 and type(inputs[0]) is torch.Tensor:
+            return self._cache.infer(inputs[0])
+        if all(type(value) is torch.Tensor for value in inputs):
+            return self._cache.infer_tensors(list(inputs))
         return self._cache.infer(tuple(inputs))
 
     __call__ = infer

@@ -110,6 +110,11 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
       .def("infer", [](const c10::intrusive_ptr<ScriptPlanCache>& self, c10::IValue inputs) {
         return self->cache.infer(as_inputs(inputs));
       })
+      // Typed fast path for tensor-only inputs: an Any argument makes Python infer the type of
+      // a tuple or list on every call (~20 us), a Tensor[] does not.
+      .def("infer_tensors", [](const c10::intrusive_ptr<ScriptPlanCache>& self, std::vector<at::Tensor> inputs) {
+        return self->cache.infer(std::vector<c10::IValue>(inputs.begin(), inputs.end()));
+      })
       .def("infer_batch", [](const c10::intrusive_ptr<ScriptPlanCache>& self, c10::IValue inputs) {
         return self->cache.infer_batch(as_inputs(inputs));
       })

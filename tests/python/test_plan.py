@@ -157,6 +157,20 @@ def test_batch_dims_per_input():
     assert cache.stats()["split_calls"] == 1
 
 
+class Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x * scale
+
+
+def test_non_tensor_arguments_pass_through():
+    module = scripted(Scaled())
+    cache = PlanCache(module, batch_dims=[0, -1], miss_mode="pad", warmup_calls=1)
+    cache.preload([4], example_inputs=(x(1), 3.0), progress=False)
+    inputs = x(3)
+    assert torch.equal(cache(inputs, 3.0), inputs * 3.0)
+    assert cache.stats()["padded_calls"] == 1
+
+
 def test_bad_inputs_get_clear_errors_and_the_cache_stays_usable(rowwise):
     cache = PlanCache(rowwise, warmup_calls=1)
     with pytest.raises(RuntimeError, match="building the plan for batch size 4 failed"):
