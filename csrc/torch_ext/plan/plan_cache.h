@@ -9,8 +9,11 @@
 // while the plan builds in the background.
 //
 // Thread safety: every public method may be called from many threads at once. Hits take a
-// shared (reader) lock only; a build runs outside every lock, so a miss blocks only callers
-// waiting for the same size. Evicted plans stay alive until the calls running them finish.
+// shared (reader) lock only and never wait for a build. A build's warm-up runs outside every
+// lock; only its clone + optimise step (milliseconds) is serialised with other builds, since
+// TorchScript's CompilationUnit is not thread-safe. Concurrent misses of one size build once
+// and wait for that build; other sizes do not. Evicted plans stay alive until the calls
+// running them finish.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
