@@ -1,0 +1,308 @@
+"""PlanCache on a stream of random batch sizes: a scripted CNN and a scripted transformer encoder.
+
+Variants, each served the same stream of requests (batch sizes drawn uniformly from 1..64):
+  (a) the scripted module as is
+  (b) torch.jit.freeze + torch.jit.optimize_for_inference of it (one generic module)
+  (c) PlanCache, miss_mode="exact", cold (a new size builds its plan in the request)
+  (d) PlanCache, exact, after preload(1..64)
+  (e) PlanCache, miss_mode="pad", background builds, after preload of the buckets 1,2,4,..,64
+Each variant runs the whole stream in turn (a background build of (e) would otherwise slow the
+others' requests). A second table measures what each step of a plan buys, interleaved, at fixed
+sizes, and the cost of a hit's lookup.
+
+    python benchmarks/bench_plan.py            # 2000 requests per variant and model
+    python benchmarks/bench_plan.py --quick    # 300 requests, a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch_ext  # noqa: E402
+from harness import Report, format_bytes, format_seconds, measure_interleaved, peak_memory  # noqa: E402
+from torch_ext import PlanCache, memory  # noqa: E402
+
+MAX_BATCH = 64
+BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+
+class CNN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.bn1 = torch.nn.BatchNorm2d(16)
+        self.conv2 = torch.nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.bn2 = torch.nn.BatchNorm2d(32)
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(1))
+
+
+MODELS = {
+    "CNN (2 conv, 3x16x16)": (CNN, lambda n: torch.randn(n, 3, 16, 16)),
+    "Transformer encoder (2 layers, d=64, seq 16)": (Encoder, lambda n: torch.randn(n, 16, 64)),
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def spikes(latencies: list[float], stream: list[int], skip_first_per_size: bool) -> tuple[int, float]:
+    """Requests slower than twice their size's median (and the worst ratio)."""
+    by_size: dict[int, list[float]] = {}
+    for n, t in zip(stream, latencies):
+        by_size.setdefault(n, []).append(t)
+    medians = {n: statistics.median(v) for n, v in by_size.items()}
+    seen: set[int] = set()
+    count, worst = 0, 0.0
+    for n, t in zip(stream, latencies):
+        first = n not in seen
+        seen.add(n)
+        if first and skip_first_per_size:
+            continue
+        ratio = t / medians[n]
+        worst = max(worst, ratio)
+        count += ratio > 2.0
+    return count, worst
+
+
+def first_calls(latencies: list[float], stream: list[int]) -> list[float]:
+    seen: set[int] = set()
+    out = []
+    for n, t in zip(stream, latencies):
+        if n not in seen:
+            seen.add(n)
+            out.append(t)
+    return out
+
+
+def bench_model(name, make, make_input, stream, report, steps_report, lookup_rows, quick):
+    torch.manual_seed(0)
+    scripted = torch.jit.script(make().eval())
+    inputs = {n: make_input(n) for n in range(1, MAX_BATCH + 1)}
+    variants = {}
+    startup = {}
+
+    variants["(a) scripted as is"] = lambda: (scripted, None)
+
+    def frozen():
+        return torch.jit.optimize_for_inference(torch.jit.freeze(scripted)), None
+
+    variants["(b) freeze + optimize_for_inference"] = frozen
+
+    def cold_exact():
+        cache = PlanCache(scripted)
+        return cache.infer, cache
+
+    variants["(c) PlanCache exact"] = cold_exact
+
+    def preloaded():
+        cache = PlanCache(scripted)
+        cache.preload(range(1, MAX_BATCH + 1), example_inputs=(inputs[1],), progress=not quick)
+        return cache.infer, cache
+
+    variants["(d) PlanCache exact + preload 1..64"] = preloaded
+
+    def background_pad():
+        cache = PlanCache(scripted, miss_mode="pad", background_builds=True)
+        cache.preload(BUCKETS, example_inputs=(inputs[1],), progress=not quick)
+        return cache.infer, cache
+
+    variants["(e) PlanCache pad + background builds"] = background_pad
+
+    # Start-up of every variant (preloads), then the stream in rounds: each request goes to every
+    # variant in turn, so drift on this shared machine hits each alike.
+    fns, caches_by_label = {}, {}
+    for label, setup in variants.items():
+        t = time.perf_counter()
+        fns[label], caches_by_label[label] = setup()
+        startup[label] = time.perf_counter() - t
+        print(f"  start-up {label}: {startup[label]:.2f} s", file=sys.stderr)
+    latencies = {label: [] for label in variants}
+    stream_start = time.perf_counter()
+    with torch.no_grad():
+        iterator = stream
+        if not quick:
+            from tqdm import tqdm
+            iterator = tqdm(stream, desc=f"  stream ({name})", file=sys.stderr, leave=False, mininterval=5)
+        for index, n in enumerate(iterator):
+            for label, fn in fns.items():
+                t = time.perf_counter()
+                fn(inputs[n])
+                latencies[label].append(time.perf_counter() - t)
+            cache_e = caches_by_label["(e) PlanCache pad + background builds"]
+            if index and "background_done" not in startup and cache_e.stats()["pending_builds"] == 0 \
+                    and len(cache_e.cached_sizes()) == len(set(stream[:index + 1]) | set(BUCKETS)):
+                startup["background_done"] = index
+    print(f"  stream: {time.perf_counter() - stream_start:.1f} s", file=sys.stderr)
+    results = {}
+    for label in variants:
+        cache = caches_by_label[label]
+        if cache:
+            cache.wait_for_builds()
+        # Peak memory of one request at each size, on top of what the variant holds.
+        peak = peak_memory(lambda fn=fns[label]: [fn(inputs[n]) for n in range(1, MAX_BATCH + 1)])
+        results[label] = (latencies[label], sum(latencies[label]), peak, cache.stats() if cache else None)
+    report.data.setdefault("background_builds_done_at_request", {})[name] = startup.get("background_done")
+
+    best_ab = max(sum(stream) / results[k][1] for k in list(variants)[:2])
+    for label, (latencies, total, peak, stats) in results.items():
+        firsts = first_calls(latencies, stream)
+        after_startup = label.startswith("(d)") or label.startswith("(e)")
+        spike_count, worst = spikes(latencies, stream, skip_first_per_size=False)
+        later_count, later_worst = spikes(latencies, stream, skip_first_per_size=True)
+        throughput = sum(stream) / total
+        plan_bytes = stats["plan_bytes"] if stats else 0
+        report.add_row({
+            "model": name, "variant": label,
+            "startup": format_seconds(startup[label]),
+            "throughput (items/s)": f"{throughput:,.0f}",
+            "vs best of (a),(b)": f"{throughput / best_ab:.2f}x",
+            "p50": format_seconds(percentile(latencies, 0.5)),
+            "p99": format_seconds(percentile(latencies, 0.99)),
+            "max": format_seconds(max(latencies)),
+            "first call at a new size (median / max)": f"{format_seconds(statistics.median(firsts))} / {format_seconds(max(firsts))}",
+            "requests > 2x their size's median": f"{spike_count} (worst {worst:.1f}x)",
+            "same, after each size's first call": f"{later_count} (worst {later_worst:.1f}x)",
+            "peak memory / plans": f"{format_bytes(peak)} / {format_bytes(plan_bytes)}",
+        }, model=name, variant=label, startup_seconds=startup[label], throughput=throughput, total_seconds=total,
+            p50_seconds=percentile(latencies, 0.5), p99_seconds=percentile(latencies, 0.99), max_seconds=max(latencies),
+            first_call_median_seconds=statistics.median(firsts), first_call_max_seconds=max(firsts),
+            spikes_over_2x_median=spike_count, worst_ratio_to_median=worst,
+            spikes_after_first_call=later_count, worst_ratio_after_first_call=later_worst, peak_bytes=peak, plan_bytes=plan_bytes,
+            after_startup_target=after_startup,
+            stats={k: v for k, v in stats.items() if k != "sizes"} if stats else None)
+
+    # What each step of a plan buys, at fixed sizes, interleaved; the build cost of each.
+    sizes = [1, 8, 32, 64] if not quick else [1, 32]
+    steps = {
+        "freeze only": dict(optimize_for_inference=False),
+        "freeze + optimize_for_inference": dict(),
+        "freeze + static runtime": dict(static_runtime=True),
+    }
+    caches = {}
+    build = {}
+    for label, opts in steps.items():
+        # Untimed calls at other sizes go to the source module: those sizes are never admitted.
+        cache = PlanCache(scripted, admit_after=2**62, **opts)
+        try:
+            cache.preload(sizes, example_inputs=(inputs[1],), progress=False)
+        except RuntimeError as error:
+            reason = str(error).split("\n")[0]
+            steps_report.notes.append(f"\n{name}, {label}: not supported by this module ({reason[:160]}).")
+            continue
+        caches[label] = cache
+        build[label] = cache.stats()["build_seconds"] / len(sizes)
+    generic = torch.jit.optimize_for_inference(torch.jit.freeze(scripted))
+    # Before each timed call at n, an untimed call at another size: the generic modules see the
+    # sizes alternate as a server does; each plan sees only its own size.
+    others = iter([m for m in range(1, MAX_BATCH + 1)] * 10_000)
+    with torch.no_grad():
+        timings = {}
+        for n in sizes:
+            def other(fn, n=n):
+                m = next(others)
+                fn(inputs[m if m != n else (m % MAX_BATCH) + 1])
+
+            fns = {"(a) scripted, sizes alternating": lambda n=n: scripted(inputs[n]),
+                   "(b) generic frozen, sizes alternating": lambda n=n: generic(inputs[n])}
+            before = {"(a) scripted, sizes alternating": lambda: other(scripted),
+                      "(b) generic frozen, sizes alternating": lambda: other(generic)}
+            for label, cache in caches.items():
+                fns[f"plan: {label}"] = lambda cache=cache, n=n: cache.infer(inputs[n])
+                before[f"plan: {label}"] = lambda cache=cache: other(cache.infer)
+            timings[n] = measure_interleaved(fns, warmup=2, repeat=5 if quick else 15, before_each=before)
+    for label in timings[sizes[0]]:
+        cells = {"model": name, "variant": label,
+                 "build per size": format_seconds(build[label[6:]]) if label.startswith("plan: ") else "-"}
+        for n in sizes:
+            cells[f"n={n}"] = format_seconds(timings[n][label].median_seconds)
+        steps_report.add_row(cells, model=name, variant=label,
+                             **{f"n{n}_seconds": timings[n][label].median_seconds for n in sizes})
+
+    # A hit's lookup: the C++ clock around it, and infer() against the plan module called directly.
+    cache = caches["freeze + optimize_for_inference"]
+    cache.reset_stats()
+    plan = cache.plan_module(1)
+    with torch.no_grad():
+        t = measure_interleaved({"infer": lambda: cache.infer(inputs[1]), "plan module": lambda: plan(inputs[1])},
+                                warmup=20, repeat=200 if not quick else 50)
+    s = cache.stats()
+    lookup_rows.append((name, s["hit_lookup_seconds"] / s["hits"], t["infer"].median_seconds - t["plan module"].median_seconds,
+                        t["infer"].median_seconds, t["plan module"].median_seconds))
+
+
+def main() -> None:
+    # One intra-op thread: on this shared, oversubscribed 2-core machine a second OpenMP thread
+    # stalls at every barrier whenever it is descheduled (80 ms outliers), which would bury
+    # the differences measured here. Every variant runs under the same setting.
+    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="300 requests per variant: a smoke run")
+    parser.add_argument("--requests", type=int, default=None)
+    args = parser.parse_args()
+    requests = args.requests or (300 if args.quick else 2000)
+    rng = random.Random(0)
+    stream = [rng.randint(1, MAX_BATCH) for _ in range(requests)]
+    command = "python benchmarks/bench_plan.py" + (" --quick" if args.quick else "")
+    name = "plan_quick" if args.quick else "plan"
+    report = Report(name, f"PlanCache: {requests} requests, batch sizes uniform in 1..{MAX_BATCH}",
+                    ["model", "variant", "startup", "throughput (items/s)", "vs best of (a),(b)", "p50", "p99", "max",
+                     "first call at a new size (median / max)", "requests > 2x their size's median",
+                     "same, after each size's first call", "peak memory / plans"], command)
+    sizes = [1, 32] if args.quick else [1, 8, 32, 64]
+    steps_report = Report(f"{name}_steps", "What each step of a plan buys: median latency per call at fixed sizes",
+                          ["model", "variant", "build per size"] + [f"n={n}" for n in sizes], command)
+    lookup_rows = []
+    for model_name, (make, make_input) in MODELS.items():
+        print(f"{model_name}", file=sys.stderr)
+        bench_model(model_name, make, make_input, stream, report, steps_report, lookup_rows, args.quick)
+    for model_name, cpp, overhead, infer, direct in lookup_rows:
+        report.notes.append(f"\nHit lookup, {model_name}: {format_seconds(cpp)} per hit by the C++ clock "
+                            f"(validation, shared lock, map find, LRU tick); infer() {format_seconds(infer)} vs the "
+                            f"plan module called directly {format_seconds(direct)} at n=1 (difference "
+                            f"{format_seconds(overhead)}, Python binding included).")
+    report.data["lookup"] = [dict(model=m, cpp_seconds=c, overhead_seconds=o, infer_seconds=i, direct_seconds=d)
+                             for m, c, o, i, d in lookup_rows]
+    report.data["stream_sizes"] = stream
+    report.notes.append("\nThroughput counts items (sum of batch sizes) per second over the whole stream, builds "
+                        "included; start-up (preload) is not in it. The stream runs in rounds (each request through "
+                        "every variant in turn), one intra-op thread. Spikes count every request, first calls "
+                        "included. Peak memory: torch_ext.memory's CPU peak above the start during one request at "
+                        "each size 1..64 after the stream; plans: the cache's plan_bytes (constants its plans "
+                        "reference). (e)'s background builds overlap the first requests of every variant: done by "
+                        f"request {report.data.get('background_builds_done_at_request')}.")
+    report.write()
+    steps_report.notes.append("\nEach cell: median over interleaved rounds of one call at n, each preceded by an untimed "
+                              "call of the same variant at another size (cycling 1..64), as a server sees them. The "
+                              "plan variants are PlanCache.infer() with plans preloaded at the sizes shown (the other "
+                              "sizes are served by the source module, untimed). Build per size: mean build_seconds.")
+    steps_report.write()
+
+
+if __name__ == "__main__":
+    main()

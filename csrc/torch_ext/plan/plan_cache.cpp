@@ -1,0 +1,1058 @@
+#include "torch_ext/plan/plan_cache.h"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <unordered_set>
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/sum.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/runtime/static/impl.h>
+#include <torch/csrc/jit/serialization/import.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+namespace torch_ext::plan {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t elapsed_ns(Clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+}
+
+double seconds(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
+
+// The message of a torch error without its C++ backtrace.
+const char* message_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
+
+void atomic_max(std::atomic<int64_t>& target, int64_t value) {
+  int64_t current = target.load(std::memory_order_relaxed);
+  while (value > current && !target.compare_exchange_weak(current, value, std::memory_order_relaxed)) {
+  }
+}
+
+std::vector<c10::IValue> unpack_outputs(const c10::IValue& output, bool& is_tuple, bool& is_list) {
+  is_tuple = output.isTuple();
+  is_list = output.isList();
+  if (is_tuple) {
+    return output.toTupleRef().elements().vec();
+  }
+  if (is_list) {
+    return output.toList().vec();
+  }
+  return {output};
+}
+
+int64_t tensor_bytes(const at::Tensor& t, std::unordered_set<const void*>& seen) {
+  if (!t.defined()) {
+    return 0;
+  }
+  if (t.is_mkldnn() || !t.has_storage()) {
+    return static_cast<int64_t>(t.numel() * t.element_size());
+  }
+  const auto& storage = t.storage();
+  if (!seen.insert(storage.unsafeGetStorageImpl()).second) {
+    return 0;
+  }
+  return static_cast<int64_t>(storage.nbytes());
+}
+
+int64_t block_constant_bytes(torch::jit::Block* block, std::unordered_set<const void*>& seen) {
+  int64_t total = 0;
+  for (torch::jit::Node* node : block->nodes()) {
+    if (node->kind() == c10::prim::Constant || node->kind().toQualString() == std::string("prim::ConstantMKLDNNTensor")) {
+      if (node->hasAttribute(c10::attr::value)) {
+        const auto kind = node->kindOf(c10::attr::value);
+        if (kind == torch::jit::AttributeKind::t) {
+          total += tensor_bytes(node->t(c10::attr::value), seen);
+        } else if (kind == torch::jit::AttributeKind::ival && node->ival(c10::attr::value).isTensor()) {
+          total += tensor_bytes(node->ival(c10::attr::value).toTensor(), seen);
+        }
+      }
+    }
+    for (torch::jit::Block* inner : node->blocks()) {
+      total += block_constant_bytes(inner, seen);
+    }
+  }
+  return total;
+}
+
+// Bytes a plan owns: its graphs' tensor constants (frozen weights) and tensor attributes.
+int64_t module_bytes(const torch::jit::Module& module) {
+  std::unordered_set<const void*> seen;
+  int64_t total = 0;
+  for (const auto& method : module.get_methods()) {
+    total += block_constant_bytes(method.graph()->block(), seen);
+  }
+  for (const auto& attribute : module.named_attributes(/*recurse=*/true)) {
+    if (attribute.value.isTensor()) {
+      total += tensor_bytes(attribute.value.toTensor(), seen);
+    }
+  }
+  return total;
+}
+
+}  // namespace
+
+MissMode miss_mode_from_string(const std::string& name) {
+  if (name == "exact") return MissMode::exact;
+  if (name == "pad") return MissMode::pad;
+  if (name == "split") return MissMode::split;
+  if (name == "auto") return MissMode::auto_;
+  TORCH_CHECK(false, "PlanCache: unknown miss_mode '", name, "'; expected exact, pad, split or auto");
+}
+
+std::string to_string(MissMode mode) {
+  switch (mode) {
+    case MissMode::exact: return "exact";
+    case MissMode::pad: return "pad";
+    case MissMode::split: return "split";
+    case MissMode::auto_: return "auto";
+  }
+  return "exact";
+}
+
+struct PlanCache::SizeRecord {
+  explicit SizeRecord(int64_t n) : batch_size(n) {}
+  const int64_t batch_size;
+  std::atomic<int64_t> sightings{0};
+  std::atomic<int64_t> calls{0}, hits{0}, misses{0}, padded_calls{0}, split_calls{0}, fallback_calls{0};
+  std::atomic<int64_t> builds{0}, evictions{0}, plan_runs{0}, padded_elements{0};
+  std::atomic<int64_t> build_ns{0}, total_ns{0}, max_ns{0}, plan_ns{0};
+};
+
+struct PlanCache::Plan {
+  int64_t batch_size = 0;
+  torch::jit::Module module;
+  std::optional<torch::jit::Method> method;
+  std::unique_ptr<torch::jit::StaticModule> static_module;
+  std::mutex runtimes_mutex;  // guards the free list only, never held while running
+  std::vector<std::unique_ptr<torch::jit::StaticRuntime>> free_runtimes;
+  int64_t bytes = 0;
+  int64_t build_ns = 0;
+  int64_t warm_ns = 0;  // fastest warm-up after profiling: the estimate before real runs
+  std::shared_ptr<SizeRecord> record;
+  std::atomic<uint64_t> last_used{0};
+
+  double estimated_seconds() const {
+    const int64_t runs = record->plan_runs.load(std::memory_order_relaxed);
+    return runs > 0 ? seconds(record->plan_ns.load(std::memory_order_relaxed)) / static_cast<double>(runs)
+                    : seconds(warm_ns);
+  }
+};
+
+struct PlanCache::Signature {
+  struct Input {
+    bool tensor = false;
+    int64_t batch_dim = -1;
+    std::vector<int64_t> sizes;  // the batch dimension's entry is ignored
+    at::ScalarType dtype = at::kFloat;
+    at::Device device = at::kCPU;
+  };
+  std::vector<Input> inputs;
+};
+
+struct PlanCache::Route {
+  bool pad = false;
+  std::vector<std::shared_ptr<Plan>> plans;  // pad: one plan; split: the pieces, largest first
+};
+
+PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options)
+    : source_(std::move(module)), options_(std::move(options)) {
+  TORCH_CHECK(options_.admit_after >= 1, "PlanCache: admit_after must be >= 1, got ", options_.admit_after);
+  TORCH_CHECK(options_.max_plans >= 0, "PlanCache: max_plans must be >= 0, got ", options_.max_plans);
+  TORCH_CHECK(options_.max_bytes >= 0, "PlanCache: max_bytes must be >= 0, got ", options_.max_bytes);
+  TORCH_CHECK(options_.max_batch_size >= 0, "PlanCache: max_batch_size must be >= 0, got ", options_.max_batch_size);
+  TORCH_CHECK(options_.warmup_calls >= 1, "PlanCache: warmup_calls must be >= 1, got ", options_.warmup_calls);
+  for (int64_t d : options_.batch_dims) {
+    TORCH_CHECK(d >= -1, "PlanCache: batch_dims entries must be >= 0, or -1 for an unbatched input; got ", d);
+  }
+  for (int64_t d : options_.output_batch_dims) {
+    TORCH_CHECK(d >= 0, "PlanCache: output_batch_dims entries must be >= 0, got ", d);
+  }
+  TORCH_CHECK(source_.find_method(options_.method).has_value(), "PlanCache: the module (",
+              source_.type()->name()->qualifiedName(), ") has no method '", options_.method, "'");
+  TORCH_CHECK(!source_.is_training(), "PlanCache: the module (", source_.type()->name()->qualifiedName(),
+              ") is in training mode and cannot be frozen; call .eval() on it first");
+  if (options_.background_builds) {
+    worker_ = std::thread([this] { worker_loop(); });
+  }
+}
+
+PlanCache::~PlanCache() {
+  {
+    std::lock_guard<std::mutex> lock(worker_mutex_);
+    stopping_ = true;
+  }
+  worker_cv_.notify_all();
+  if (worker_.joinable()) {
+    worker_.join();
+  }
+}
+
+torch::jit::Module PlanCache::frozen_locked() const {
+  if (!frozen_ready_) {
+    frozen_ = torch::jit::freeze(source_.clone(), std::nullopt, /*optimize_numerics=*/true);
+    frozen_ready_ = true;
+  }
+  return frozen_;
+}
+
+int64_t PlanCache::input_batch_dim(size_t index, int64_t dim) const {
+  (void)dim;
+  if (options_.batch_dims.empty()) return 0;
+  return options_.batch_dims[std::min(index, options_.batch_dims.size() - 1)];
+}
+
+int64_t PlanCache::output_batch_dim(size_t index, int64_t dim) const {
+  (void)dim;
+  if (options_.output_batch_dims.empty()) return 0;
+  return options_.output_batch_dims[std::min(index, options_.output_batch_dims.size() - 1)];
+}
+
+int64_t PlanCache::batch_size_of(const std::vector<c10::IValue>& inputs) const {
+  TORCH_CHECK(!inputs.empty(), "PlanCache: no inputs given");
+  int64_t batch = -1;
+  size_t first = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t d = input_batch_dim(i, 0);
+    if (d < 0 || !inputs[i].isTensor()) {
+      continue;
+    }
+    const at::Tensor& t = inputs[i].toTensor();
+    TORCH_CHECK(t.defined(), "PlanCache: input ", i, " is an undefined tensor");
+    TORCH_CHECK(d < t.dim(), "PlanCache: input ", i, " has ", t.dim(), " dimension(s), so it has no batch dimension ",
+                d);
+    const int64_t n = t.size(d);
+    if (batch < 0) {
+      batch = n;
+      first = i;
+    } else {
+      TORCH_CHECK(n == batch, "PlanCache: inputs have different batch sizes: input ", first, " has ", batch,
+                  " and input ", i, " has ", n, " along their batch dimensions");
+    }
+  }
+  TORCH_CHECK(batch >= 0, "PlanCache: none of the ", inputs.size(), " inputs is a tensor with a batch dimension");
+  TORCH_CHECK(batch > 0, "PlanCache: empty batch (batch size 0); nothing to run");
+  return batch;
+}
+
+void PlanCache::check_signature(const std::vector<c10::IValue>& inputs, int64_t batch_size) const {
+  std::shared_ptr<const Signature> signature;
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    signature = signature_;
+  }
+  check_signature(signature.get(), inputs, batch_size);
+}
+
+void PlanCache::check_signature(const Signature* signature, const std::vector<c10::IValue>& inputs,
+                                int64_t batch_size) const {
+  if (!signature) {
+    return;
+  }
+  TORCH_CHECK(inputs.size() == signature->inputs.size(), "PlanCache: got ", inputs.size(),
+              " inputs; the cache serves ", signature->inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& expected = signature->inputs[i];
+    if (!expected.tensor) {
+      TORCH_CHECK(!inputs[i].isTensor(), "PlanCache: input ", i, " is a tensor; the cache serves a ",
+                  "non-tensor there");
+      continue;
+    }
+    TORCH_CHECK(inputs[i].isTensor(), "PlanCache: input ", i, " is a ", inputs[i].tagKind(),
+                "; the cache serves a tensor there");
+    const at::Tensor& t = inputs[i].toTensor();
+    bool same = t.dim() == static_cast<int64_t>(expected.sizes.size());
+    for (int64_t d = 0; same && d < t.dim(); ++d) {
+      same = d == expected.batch_dim || t.size(d) == expected.sizes[d];
+    }
+    if (!same) {
+      std::ostringstream want;
+      want << "[";
+      for (size_t d = 0; d < expected.sizes.size(); ++d) {
+        want << (d ? ", " : "");
+        if (static_cast<int64_t>(d) == expected.batch_dim) want << "*"; else want << expected.sizes[d];
+      }
+      want << "]";
+      TORCH_CHECK(false, "PlanCache: input ", i, " has shape ", t.sizes(), " at batch size ", batch_size,
+                  "; the module's plans take ", want.str(), " (* is the batch dimension)");
+    }
+    TORCH_CHECK(t.scalar_type() == expected.dtype, "PlanCache: input ", i, " has dtype ", t.scalar_type(),
+                "; the cache serves ", expected.dtype);
+    TORCH_CHECK(t.device() == expected.device, "PlanCache: input ", i, " is on ", t.device(),
+                "; the cache serves ", expected.device);
+  }
+}
+
+void PlanCache::remember_example(const std::vector<c10::IValue>& inputs, int64_t batch_size) {
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    if (signature_) return;
+  }
+  auto signature = std::make_shared<Signature>();
+  std::vector<c10::IValue> example;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    Signature::Input input;
+    input.tensor = inputs[i].isTensor();
+    if (input.tensor) {
+      const at::Tensor& t = inputs[i].toTensor();
+      input.batch_dim = input_batch_dim(i, t.dim());
+      input.sizes = t.sizes().vec();
+      input.dtype = t.scalar_type();
+      input.device = t.device();
+      example.emplace_back(input.batch_dim >= 0 ? t.narrow(input.batch_dim, 0, 1).clone() : t);
+    } else {
+      example.push_back(inputs[i]);
+    }
+    signature->inputs.push_back(std::move(input));
+  }
+  (void)batch_size;
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  if (!signature_) {
+    signature_ = std::move(signature);
+    example_ = std::move(example);
+  }
+}
+
+std::vector<c10::IValue> PlanCache::example_at(int64_t batch_size) const {
+  std::vector<c10::IValue> example;
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    example = example_;
+  }
+  TORCH_CHECK(!example.empty(), "PlanCache: no example inputs yet; pass example inputs or call infer() first");
+  for (size_t i = 0; i < example.size(); ++i) {
+    const int64_t d = input_batch_dim(i, 0);
+    if (d >= 0 && example[i].isTensor()) {
+      const at::Tensor& row = example[i].toTensor();
+      std::vector<int64_t> repeats(row.dim(), 1);
+      repeats[d] = batch_size;
+      example[i] = row.repeat(repeats);
+    }
+  }
+  return example;
+}
+
+std::shared_ptr<PlanCache::SizeRecord> PlanCache::record(int64_t batch_size) {
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    auto it = records_.find(batch_size);
+    if (it != records_.end()) return it->second;
+  }
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  auto& slot = records_[batch_size];
+  if (!slot) slot = std::make_shared<SizeRecord>(batch_size);
+  return slot;
+}
+
+std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const std::vector<c10::IValue>& example) {
+  const auto start = Clock::now();
+  auto plan = std::make_shared<Plan>();
+  plan->batch_size = batch_size;
+  plan->record = record(batch_size);
+  try {
+    torch::jit::Module frozen;
+    {
+      std::lock_guard<std::mutex> lock(source_mutex_);
+      try {
+        frozen = frozen_locked().clone();
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "PlanCache: freezing the module (", source_.type()->name()->qualifiedName(),
+                    ") failed while building the plan for batch size ", batch_size, ": ", message_of(e));
+      }
+      if (options_.static_runtime) {
+        plan->static_module = std::make_unique<torch::jit::StaticModule>(frozen, /*is_frozen=*/true);
+      } else if (options_.optimize_for_inference) {
+        frozen = torch::jit::optimize_for_inference(frozen);
+      }
+    }
+    plan->module = frozen;
+    plan->method = plan->module.get_method(options_.method);
+    plan->bytes = module_bytes(plan->module);
+    c10::AutoGradMode no_grad(false);
+    for (int64_t i = 0; i < options_.warmup_calls; ++i) {
+      const auto call_start = Clock::now();
+      if (plan->static_module) {
+        (*plan->static_module)(example);
+      } else {
+        (*plan->method)(example);
+      }
+      // The fastest warm-up after the profiling run: robust to a descheduled call.
+      const int64_t ns = elapsed_ns(call_start);
+      if (i == 1 || options_.warmup_calls == 1 || (i > 1 && ns < plan->warm_ns)) plan->warm_ns = ns;
+    }
+  } catch (const std::exception& e) {
+    std::ostringstream shapes;
+    for (size_t i = 0; i < example.size(); ++i) {
+      shapes << (i ? ", " : "");
+      if (example[i].isTensor()) shapes << example[i].toTensor().sizes(); else shapes << example[i].tagKind();
+    }
+    TORCH_CHECK(false, "PlanCache: building the plan for batch size ", batch_size, " failed on inputs of shape (",
+                shapes.str(), "): ", message_of(e));
+  }
+  plan->build_ns = elapsed_ns(start);
+  plan->record->builds.fetch_add(1, std::memory_order_relaxed);
+  plan->record->build_ns.fetch_add(plan->build_ns, std::memory_order_relaxed);
+  return plan;
+}
+
+void PlanCache::insert_plan(const std::shared_ptr<Plan>& plan) {
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  plan->last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  auto& slot = plans_[plan->batch_size];
+  if (slot) plan_bytes_ -= slot->bytes;
+  slot = plan;
+  plan_bytes_ += plan->bytes;
+  pending_.erase(plan->batch_size);
+  evict_locked(plan->batch_size);
+}
+
+void PlanCache::evict_locked(int64_t keep_batch_size) {
+  auto over = [this] {
+    const auto count = static_cast<int64_t>(plans_.size());
+    return (options_.max_plans > 0 && count > options_.max_plans) ||
+           (options_.max_bytes > 0 && plan_bytes_ > options_.max_bytes && count > 1);
+  };
+  while (over()) {
+    auto victim = plans_.end();
+    for (auto it = plans_.begin(); it != plans_.end(); ++it) {
+      if (it->first == keep_batch_size) continue;
+      if (victim == plans_.end() ||
+          it->second->last_used.load(std::memory_order_relaxed) < victim->second->last_used.load(std::memory_order_relaxed)) {
+        victim = it;
+      }
+    }
+    if (victim == plans_.end()) break;
+    plan_bytes_ -= victim->second->bytes;
+    victim->second->record->evictions.fetch_add(1, std::memory_order_relaxed);
+    plans_.erase(victim);  // calls running it hold their own reference
+  }
+}
+
+std::shared_ptr<PlanCache::Plan> PlanCache::get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs) {
+  std::promise<std::shared_ptr<Plan>> promise;
+  std::shared_future<std::shared_ptr<Plan>> future;
+  bool owner = false;
+  {
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    if (auto it = plans_.find(batch_size); it != plans_.end()) return it->second;
+    if (auto it = pending_.find(batch_size); it != pending_.end()) {
+      future = it->second;
+    } else {
+      future = promise.get_future().share();
+      pending_.emplace(batch_size, future);
+      owner = true;
+    }
+  }
+  if (!owner) {
+    return future.get();  // only callers of this size wait; rethrows the builder's error
+  }
+  std::shared_ptr<Plan> plan;
+  try {
+    plan = build_plan(batch_size, inputs);
+  } catch (...) {
+    {
+      std::unique_lock<std::shared_mutex> lock(mutex_);
+      pending_.erase(batch_size);
+    }
+    build_failures_.fetch_add(1, std::memory_order_relaxed);
+    promise.set_exception(std::current_exception());
+    throw;
+  }
+  remember_example(inputs, batch_size);
+  insert_plan(plan);
+  promise.set_value(plan);
+  return plan;
+}
+
+void PlanCache::enqueue_build(int64_t batch_size, std::vector<c10::IValue> example) {
+  auto promise = std::make_shared<std::promise<std::shared_ptr<Plan>>>();
+  {
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    if (plans_.count(batch_size) || pending_.count(batch_size)) return;
+    pending_.emplace(batch_size, promise->get_future().share());
+  }
+  {
+    std::lock_guard<std::mutex> lock(worker_mutex_);
+    queue_.push_back(Job{batch_size, std::move(example), std::move(promise)});
+  }
+  worker_cv_.notify_one();
+}
+
+void PlanCache::worker_loop() {
+  std::unique_lock<std::mutex> lock(worker_mutex_);
+  while (true) {
+    worker_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    if (stopping_) break;
+    Job job = std::move(queue_.front());
+    queue_.pop_front();
+    worker_busy_ = true;
+    lock.unlock();
+    try {
+      auto plan = build_plan(job.batch_size, job.example);
+      remember_example(job.example, job.batch_size);
+      insert_plan(plan);
+      job.promise->set_value(plan);
+    } catch (...) {
+      {
+        std::unique_lock<std::shared_mutex> cache_lock(mutex_);
+        pending_.erase(job.batch_size);
+      }
+      build_failures_.fetch_add(1, std::memory_order_relaxed);
+      job.promise->set_exception(std::current_exception());
+    }
+    lock.lock();
+    worker_busy_ = false;
+    if (queue_.empty()) idle_cv_.notify_all();
+  }
+  // Sizes still queued are never built: forget them and fail whoever waits for them.
+  std::unique_lock<std::shared_mutex> cache_lock(mutex_);
+  for (auto& job : queue_) {
+    pending_.erase(job.batch_size);
+    job.promise->set_exception(std::make_exception_ptr(
+        c10::Error("PlanCache: the cache was destroyed before the plan for batch size " +
+                       std::to_string(job.batch_size) + " was built")));
+  }
+  queue_.clear();
+  worker_busy_ = false;
+  idle_cv_.notify_all();
+}
+
+void PlanCache::wait_for_builds() {
+  std::unique_lock<std::mutex> lock(worker_mutex_);
+  idle_cv_.wait(lock, [this] { return (queue_.empty() && !worker_busy_) || stopping_; });
+}
+
+c10::IValue PlanCache::run_plan(Plan& plan, const std::vector<c10::IValue>& inputs) {
+  const auto start = Clock::now();
+  c10::AutoGradMode no_grad(false);
+  c10::IValue output;
+  try {
+    if (plan.static_module) {
+      std::unique_ptr<torch::jit::StaticRuntime> runtime;
+      {
+        std::lock_guard<std::mutex> lock(plan.runtimes_mutex);
+        if (!plan.free_runtimes.empty()) {
+          runtime = std::move(plan.free_runtimes.back());
+          plan.free_runtimes.pop_back();
+        }
+      }
+      if (!runtime) runtime = std::make_unique<torch::jit::StaticRuntime>(*plan.static_module);
+      output = (*runtime)(inputs);
+      std::lock_guard<std::mutex> lock(plan.runtimes_mutex);
+      plan.free_runtimes.push_back(std::move(runtime));
+    } else {
+      output = (*plan.method)(inputs);
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "PlanCache: the plan for batch size ", plan.batch_size, " failed: ", message_of(e));
+  }
+  plan.record->plan_runs.fetch_add(1, std::memory_order_relaxed);
+  plan.record->plan_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+  return output;
+}
+
+c10::IValue PlanCache::run_source(const std::vector<c10::IValue>& inputs) {
+  c10::AutoGradMode no_grad(false);
+  try {
+    return source_.get_method(options_.method)(inputs);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "PlanCache: the module (", source_.type()->name()->qualifiedName(), ") rejected the inputs: ",
+                message_of(e));
+  }
+}
+
+std::optional<PlanCache::Route> PlanCache::choose_route(int64_t batch_size) const {
+  std::vector<std::pair<int64_t, std::shared_ptr<Plan>>> cached;
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    cached.assign(plans_.begin(), plans_.end());
+  }
+  if (cached.empty()) return std::nullopt;
+  std::sort(cached.begin(), cached.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::optional<Route> pad;
+  double pad_cost = 0;
+  for (const auto& [size, plan] : cached) {
+    if (size >= batch_size) {
+      pad = Route{true, {plan}};
+      pad_cost = plan->estimated_seconds();
+      break;
+    }
+  }
+  // Split: the fewest cached pieces that sum to batch_size (dynamic programming over the
+  // cached sizes), run largest first.
+  std::optional<Route> split;
+  double split_cost = 0;
+  if (cached.front().first < batch_size) {
+    std::vector<int64_t> pieces(batch_size + 1, -1), last(batch_size + 1, 0);
+    pieces[0] = 0;
+    for (int64_t total = 1; total <= batch_size; ++total) {
+      for (const auto& entry : cached) {
+        const int64_t size = entry.first;
+        if (size > total) break;
+        if (pieces[total - size] >= 0 && (pieces[total] < 0 || pieces[total - size] + 1 < pieces[total] ||
+                                          (pieces[total - size] + 1 == pieces[total] && size > last[total]))) {
+          pieces[total] = pieces[total - size] + 1;
+          last[total] = size;
+        }
+      }
+    }
+    if (pieces[batch_size] > 1) {
+      std::vector<int64_t> sizes;
+      for (int64_t total = batch_size; total > 0; total -= last[total]) sizes.push_back(last[total]);
+      std::sort(sizes.rbegin(), sizes.rend());
+      Route route;
+      for (int64_t size : sizes) {
+        auto it = std::find_if(cached.begin(), cached.end(), [size](const auto& e) { return e.first == size; });
+        route.plans.push_back(it->second);
+        split_cost += it->second->estimated_seconds();
+      }
+      split = std::move(route);
+    }
+  }
+  switch (options_.miss_mode) {
+    case MissMode::pad: return pad;
+    case MissMode::split: return split;
+    case MissMode::auto_:
+      if (pad && split) return pad_cost <= split_cost ? pad : split;
+      return pad ? pad : split;
+    case MissMode::exact: return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+std::vector<c10::IValue> PlanCache::slice_inputs(const std::vector<c10::IValue>& inputs, int64_t start,
+                                                 int64_t length) const {
+  std::vector<c10::IValue> out;
+  out.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t d = input_batch_dim(i, 0);
+    if (d >= 0 && inputs[i].isTensor()) {
+      out.emplace_back(inputs[i].toTensor().narrow(d, start, length).contiguous());
+    } else {
+      out.push_back(inputs[i]);
+    }
+  }
+  return out;
+}
+
+std::vector<c10::IValue> PlanCache::pad_inputs(const std::vector<c10::IValue>& inputs, int64_t batch_size,
+                                               int64_t target) const {
+  // Padding repeats the last row, so padded rows are valid inputs (no zeros fed to a log or a division).
+  std::vector<c10::IValue> out;
+  out.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t d = input_batch_dim(i, 0);
+    if (d >= 0 && inputs[i].isTensor()) {
+      const at::Tensor& t = inputs[i].toTensor();
+      std::vector<int64_t> repeats(t.dim(), 1);
+      repeats[d] = target - batch_size;
+      out.emplace_back(at::cat({t, t.narrow(d, batch_size - 1, 1).repeat(repeats)}, d));
+    } else {
+      out.push_back(inputs[i]);
+    }
+  }
+  return out;
+}
+
+c10::IValue PlanCache::slice_output(const c10::IValue& output, int64_t length) const {
+  bool is_tuple = false, is_list = false;
+  auto parts = unpack_outputs(output, is_tuple, is_list);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    TORCH_CHECK(parts[i].isTensor(), "PlanCache: padding needs outputs that are tensors or tuples or lists of ",
+                "tensors; output ", i, " is a ", parts[i].tagKind());
+    const at::Tensor& t = parts[i].toTensor();
+    const int64_t d = output_batch_dim(i, t.dim());
+    TORCH_CHECK(d < t.dim(), "PlanCache: output ", i, " has ", t.dim(), " dimension(s); no batch dimension ", d);
+    parts[i] = t.narrow(d, 0, length);
+  }
+  if (is_tuple) return c10::ivalue::Tuple::create(std::move(parts));
+  if (is_list) {
+    c10::impl::GenericList list(output.toList().elementType());
+    for (auto& p : parts) list.push_back(std::move(p));
+    return list;
+  }
+  return parts[0];
+}
+
+c10::IValue PlanCache::concat_outputs(const std::vector<c10::IValue>& outputs) const {
+  if (outputs.size() == 1) return outputs[0];
+  bool is_tuple = false, is_list = false;
+  std::vector<std::vector<c10::IValue>> pieces;
+  for (const auto& output : outputs) pieces.push_back(unpack_outputs(output, is_tuple, is_list));
+  std::vector<c10::IValue> joined;
+  for (size_t i = 0; i < pieces[0].size(); ++i) {
+    std::vector<at::Tensor> tensors;
+    for (const auto& piece : pieces) {
+      TORCH_CHECK(piece.size() == pieces[0].size() && piece[i].isTensor(), "PlanCache: splitting needs outputs ",
+                  "that are tensors or tuples or lists of tensors; output ", i, " is a ", piece[i].tagKind());
+      tensors.push_back(piece[i].toTensor());
+    }
+    const int64_t d = output_batch_dim(i, tensors[0].dim());
+    TORCH_CHECK(d < tensors[0].dim(), "PlanCache: output ", i, " has ", tensors[0].dim(),
+                " dimension(s); no batch dimension ", d);
+    joined.emplace_back(at::cat(tensors, d));
+  }
+  if (is_tuple) return c10::ivalue::Tuple::create(std::move(joined));
+  if (is_list) {
+    c10::impl::GenericList list(outputs[0].toList().elementType());
+    for (auto& p : joined) list.push_back(std::move(p));
+    return list;
+  }
+  return joined[0];
+}
+
+c10::IValue PlanCache::run_route(const Route& route, const std::vector<c10::IValue>& inputs, int64_t batch_size) {
+  auto rec = record(batch_size);
+  if (route.pad) {
+    Plan& plan = *route.plans[0];
+    plan.last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    rec->padded_calls.fetch_add(1, std::memory_order_relaxed);
+    rec->padded_elements.fetch_add(plan.batch_size - batch_size, std::memory_order_relaxed);
+    return slice_output(run_plan(plan, pad_inputs(inputs, batch_size, plan.batch_size)), batch_size);
+  }
+  rec->split_calls.fetch_add(1, std::memory_order_relaxed);
+  std::vector<c10::IValue> outputs;
+  int64_t offset = 0;
+  for (const auto& plan : route.plans) {
+    plan->last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    outputs.push_back(run_plan(*plan, slice_inputs(inputs, offset, plan->batch_size)));
+    offset += plan->batch_size;
+  }
+  return concat_outputs(outputs);
+}
+
+c10::IValue PlanCache::serve_miss(int64_t batch_size, const std::vector<c10::IValue>& inputs, SizeRecord& rec) {
+  const bool admitted = rec.sightings.fetch_add(1, std::memory_order_relaxed) + 1 >= options_.admit_after;
+  std::optional<Route> route;
+  if (options_.miss_mode != MissMode::exact) route = choose_route(batch_size);
+  if (options_.background_builds) {
+    if (admitted) {
+      std::vector<c10::IValue> example;
+      for (const auto& v : inputs) example.push_back(v.isTensor() ? c10::IValue(v.toTensor().clone()) : v);
+      enqueue_build(batch_size, std::move(example));
+    }
+  } else if (!route && admitted) {
+    auto plan = get_or_build(batch_size, inputs);
+    return run_plan(*plan, inputs);
+  }
+  if (route) return run_route(*route, inputs, batch_size);
+  rec.fallback_calls.fetch_add(1, std::memory_order_relaxed);
+  auto output = run_source(inputs);
+  remember_example(inputs, batch_size);
+  return output;
+}
+
+c10::IValue PlanCache::run_size(int64_t batch_size, const std::vector<c10::IValue>& inputs, bool count_call) {
+  const auto start = Clock::now();
+  std::shared_ptr<Plan> plan;
+  std::shared_ptr<SizeRecord> rec;
+  std::shared_ptr<const Signature> signature;
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    if (auto it = plans_.find(batch_size); it != plans_.end()) plan = it->second;
+    signature = signature_;
+  }
+  check_signature(signature.get(), inputs, batch_size);
+  c10::IValue output;
+  if (plan) {
+    rec = plan->record;
+    plan->last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    rec->hits.fetch_add(1, std::memory_order_relaxed);
+    hit_lookup_ns_.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
+    output = run_plan(*plan, inputs);
+  } else {
+    rec = record(batch_size);
+    rec->misses.fetch_add(1, std::memory_order_relaxed);
+    output = serve_miss(batch_size, inputs, *rec);
+  }
+  if (count_call) {
+    const int64_t ns = elapsed_ns(start);
+    rec->calls.fetch_add(1, std::memory_order_relaxed);
+    rec->total_ns.fetch_add(ns, std::memory_order_relaxed);
+    atomic_max(rec->max_ns, ns);
+  }
+  return output;
+}
+
+c10::IValue PlanCache::infer(const std::vector<c10::IValue>& inputs) {
+  const int64_t batch_size = batch_size_of(inputs);
+  TORCH_CHECK(options_.max_batch_size == 0 || batch_size <= options_.max_batch_size, "PlanCache: batch size ",
+              batch_size, " is above max_batch_size ", options_.max_batch_size, "; use infer_batch to split it");
+  return run_size(batch_size, inputs, /*count_call=*/true);
+}
+
+c10::IValue PlanCache::infer_batch(const std::vector<c10::IValue>& inputs) {
+  const int64_t total = batch_size_of(inputs);
+  std::vector<c10::IValue> outputs;
+  for (int64_t offset = 0; offset < total;) {
+    const int64_t size = select_batch_size(total - offset);
+    outputs.push_back(infer(size == total ? inputs : slice_inputs(inputs, offset, size)));
+    offset += size;
+  }
+  return concat_outputs(outputs);
+}
+
+int64_t PlanCache::select_batch_size(int64_t max_count) const {
+  TORCH_CHECK(max_count > 0, "PlanCache: select_batch_size needs max_count > 0, got ", max_count);
+  const int64_t cap = options_.max_batch_size > 0 ? std::min(max_count, options_.max_batch_size) : max_count;
+  int64_t best = 0;
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  for (const auto& entry : plans_) {
+    if (entry.first <= cap && entry.first > best) best = entry.first;
+  }
+  return best > 0 ? best : cap;
+}
+
+void PlanCache::preload(const std::vector<int64_t>& sizes, const std::vector<c10::IValue>& example_inputs,
+                        const ProgressFn& progress) {
+  for (int64_t n : sizes) {
+    TORCH_CHECK(n > 0, "PlanCache.preload: batch sizes must be > 0, got ", n);
+    TORCH_CHECK(options_.max_batch_size == 0 || n <= options_.max_batch_size, "PlanCache.preload: batch size ", n,
+                " is above max_batch_size ", options_.max_batch_size);
+  }
+  std::shared_ptr<const Signature> tentative;  // set from example_inputs until a plan builds
+  if (!example_inputs.empty()) {
+    const int64_t n = batch_size_of(example_inputs);
+    check_signature(example_inputs, n);
+    std::shared_ptr<const Signature> before;
+    {
+      std::shared_lock<std::shared_mutex> lock(mutex_);
+      before = signature_;
+    }
+    if (!before) {
+      remember_example(example_inputs, n);
+      std::shared_lock<std::shared_mutex> lock(mutex_);
+      tentative = signature_;
+    }
+  }
+  const auto total = static_cast<int64_t>(sizes.size());
+  int64_t done = 0;
+  for (int64_t n : sizes) {
+    if (!contains(n)) {
+      try {
+        get_or_build(n, example_at(n));
+      } catch (...) {
+        if (tentative && done == 0) {
+          // The example never produced a plan: it must not define the cache's inputs.
+          std::unique_lock<std::shared_mutex> lock(mutex_);
+          if (signature_ == tentative && plans_.empty()) {
+            signature_.reset();
+            example_.clear();
+          }
+        }
+        throw;
+      }
+    }
+    ++done;
+    if (progress) progress(done, total, n);
+  }
+}
+
+std::vector<int64_t> PlanCache::cached_sizes() const {
+  std::vector<int64_t> sizes;
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    for (const auto& entry : plans_) sizes.push_back(entry.first);
+  }
+  std::sort(sizes.begin(), sizes.end());
+  return sizes;
+}
+
+bool PlanCache::contains(int64_t batch_size) const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  return plans_.count(batch_size) > 0;
+}
+
+std::optional<torch::jit::Module> PlanCache::plan_module(int64_t batch_size) const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  auto it = plans_.find(batch_size);
+  if (it == plans_.end()) return std::nullopt;
+  return it->second->module;
+}
+
+PlanCacheStats PlanCache::stats() const {
+  PlanCacheStats out;
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  out.plans = static_cast<int64_t>(plans_.size());
+  out.plan_bytes = plan_bytes_;
+  for (const auto& entry : pending_) {
+    if (!plans_.count(entry.first)) ++out.pending_builds;
+  }
+  out.build_failures = build_failures_.load();
+  out.hit_lookup_seconds = seconds(hit_lookup_ns_.load());
+  for (const auto& [n, rec] : records_) {
+    SizeStats s;
+    s.batch_size = n;
+    s.calls = rec->calls.load();
+    s.hits = rec->hits.load();
+    s.misses = rec->misses.load();
+    s.padded_calls = rec->padded_calls.load();
+    s.split_calls = rec->split_calls.load();
+    s.fallback_calls = rec->fallback_calls.load();
+    s.builds = rec->builds.load();
+    s.evictions = rec->evictions.load();
+    s.plan_runs = rec->plan_runs.load();
+    s.build_seconds = seconds(rec->build_ns.load());
+    s.total_seconds = seconds(rec->total_ns.load());
+    s.max_seconds = seconds(rec->max_ns.load());
+    s.plan_seconds = seconds(rec->plan_ns.load());
+    s.padded_elements = rec->padded_elements.load();
+    if (auto it = plans_.find(n); it != plans_.end()) {
+      s.cached = true;
+      s.plan_bytes = it->second->bytes;
+    }
+    out.calls += s.calls;
+    out.hits += s.hits;
+    out.misses += s.misses;
+    out.builds += s.builds;
+    out.evictions += s.evictions;
+    out.padded_calls += s.padded_calls;
+    out.split_calls += s.split_calls;
+    out.fallback_calls += s.fallback_calls;
+    out.padded_elements += s.padded_elements;
+    out.build_seconds += s.build_seconds;
+    out.sizes.push_back(s);
+  }
+  std::sort(out.sizes.begin(), out.sizes.end(), [](const auto& a, const auto& b) { return a.batch_size < b.batch_size; });
+  return out;
+}
+
+void PlanCache::reset_stats() {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  for (const auto& entry : records_) {
+    auto& r = *entry.second;
+    for (auto* counter : {&r.calls, &r.hits, &r.misses, &r.padded_calls, &r.split_calls, &r.fallback_calls, &r.builds,
+                          &r.evictions, &r.plan_runs, &r.padded_elements, &r.build_ns, &r.total_ns, &r.max_ns, &r.plan_ns}) {
+      counter->store(0);
+    }
+  }
+  build_failures_.store(0);
+  hit_lookup_ns_.store(0);
+}
+
+void PlanCache::clear() {
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  plans_.clear();
+  plan_bytes_ = 0;
+}
+
+namespace {
+
+constexpr const char* kManifestHeader = "torch_ext.PlanCache 1";
+
+uint64_t fingerprint(const torch::jit::Module& module, const std::string& method) {
+  // The method's schema and every parameter and buffer (name, shape, dtype, sum of values).
+  std::ostringstream text;
+  text << module.get_method(method).function().getSchema() << "\n";
+  for (const auto& p : module.named_parameters(true)) {
+    text << p.name << " " << p.value.sizes() << " " << p.value.scalar_type() << " "
+         << at::sum(p.value.detach().to(at::kDouble)).item<double>() << "\n";
+  }
+  for (const auto& b : module.named_buffers(true)) {
+    text << b.name << " " << b.value.sizes() << " " << b.value.scalar_type() << " "
+         << (b.value.is_complex() ? 0.0 : at::sum(b.value.detach().to(at::kDouble)).item<double>()) << "\n";
+  }
+  return std::hash<std::string>{}(text.str());
+}
+
+}  // namespace
+
+void PlanCache::save(const std::string& dir) const {
+  std::vector<int64_t> sizes = cached_sizes();
+  std::vector<c10::IValue> example;
+  {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    example = example_;
+  }
+  TORCH_CHECK(!example.empty(), "PlanCache.save: nothing to save to ", dir, "; no plan was built yet");
+  namespace fs = std::filesystem;
+  fs::create_directories(dir);
+  // optimize_for_inference's MKLDNN constants cannot be loaded back, so the frozen module is
+  // what is saved; load() runs optimize_for_inference again.
+  {
+    std::lock_guard<std::mutex> lock(source_mutex_);
+    frozen_locked().save((fs::path(dir) / "module.pt").string());
+  }
+  c10::impl::GenericList rows(c10::AnyType::get());
+  for (const auto& v : example) rows.push_back(v);
+  const auto bytes = torch::jit::pickle_save(rows);
+  std::ofstream((fs::path(dir) / "example.pkl").string(), std::ios::binary).write(bytes.data(), bytes.size());
+  std::ofstream manifest((fs::path(dir) / "manifest.txt").string());
+  manifest << kManifestHeader << "\n";
+  manifest << "fingerprint " << fingerprint(source_, options_.method) << "\n";
+  manifest << "method " << options_.method << "\n";
+  manifest << "sizes";
+  for (int64_t n : sizes) manifest << " " << n;
+  manifest << "\n";
+  TORCH_CHECK(manifest.good(), "PlanCache.save: writing ", (fs::path(dir) / "manifest.txt").string(), " failed");
+}
+
+int64_t PlanCache::load(const std::string& dir, const ProgressFn& progress) {
+  namespace fs = std::filesystem;
+  const auto manifest_path = (fs::path(dir) / "manifest.txt").string();
+  std::ifstream manifest(manifest_path);
+  TORCH_CHECK(manifest.good(), "PlanCache.load: ", manifest_path, " does not exist or cannot be read");
+  std::string header;
+  std::getline(manifest, header);
+  TORCH_CHECK(header == kManifestHeader, "PlanCache.load: ", manifest_path, " is not a PlanCache manifest (first line '",
+              header, "', expected '", kManifestHeader, "')");
+  std::string key, method;
+  uint64_t saved_fingerprint = 0;
+  std::vector<int64_t> sizes;
+  manifest >> key >> saved_fingerprint;
+  TORCH_CHECK(key == "fingerprint", "PlanCache.load: ", manifest_path, " is malformed (expected fingerprint)");
+  manifest >> key >> method;
+  TORCH_CHECK(key == "method", "PlanCache.load: ", manifest_path, " is malformed (expected method)");
+  manifest >> key;
+  TORCH_CHECK(key == "sizes", "PlanCache.load: ", manifest_path, " is malformed (expected sizes)");
+  for (int64_t n; manifest >> n;) sizes.push_back(n);
+  TORCH_CHECK(method == options_.method, "PlanCache.load: ", manifest_path, " holds plans of method '", method,
+              "'; this cache serves '", options_.method, "'");
+  const uint64_t mine = fingerprint(source_, options_.method);
+  TORCH_CHECK(saved_fingerprint == mine, "PlanCache.load: ", manifest_path, " was saved from a different module ",
+              "(fingerprint ", saved_fingerprint, ", this cache's module ", mine, ")");
+  const auto example_path = (fs::path(dir) / "example.pkl").string();
+  std::ifstream example_file(example_path, std::ios::binary);
+  TORCH_CHECK(example_file.good(), "PlanCache.load: ", example_path, " does not exist or cannot be read");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(example_file)), std::istreambuf_iterator<char>());
+  const auto rows = torch::jit::pickle_load(bytes).toList().vec();
+  check_signature(rows, 1);
+  remember_example(rows, 1);
+  const auto module_path = (fs::path(dir) / "module.pt").string();
+  TORCH_CHECK(fs::exists(module_path), "PlanCache.load: ", module_path, " does not exist");
+  {
+    std::lock_guard<std::mutex> lock(source_mutex_);
+    if (!frozen_ready_) {
+      try {
+        frozen_ = torch::jit::load(module_path);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "PlanCache.load: cannot load ", module_path, ": ", message_of(e));
+      }
+      frozen_ready_ = true;
+    }
+  }
+  int64_t loaded = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t n = sizes[i];
+    if (!contains(n)) {
+      get_or_build(n, example_at(n));
+      ++loaded;
+    }
+    if (progress) progress(static_cast<int64_t>(i) + 1, static_cast<int64_t>(sizes.size()), n);
+  }
+  return loaded;
+}
+
+}  // namespace torch_ext::plan

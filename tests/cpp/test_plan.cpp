@@ -1,0 +1,551 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randn.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/jit/api/module.h>
+
+#include "torch_ext/plan/plan_cache.h"
+
+namespace plan = torch_ext::plan;
+using plan::MissMode;
+using plan::PlanCache;
+using plan::PlanCacheOptions;
+
+namespace {
+
+constexpr int64_t kFeatures = 8;
+
+torch::jit::Module make_module(const std::string& name, const std::string& source, bool training = false) {
+  torch::jit::Module m(name);
+  m.register_attribute("training", c10::BoolType::get(), training);
+  m.register_parameter("w", at::randn({kFeatures, kFeatures}), false);
+  m.register_parameter("b", at::randn({kFeatures}), false);
+  m.define(source);
+  return m;
+}
+
+// Row-wise, correctly rounded math (mul, add, relu): each output row depends on its input row
+// only and vectorised and scalar loops round alike, so plans at any size, padding and
+// splitting must be bit-identical to the module.
+torch::jit::Module rowwise() {
+  return make_module("RowWise", R"JIT(
+def forward(self, x):
+    return torch.relu(x * self.b + 0.5) * 2.0
+)JIT");
+}
+
+// A matmul and a tuple output: results agree up to GEMM rounding, which depends on the
+// batch size (blocking) and on freezing (transposed weights).
+torch::jit::Module linear() {
+  return make_module("Linear", R"JIT(
+def forward(self, x):
+    y = torch.relu(torch.matmul(x, self.w) + self.b)
+    return (y, y.sum(1))
+)JIT");
+}
+
+// Cost grows with the batch size squared: builds at large sizes are slow.
+torch::jit::Module slow_at_large_sizes() {
+  return make_module("Slow", R"JIT(
+def forward(self, x):
+    y = x
+    for _ in range(x.size(0) * x.size(0) * 20):
+        y = y * 0.999 + 0.001
+    return y
+)JIT");
+}
+
+// Cost a + b * n with a == 3b: splitting 2 into 1 + 1 costs 8b, padding it to 16 costs 19b;
+// splitting 15 into ones costs 60b, padding it to 16 costs 19b. The loop only burns time:
+// the output is the row-wise function, exact at every size.
+torch::jit::Module linear_cost() {
+  return make_module("LinearCost", R"JIT(
+def forward(self, x):
+    z = x.clone()
+    for _ in range(90 + 30 * x.size(0)):
+        z = z * 0.999 + 0.001
+    return torch.relu(x * self.b + 0.5) * 2.0 + z * 0.0
+)JIT");
+}
+
+at::Tensor input(int64_t n) { return at::randn({n, kFeatures}); }
+
+at::Tensor reference(torch::jit::Module& m, const at::Tensor& x) {
+  c10::AutoGradMode no_grad(false);
+  return m.forward({x}).toTensor();
+}
+
+at::Tensor run(PlanCache& cache, const at::Tensor& x) { return cache.infer({x}).toTensor(); }
+
+PlanCacheOptions options(MissMode mode = MissMode::exact) {
+  PlanCacheOptions o;
+  o.miss_mode = mode;
+  o.warmup_calls = 2;
+  return o;
+}
+
+const plan::SizeStats* size_stats(const plan::PlanCacheStats& s, int64_t n) {
+  for (const auto& z : s.sizes) {
+    if (z.batch_size == n) return &z;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+TEST(Plan, ExactModeEqualsTheModuleAtEverySize) {
+  auto m = rowwise();
+  PlanCache cache(m, options());
+  for (int64_t n : {1, 3, 8, 3, 1, 17}) {
+    auto x = input(n);
+    EXPECT_TRUE(at::equal(run(cache, x), reference(m, x))) << "batch size " << n;
+  }
+  EXPECT_EQ(cache.cached_sizes(), (std::vector<int64_t>{1, 3, 8, 17}));
+  const auto s = cache.stats();
+  EXPECT_EQ(s.calls, 6);
+  EXPECT_EQ(s.misses, 4);
+  EXPECT_EQ(s.hits, 2);
+  EXPECT_EQ(s.builds, 4);
+  EXPECT_GT(s.build_seconds, 0);
+  EXPECT_GT(s.plan_bytes, 0);
+  EXPECT_EQ(size_stats(s, 3)->calls, 2);
+  EXPECT_EQ(size_stats(s, 3)->hits, 1);
+  EXPECT_GT(s.hit_lookup_seconds, 0);
+}
+
+TEST(Plan, TupleOutputsOfAMatmulModelAgree) {
+  auto m = linear();
+  PlanCache cache(m, options());
+  for (int64_t n : {2, 5, 2}) {
+    auto x = input(n);
+    auto got = cache.infer({x}).toTupleRef().elements();
+    c10::AutoGradMode no_grad(false);
+    auto want = m.forward({x}).toTupleRef().elements();
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_TRUE(at::allclose(got[0].toTensor(), want[0].toTensor(), 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(got[1].toTensor(), want[1].toTensor(), 1e-5, 1e-5));
+  }
+}
+
+TEST(Plan, PadRoundsUpToTheSmallestCachedSizeAndSlices) {
+  auto m = rowwise();
+  PlanCache cache(m, options(MissMode::pad));
+  cache.preload({4, 8, 16}, {input(2)});
+  const auto builds = cache.stats().builds;
+  auto x = input(5);
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+  const auto s = cache.stats();
+  EXPECT_EQ(s.builds, builds);  // served by the plan for 8
+  EXPECT_EQ(s.padded_calls, 1);
+  EXPECT_EQ(s.padded_elements, 3);
+  EXPECT_EQ(size_stats(s, 8)->plan_runs, 1);
+  // Above every cached size there is nothing to pad to: the exact plan is built.
+  auto big = input(20);
+  EXPECT_TRUE(at::equal(run(cache, big), reference(m, big)));
+  EXPECT_TRUE(cache.contains(20));
+}
+
+TEST(Plan, SplitRunsASumOfCachedSizesLargestFirst) {
+  auto m = rowwise();
+  PlanCache cache(m, options(MissMode::split));
+  cache.preload({1, 4}, {input(1)});
+  auto x = input(11);  // 4 + 4 + 1 + 1 + 1
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+  const auto s = cache.stats();
+  EXPECT_EQ(s.split_calls, 1);
+  EXPECT_EQ(size_stats(s, 4)->plan_runs, 2);
+  EXPECT_EQ(size_stats(s, 1)->plan_runs, 3);
+  EXPECT_FALSE(cache.contains(11));
+}
+
+TEST(Plan, SplitConcatenatesTupleOutputs) {
+  auto m = linear();
+  PlanCache cache(m, options(MissMode::split));
+  cache.preload({2, 3}, {input(1)});
+  auto x = input(7);  // 3 + 2 + 2: greedy 3 + 3 would leave 1 uncovered
+  auto got = cache.infer({x}).toTupleRef().elements();
+  c10::AutoGradMode no_grad(false);
+  auto want = m.forward({x}).toTupleRef().elements();
+  EXPECT_TRUE(at::allclose(got[0].toTensor(), want[0].toTensor(), 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(got[1].toTensor(), want[1].toTensor(), 1e-5, 1e-5));
+  EXPECT_EQ(cache.stats().split_calls, 1);
+}
+
+TEST(Plan, AutoPicksTheCheaperRouteByMeasuredLatency) {
+  auto m = linear_cost();
+  PlanCacheOptions o = options(MissMode::auto_);
+  o.warmup_calls = 3;  // the profiling executor optimises on the 2nd call: time the 3rd
+  PlanCache cache(m, o);
+  cache.preload({1, 16}, {input(1)});
+  // Two runs at size 1 beat padding 2 up to 16.
+  auto x = input(2);
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+  auto s = cache.stats();
+  EXPECT_EQ(s.split_calls, 1);
+  EXPECT_EQ(s.padded_calls, 0);
+  // 15 = 1 * 15 runs, or one run at 16: padding is cheaper.
+  auto y = input(15);
+  EXPECT_TRUE(at::equal(run(cache, y), reference(m, y)));
+  s = cache.stats();
+  EXPECT_EQ(s.padded_calls, 1);
+}
+
+TEST(Plan, BatchDimensionIsConfigurablePerInput) {
+  torch::jit::Module m("TwoInputs");
+  m.register_attribute("training", c10::BoolType::get(), false);
+  m.define(R"JIT(
+def forward(self, x, y, scale: float):
+    return (x + y.t()) * scale
+)JIT");
+  PlanCacheOptions o = options(MissMode::pad);
+  o.batch_dims = {0, 1, -1};
+  PlanCache cache(m, o);
+  cache.preload({4}, {at::randn({2, 3}), at::randn({3, 2}), c10::IValue(2.0)});
+  auto x = at::randn({3, 3});
+  auto y = at::randn({3, 3});
+  auto got = cache.infer({x, y, c10::IValue(2.0)}).toTensor();
+  EXPECT_TRUE(at::equal(got, (x + y.t()) * 2.0));
+  EXPECT_EQ(cache.stats().padded_calls, 1);
+}
+
+TEST(Plan, BackgroundBuildServesByPadThenSwapsThePlanIn) {
+  auto m = rowwise();
+  PlanCacheOptions o = options(MissMode::pad);
+  o.background_builds = true;
+  PlanCache cache(m, o);
+  cache.preload({8}, {input(1)});
+  auto x = input(3);
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+  EXPECT_EQ(cache.stats().padded_calls, 1);
+  cache.wait_for_builds();
+  EXPECT_TRUE(cache.contains(3));
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+  const auto s = cache.stats();
+  EXPECT_EQ(size_stats(s, 3)->hits, 1);
+  EXPECT_EQ(size_stats(s, 3)->builds, 1);
+}
+
+TEST(Plan, BackgroundBuildWithNothingCachedFallsBackToTheModule) {
+  auto m = rowwise();
+  PlanCacheOptions o = options(MissMode::exact);
+  o.background_builds = true;
+  PlanCache cache(m, o);
+  auto x = input(5);
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+  EXPECT_EQ(cache.stats().fallback_calls, 1);
+  cache.wait_for_builds();
+  EXPECT_TRUE(cache.contains(5));
+}
+
+TEST(Plan, AdmissionBuildsOnlyAfterKSightings) {
+  auto m = rowwise();
+  PlanCacheOptions o = options();
+  o.admit_after = 3;
+  PlanCache cache(m, o);
+  auto x = input(6);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+    EXPECT_FALSE(cache.contains(6));
+  }
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+  EXPECT_TRUE(cache.contains(6));
+  const auto s = cache.stats();
+  EXPECT_EQ(s.fallback_calls, 2);
+  EXPECT_EQ(s.builds, 1);
+}
+
+TEST(Plan, MaxPlansEvictsTheLeastRecentlyUsed) {
+  auto m = rowwise();
+  PlanCacheOptions o = options();
+  o.max_plans = 2;
+  PlanCache cache(m, o);
+  run(cache, input(1));
+  run(cache, input(2));
+  run(cache, input(1));  // 2 is now the least recently used
+  run(cache, input(3));
+  EXPECT_EQ(cache.cached_sizes(), (std::vector<int64_t>{1, 3}));
+  const auto s = cache.stats();
+  EXPECT_EQ(s.evictions, 1);
+  EXPECT_EQ(size_stats(s, 2)->evictions, 1);
+  EXPECT_EQ(s.plans, 2);
+}
+
+TEST(Plan, ByteBudgetBoundsThePlansAndEvictedPlansStayUsable) {
+  auto m = rowwise();
+  PlanCache probe(m, options());
+  run(probe, input(1));
+  const int64_t plan_bytes = probe.stats().plan_bytes;
+  ASSERT_GT(plan_bytes, 0);
+  PlanCacheOptions o = options();
+  o.max_bytes = 2 * plan_bytes + plan_bytes / 2;
+  PlanCache cache(m, o);
+  run(cache, input(1));
+  auto held = cache.plan_module(1);
+  ASSERT_TRUE(held.has_value());
+  run(cache, input(2));
+  run(cache, input(3));
+  EXPECT_EQ(cache.stats().plans, 2);
+  EXPECT_LE(cache.stats().plan_bytes, o.max_bytes);
+  EXPECT_FALSE(cache.contains(1));
+  // The evicted plan's module is still alive and correct for whoever holds it.
+  auto x = input(1);
+  c10::AutoGradMode no_grad(false);
+  EXPECT_TRUE(at::equal(held->forward({x}).toTensor(), reference(m, x)));
+}
+
+TEST(Plan, SelectBatchSizeAndInferBatch) {
+  auto m = rowwise();
+  PlanCacheOptions o = options();
+  o.max_batch_size = 8;
+  PlanCache cache(m, o);
+  cache.preload({4, 8}, {input(4)});
+  EXPECT_EQ(cache.select_batch_size(20), 8);
+  EXPECT_EQ(cache.select_batch_size(6), 4);
+  EXPECT_EQ(cache.select_batch_size(3), 3);
+  auto x = input(21);  // 8 + 8 + 4 + 1
+  EXPECT_TRUE(at::equal(cache.infer_batch({x}).toTensor(), reference(m, x)));
+  EXPECT_THROW(run(cache, x), c10::Error);  // above max_batch_size
+  EXPECT_THROW(cache.select_batch_size(0), c10::Error);
+}
+
+TEST(Plan, PreloadReportsProgress) {
+  auto m = rowwise();
+  PlanCache cache(m, options());
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> seen;
+  cache.preload({2, 4, 2}, {input(1)}, [&](int64_t done, int64_t total, int64_t n) { seen.emplace_back(done, total, n); });
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen.back(), std::make_tuple(int64_t{3}, int64_t{3}, int64_t{2}));
+  EXPECT_EQ(cache.cached_sizes(), (std::vector<int64_t>{2, 4}));  // the example's size is not built
+  PlanCache empty(m, options());
+  EXPECT_THROW(empty.preload({2}), c10::Error);  // no example yet
+  // An example the module rejects does not become the cache's input signature.
+  EXPECT_THROW(empty.preload({2}, {at::randn({1, kFeatures + 1})}), c10::Error);
+  auto x = input(3);
+  EXPECT_TRUE(at::equal(run(empty, x), reference(m, x)));
+}
+
+TEST(Plan, BadInputsGetClearErrorsAndTheCacheStaysUsable) {
+  auto m = rowwise();
+  PlanCache cache(m, options());
+  // The module rejects the shape: the build fails, nothing is cached.
+  try {
+    run(cache, at::randn({4, kFeatures + 1}));
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("batch size 4"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(cache.contains(4));
+  EXPECT_EQ(cache.stats().build_failures, 1);
+  auto x = input(4);
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+  // After a success the non-batch dims are fixed: a mismatch names the input and shape.
+  try {
+    run(cache, at::randn({4, kFeatures + 2}));
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("input 0 has shape [4, 10]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(run(cache, at::randn({0, kFeatures})), c10::Error);
+  EXPECT_THROW(cache.infer({}), c10::Error);
+  EXPECT_THROW(run(cache, at::randn({kFeatures}).to(at::kDouble)), c10::Error);
+  EXPECT_THROW(run(cache, input(4).to(at::kDouble)), c10::Error);
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+}
+
+TEST(Plan, InputsWithDifferentBatchSizesAreRejected) {
+  torch::jit::Module m("Add");
+  m.register_attribute("training", c10::BoolType::get(), false);
+  m.define("def forward(self, x, y):\n    return x + y\n");
+  PlanCache cache(m, options());
+  try {
+    cache.infer({at::randn({3, 2}), at::randn({4, 2})});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("input 0 has 3 and input 1 has 4"), std::string::npos) << e.what();
+  }
+  auto x = at::randn({3, 2});
+  EXPECT_TRUE(at::equal(cache.infer({x, x}).toTensor(), x + x));
+}
+
+TEST(Plan, ModulesThatCannotBeFrozenAreRejected) {
+  auto training = make_module("Training", "def forward(self, x):\n    return x\n", /*training=*/true);
+  try {
+    PlanCache cache(training, options());
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("training mode"), std::string::npos) << e.what();
+  }
+  auto m = rowwise();
+  PlanCacheOptions o = options();
+  o.method = "missing";
+  EXPECT_THROW(PlanCache(m, o), c10::Error);
+  o = options();
+  o.admit_after = 0;
+  EXPECT_THROW(PlanCache(m, o), c10::Error);
+  EXPECT_THROW(plan::miss_mode_from_string("sometimes"), c10::Error);
+}
+
+TEST(Plan, AMissDoesNotBlockHitsAtOtherSizes) {
+  auto m = slow_at_large_sizes();
+  PlanCache cache(m, options());
+  auto small = input(1);
+  run(cache, small);
+  std::atomic<bool> building{true};
+  std::thread builder([&] {
+    run(cache, input(40));  // 32000 sin calls per run, 3 runs with the warm-up
+    building = false;
+  });
+  int64_t hits_during_build = 0;
+  double slowest = 0;
+  while (building) {
+    const auto start = std::chrono::steady_clock::now();
+    run(cache, small);
+    slowest = std::max(slowest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    ++hits_during_build;
+  }
+  builder.join();
+  const double build_seconds = size_stats(cache.stats(), 40)->build_seconds;
+  EXPECT_GT(hits_during_build, 3);
+  EXPECT_LT(slowest, build_seconds / 2) << "a hit waited for the build";
+}
+
+TEST(Plan, ConcurrentMissesOfOneSizeBuildOnce) {
+  auto m = rowwise();
+  PlanCache cache(m, options());
+  std::vector<std::thread> threads;
+  auto x = input(7);
+  const auto want = reference(m, x);
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&] {
+      if (!at::equal(run(cache, x), want)) ++wrong;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(wrong, 0);
+  EXPECT_EQ(cache.stats().builds, 1);
+}
+
+TEST(Plan, ConcurrentStressWithEvictionsInEveryMode) {
+  auto m = rowwise();
+  for (MissMode mode : {MissMode::exact, MissMode::pad, MissMode::split, MissMode::auto_}) {
+    for (bool background : {false, true}) {
+      PlanCacheOptions o = options(mode);
+      // Pad, split and auto serve most sizes from the cached ones: one plan forces evictions.
+      o.max_plans = mode == MissMode::exact ? 2 : 1;
+      o.background_builds = background;
+      o.warmup_calls = 1;
+      PlanCache cache(m, o);
+      cache.preload({8}, {input(8)});
+      std::atomic<int> wrong{0};
+      std::mutex errors_mutex;
+      std::vector<std::string> errors;
+      std::vector<std::thread> threads;
+      for (int t = 0; t < 4; ++t) {
+        threads.emplace_back([&, t] {
+          std::mt19937 rng(t);
+          for (int i = 0; i < 30; ++i) {
+            const int64_t n = 1 + static_cast<int64_t>(rng() % 10);
+            auto x = input(n);
+            try {
+              if (!at::equal(run(cache, x), reference(m, x))) ++wrong;
+            } catch (const std::exception& e) {
+              std::lock_guard<std::mutex> lock(errors_mutex);
+              errors.push_back(e.what());
+            }
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+      cache.wait_for_builds();
+      const auto s = cache.stats();
+      EXPECT_EQ(wrong, 0) << plan::to_string(mode) << " background " << background;
+      EXPECT_TRUE(errors.empty()) << errors.size() << " errors, the first: " << errors.front();
+      EXPECT_EQ(s.calls, 120);
+      EXPECT_EQ(s.hits + s.misses, 120);
+      EXPECT_LE(s.plans, o.max_plans);
+      EXPECT_GT(s.evictions, 0) << plan::to_string(mode) << " background " << background;
+    }
+  }
+}
+
+TEST(Plan, SaveAndLoadSkipFreezingAndServeHits) {
+  auto m = rowwise();
+  const auto dir = (std::filesystem::temp_directory_path() / ("torch_ext_plan_" + std::to_string(::getpid()))).string();
+  {
+    PlanCache cache(m, options());
+    cache.preload({2, 5}, {input(1)});
+    cache.save(dir);
+  }
+  PlanCache restarted(m, options());
+  EXPECT_EQ(restarted.load(dir), 2);
+  EXPECT_EQ(restarted.cached_sizes(), (std::vector<int64_t>{2, 5}));
+  auto x = input(5);
+  EXPECT_TRUE(at::equal(run(restarted, x), reference(m, x)));
+  EXPECT_EQ(restarted.stats().hits, 1);
+  EXPECT_EQ(restarted.stats().misses, 0);
+  // Plans saved from another module are refused.
+  auto other = rowwise();
+  PlanCache wrong(other, options());
+  try {
+    wrong.load(dir);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("different module"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(restarted.load(dir + "/missing"), c10::Error);
+  PlanCache fresh(m, options());
+  EXPECT_THROW(fresh.save(dir + "/nothing"), c10::Error);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Plan, StaticRuntimePlansEqualTheModule) {
+  auto m = rowwise();
+  PlanCacheOptions o = options();
+  o.static_runtime = true;
+  PlanCache cache(m, o);
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int64_t n : {1, 4, 1, 4, 6}) {
+        auto x = input(n);
+        if (!at::equal(run(cache, x), reference(m, x))) ++wrong;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(wrong, 0);
+}
+
+TEST(Plan, ResetStatsAndClear) {
+  auto m = rowwise();
+  PlanCache cache(m, options());
+  run(cache, input(2));
+  cache.reset_stats();
+  EXPECT_EQ(cache.stats().calls, 0);
+  EXPECT_EQ(cache.stats().builds, 0);
+  EXPECT_EQ(cache.stats().plans, 1);
+  cache.clear();
+  EXPECT_EQ(cache.stats().plans, 0);
+  EXPECT_EQ(cache.stats().plan_bytes, 0);
+  auto x = input(2);
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+}

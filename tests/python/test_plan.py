@@ -1,0 +1,294 @@
+import random
+import threading
+
+import pytest
+import torch
+
+import torch_ext
+from torch_ext import PlanCache
+
+
+class RowWise(torch.nn.Module):
+    """Correctly rounded row-wise math (mul, add, relu): padding, splitting and plans at any size
+    must give bit-identical rows."""
+
+    def __init__(self, features: int = 8) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x * self.scale + 0.5) * 2.0
+
+
+class Net(torch.nn.Module):
+    """Linear layers and a tuple output; plans agree with the module up to GEMM rounding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor):
+        y = self.fc2(torch.relu(self.fc1(x)))
+        return y, y.sum(1)
+
+
+def scripted(module: torch.nn.Module) -> torch.jit.ScriptModule:
+    return torch.jit.script(module.eval())
+
+
+@pytest.fixture
+def rowwise():
+    torch.manual_seed(0)
+    return scripted(RowWise())
+
+
+def x(n: int) -> torch.Tensor:
+    return torch.randn(n, 8)
+
+
+def reference(module, *inputs):
+    with torch.no_grad():
+        return module(*inputs)
+
+
+@pytest.mark.parametrize("mode", ["exact", "pad", "split", "auto"])
+def test_every_mode_equals_the_module_at_every_size(rowwise, mode):
+    cache = PlanCache(rowwise, miss_mode=mode, warmup_calls=2)
+    cache.preload([1, 4, 8], example_inputs=(x(2),), progress=False)
+    for n in [1, 3, 5, 8, 11, 2, 3]:
+        inputs = x(n)
+        assert torch.equal(cache(inputs), reference(rowwise, inputs)), (mode, n)
+    s = cache.stats()
+    assert s["calls"] == 7
+    if mode == "pad":
+        assert s["padded_calls"] >= 3 and s["padded_elements"] > 0
+    if mode == "split":
+        assert s["split_calls"] >= 3
+
+
+def test_tuple_outputs_pad_and_split_agree_with_the_module():
+    torch.manual_seed(0)
+    module = scripted(Net())
+    for mode in ("pad", "split"):
+        cache = PlanCache(module, miss_mode=mode, warmup_calls=2)
+        cache.preload([2, 8], example_inputs=(x(1),), progress=False)
+        inputs = x(6)
+        got, want = cache(inputs), reference(module, inputs)
+        # Rounding of the GEMMs depends on the batch size and on the frozen weights' layout.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_statistics_count_hits_misses_builds_and_padding(rowwise):
+    cache = PlanCache(rowwise, miss_mode="pad", warmup_calls=2)
+    cache(x(4))
+    cache(x(4))
+    cache(x(3))  # padded to 4
+    s = cache.stats()
+    assert (s["calls"], s["hits"], s["misses"], s["builds"]) == (3, 1, 2, 1)
+    assert (s["padded_calls"], s["padded_elements"]) == (1, 1)
+    assert s["build_seconds"] > 0 and s["plan_bytes"] > 0 and s["plans"] == 1
+    assert s["sizes"][4]["calls"] == 2 and s["sizes"][4]["plan_runs"] == 3 and s["sizes"][4]["cached"]
+    assert s["sizes"][3]["padded_elements"] == 1 and not s["sizes"][3]["cached"]
+    assert s["hit_lookup_seconds"] > 0
+    cache.reset_stats()
+    assert cache.stats()["calls"] == 0
+
+
+def test_background_builds_serve_by_pad_then_swap_in(rowwise):
+    cache = PlanCache(rowwise, miss_mode="pad", background_builds=True, warmup_calls=2)
+    cache.preload([8], example_inputs=(x(8),), progress=False)
+    inputs = x(5)
+    assert torch.equal(cache(inputs), reference(rowwise, inputs))
+    assert cache.stats()["padded_calls"] == 1
+    cache.wait_for_builds()
+    assert 5 in cache
+    assert torch.equal(cache(inputs), reference(rowwise, inputs))
+    assert cache.stats()["sizes"][5]["hits"] == 1
+
+
+def test_admission_and_lru_bound(rowwise):
+    cache = PlanCache(rowwise, admit_after=2, max_plans=2, warmup_calls=1)
+    cache(x(1))
+    assert 1 not in cache and cache.stats()["fallback_calls"] == 1
+    for n in (1, 2, 2, 1, 3, 3):
+        cache(x(n))
+    assert cache.cached_sizes() == [1, 3]  # 2 was the least recently used
+    assert cache.stats()["evictions"] == 1
+
+
+def test_byte_budget(rowwise):
+    probe = PlanCache(rowwise, warmup_calls=1)
+    probe(x(1))
+    plan_bytes = probe.stats()["plan_bytes"]
+    cache = PlanCache(rowwise, max_bytes=plan_bytes * 2, warmup_calls=1)
+    for n in (1, 2, 3, 4):
+        cache(x(n))
+    s = cache.stats()
+    assert s["plans"] == 2 and s["plan_bytes"] <= plan_bytes * 2 and s["evictions"] == 2
+
+
+def test_select_batch_size_and_infer_batch(rowwise):
+    cache = PlanCache(rowwise, max_batch_size=8, warmup_calls=1)
+    cache.preload([4, 8], example_inputs=(x(1),), progress=False)
+    assert cache.select_batch_size(100) == 8
+    assert cache.select_batch_size(7) == 4
+    assert cache.select_batch_size(2) == 2
+    inputs = x(29)
+    assert torch.equal(cache.infer_batch(inputs), reference(rowwise, inputs))
+    with pytest.raises(RuntimeError, match="above max_batch_size 8"):
+        cache(inputs)
+
+
+def test_batch_dims_per_input():
+    @torch.jit.script
+    def _unused(a: torch.Tensor) -> torch.Tensor:
+        return a
+
+    class TwoInputs(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a + b.t()
+
+    module = scripted(TwoInputs())
+    cache = PlanCache(module, batch_dims=[0, 1], miss_mode="split", warmup_calls=1)
+    cache.preload([1, 2], example_inputs=(torch.randn(1, 3), torch.randn(3, 1)), progress=False)
+    a, b = torch.randn(5, 3), torch.randn(3, 5)
+    assert torch.equal(cache(a, b), a + b.t())
+    assert cache.stats()["split_calls"] == 1
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x * scale
+
+
+def test_non_tensor_arguments_pass_through():
+    module = scripted(Scaled())
+    cache = PlanCache(module, batch_dims=[0, -1], miss_mode="pad", warmup_calls=1)
+    cache.preload([4], example_inputs=(x(1), 3.0), progress=False)
+    inputs = x(3)
+    assert torch.equal(cache(inputs, 3.0), inputs * 3.0)
+    assert cache.stats()["padded_calls"] == 1
+
+
+def test_bad_inputs_get_clear_errors_and_the_cache_stays_usable(rowwise):
+    cache = PlanCache(rowwise, warmup_calls=1)
+    with pytest.raises(RuntimeError, match="building the plan for batch size 4 failed"):
+        cache(torch.randn(4, 9))
+    assert cache.stats()["build_failures"] == 1 and 4 not in cache
+    good = x(4)
+    assert torch.equal(cache(good), reference(rowwise, good))
+    with pytest.raises(RuntimeError, match=r"input 0 has shape \[4, 7\]"):
+        cache(torch.randn(4, 7))
+    with pytest.raises(RuntimeError, match="empty batch"):
+        cache(torch.randn(0, 8))
+    with pytest.raises(RuntimeError, match="dtype"):
+        cache(good.double())
+    with pytest.raises(RuntimeError, match="different batch sizes"):
+        PlanCache(scripted(TwoAdd()))(torch.randn(3, 2), torch.randn(4, 2))
+    assert torch.equal(cache(good), reference(rowwise, good))
+
+
+class TwoAdd(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+def test_modules_that_cannot_be_used_are_rejected(tmp_path):
+    with pytest.raises(RuntimeError, match="training mode"):
+        PlanCache(torch.jit.script(RowWise().train()))
+    with pytest.raises(TypeError, match="not scripted"):
+        PlanCache(RowWise().eval())
+    with pytest.raises(ValueError, match="unknown miss_mode"):
+        PlanCache(scripted(RowWise()), miss_mode="sometimes")
+    with pytest.raises(FileNotFoundError):
+        PlanCache(tmp_path / "missing.pt")
+
+
+def test_accepts_a_path(rowwise, tmp_path):
+    path = tmp_path / "rowwise.pt"
+    rowwise.save(str(path))
+    cache = PlanCache(path, warmup_calls=1)
+    inputs = x(3)
+    assert torch.equal(cache(inputs), reference(rowwise, inputs))
+    plan = cache.plan_module(3)
+    assert plan is not None and cache.plan_module(5) is None
+    assert torch.equal(reference(plan, inputs), reference(rowwise, inputs))
+
+
+def test_save_and_load_skip_rebuilding(rowwise, tmp_path):
+    cache = PlanCache(rowwise, warmup_calls=1)
+    cache.preload([2, 6], example_inputs=(x(1),), progress=False)
+    cache.save(tmp_path / "plans")
+    restarted = PlanCache(rowwise, warmup_calls=1)
+    assert restarted.load(tmp_path / "plans") == 2
+    assert restarted.cached_sizes() == [2, 6]
+    inputs = x(6)
+    assert torch.equal(restarted(inputs), reference(rowwise, inputs))
+    assert restarted.stats()["misses"] == 0
+    other = PlanCache(scripted(RowWise()), warmup_calls=1)
+    with pytest.raises(RuntimeError, match="different module"):
+        other.load(tmp_path / "plans")
+    with pytest.raises(FileNotFoundError):
+        other.load(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("mode", ["exact", "pad", "split", "auto"])
+@pytest.mark.parametrize("background", [False, True])
+def test_concurrent_stress_with_evictions(rowwise, mode, background):
+    # Pad, split and auto serve most sizes from cached ones: a single plan forces evictions.
+    max_plans = 2 if mode == "exact" else 1
+    cache = PlanCache(rowwise, miss_mode=mode, background_builds=background, max_plans=max_plans, warmup_calls=1)
+    cache.preload([8], example_inputs=(x(8),), progress=False)
+    wrong = []
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(25):
+                n = rng.randint(1, 10)
+                inputs = x(n)
+                if not torch.equal(cache(inputs), reference(rowwise, inputs)):
+                    wrong.append(n)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cache.wait_for_builds()
+    s = cache.stats()
+    assert not errors and not wrong
+    assert s["calls"] == 100 and s["hits"] + s["misses"] == 100
+    assert s["plans"] <= max_plans and s["evictions"] > 0
+
+
+def test_torchscript_code_uses_the_class(rowwise):
+    cache = PlanCache(rowwise, miss_mode="pad", warmup_calls=1)
+    cache.preload([4], example_inputs=(x(4),), progress=False)
+
+    @torch.jit.script
+    def serve(plans: torch.classes.torch_ext.PlanCache, inputs: torch.Tensor) -> torch.Tensor:
+        out = plans.infer(inputs)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    inputs = x(3)
+    assert torch.equal(serve(cache.script_object, inputs), reference(rowwise, inputs))
+    assert cache.stats()["padded_calls"] == 1
+
+
+def test_static_runtime_plans_equal_the_module(rowwise):
+    cache = PlanCache(rowwise, static_runtime=True, warmup_calls=1)
+    for n in (1, 5, 1):
+        inputs = x(n)
+        assert torch.equal(cache(inputs), reference(rowwise, inputs))
+    assert cache.stats()["hits"] == 1
+
+
+def test_exported_from_the_package():
+    assert torch_ext.PlanCache is PlanCache
+    assert "PlanCache" in torch_ext.__all__
