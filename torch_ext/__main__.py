@@ -24,12 +24,14 @@ def registered_ops() -> list[str]:
 
 
 def registered_classes() -> list[str]:
+    # Each custom-class method schema takes the class itself as its first argument (self).
+    prefix = "__torch__.torch.classes.torch_ext."
     names = set()
     for schema in torch._C._jit_get_custom_class_schemas():
-        # Method schemas are named like "__torch__.torch.classes.torch_ext.Name.method".
-        prefix = "__torch__.torch.classes.torch_ext."
-        if schema.name.startswith(prefix):
-            names.add(schema.name[len(prefix):].split(".")[0])
+        if schema.arguments:
+            self_type = str(schema.arguments[0].type)
+            if self_type.startswith(prefix):
+                names.add(self_type[len(prefix):])
     return sorted(names)
 
 

@@ -15,6 +15,8 @@ def test_info_names_library_ops_and_versions():
     assert torch_ext.library_path() in text
     assert "torch.ops.torch_ext.memory_stats" in text
     assert "2.13" in text
+    for name in ("LayerPager", "NodeCache", "PlanCache", "SafetensorsSource"):
+        assert f"torch.classes.torch_ext.{name}" in text
 
 
 def test_demo_runs_every_section():
