@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_ext  # noqa: E402
 from harness import Report, format_bytes, format_seconds, measure_interleaved, peak_memory  # noqa: E402
 from torch_ext import PlanCache, memory  # noqa: E402
+from torch_ext.models import EncoderClassifier  # noqa: E402
 
 MAX_BATCH = 64
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
@@ -49,20 +50,9 @@ class CNN(torch.nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-class Encoder(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x).mean(1))
-
-
 MODELS = {
     "CNN (2 conv, 3x16x16)": (CNN, lambda n: torch.randn(n, 3, 16, 16)),
-    "Transformer encoder (2 layers, d=64, seq 16)": (Encoder, lambda n: torch.randn(n, 16, 64)),
+    "Transformer encoder (2 layers, d=64, seq 16)": (EncoderClassifier, lambda n: torch.randn(n, 16, 64)),
 }
 
 

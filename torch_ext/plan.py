@@ -17,6 +17,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
+from .models import EncoderClassifier
+
 __all__ = ["PlanCache", "MISS_MODES", "demo"]
 
 MISS_MODES = ("exact", "pad", "split", "auto")
@@ -171,19 +173,6 @@ def stats_line(stats: dict) -> str:
             f"{1e6 * stats['hit_lookup_seconds'] / max(1, stats['hits']):.2f} µs")
 
 
-class _DemoEncoder(torch.nn.Module):
-    """A small transformer encoder with a classification head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x).mean(1))
-
-
 def demo(progress) -> None:
     """A scripted transformer encoder served a stream of random batch sizes, with and without the
     plan cache (preloaded for sizes 1..32), requests interleaved so machine noise hits both alike."""
@@ -194,7 +183,7 @@ def demo(progress) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a second OpenMP thread on a busy machine adds its own spikes
     try:
-        scripted = torch.jit.script(_DemoEncoder().eval())
+        scripted = torch.jit.script(EncoderClassifier().eval())
         cache = PlanCache(scripted)
         start = time.perf_counter()
         cache.preload(progress(range(1, 33), desc="preload"), example_inputs=(inputs[1],), progress=False)
