@@ -706,6 +706,10 @@ class LazyExecutor(nn.Module):
                 break
             if done[i] or not needed[i]:
                 reused += 1  # served by the cache, or inside a subgraph that was
+            elif closure_ok[i] and mask[i] & varying:  # depends on a varying source: just run it
+                env[i] = self._call(step, env, step.parent._modules[step.attr] if op == "call_module" else None)
+                computed += 1
+                status[i] = VARYING
             elif closure_ok[i]:
                 module = step.parent._modules[step.attr] if op == "call_module" else None
                 start = perf_counter()
