@@ -398,9 +398,15 @@ class _Analysis:
                 kind = "side_effect"
             effective[step.index] = kind
         tainted = [any(effective[u] == "side_effect" for u in plan.users[i]) for i in range(n)]
+        # Lookups happen before anything runs: a node after a side effect in graph order may read
+        # what it wrote (through a view, a buffer, an attribute), so from there on nodes keep the
+        # per-node keys checked in graph order.
+        first_effect = next((i for i in range(n) if effective[i] == "side_effect"), n)
         closure_ok = [False] * n
         for step in plan.steps:
             i = step.index
+            if i > first_effect:
+                continue
             if plan.is_source[i]:
                 closure_ok[i] = not tainted[i]
             elif step.op != "output":
