@@ -349,6 +349,7 @@ class _Plan:
                 self.mask[i] = m
         self.compute_steps = [step for step in self.steps if not self.is_source[step.index]]
         self.module_steps = [step for step in self.steps if step.op == "call_module"]
+        self.n_nodes = sum(1 for step in self.compute_steps if step.op != "output")
         self.analyses: dict = {}
         self.last_analysis = None
 
@@ -679,8 +680,8 @@ class LazyExecutor(nn.Module):
         # closure; one that must be computed needs its inputs. Keys are closure sources and module
         # state, all known now, so every lookup happens before anything runs.
         needed = analysis.roots[:]
-        done = bytearray(plan.size)
         keys: dict = {}
+        run = []  # the steps to run, last first
         for step in reversed(plan.compute_steps):
             i = step.index
             if not needed[i]:
@@ -696,23 +697,20 @@ class LazyExecutor(nn.Module):
                     value = cache.get(step.node_id, key, _MISS)
                     if value is not _MISS:
                         env[i] = value
-                        done[i] = 1
                         step.streak = 0  # its module state is in the key: unchanged
                         continue
                 keys[i] = (key, len(sources))
+            run.append(step)
             for j in step.inputs:
                 needed[j] = 1
-        # 3. Run what is needed, in graph order.
+        # 3. Run what is needed, in graph order. The others were served by the cache or lie inside
+        # a subgraph that was (values whose last use is skipped live until the call returns).
+        reused = plan.n_nodes - len(run)
         costs = [0.0] * plan.size
-        for step in plan.compute_steps:
+        for step in reversed(run):
             i = step.index
             op = step.op
-            if op == "output":
-                result = plan.output_build(env)
-                break
-            if done[i] or not needed[i]:
-                reused += 1  # served by the cache, or inside a subgraph that was
-            elif closure_ok[i] and mask[i] & varying:  # depends on a varying source: just run it
+            if closure_ok[i] and mask[i] & varying:  # depends on a varying source: just run it
                 env[i] = self._call(step, env, step.parent._modules[step.attr] if op == "call_module" else None)
                 computed += 1
                 status[i] = VARYING
@@ -817,6 +815,7 @@ class LazyExecutor(nn.Module):
                 status[i] = st
             for j in step.release:
                 env[j] = None
+        result = plan.output_build(env)
         self._calls += 1
         self._computed += computed
         self._reused += reused
