@@ -848,7 +848,9 @@ class LazyExecutor(nn.Module):
     def stats(self) -> dict:
         """The NodeCache's counters (hits, misses, tensors_recomputed, evictions, invalidations,
         entries, cached_bytes, capacity_bytes) and the executor's: calls, nodes_computed,
-        nodes_reused (hits), hit_rate (nodes_reused / (nodes_reused + nodes_computed))."""
+        nodes_reused (nodes not run: served by a lookup, or inside a subgraph whose frontier was),
+        hit_rate (nodes_reused / (nodes_reused + nodes_computed)). hits + misses counts lookups:
+        one per frontier node of a reused subgraph, not one per node."""
         stats = dict(self._cache.stats())
         # No lock: a forward hook may ask mid-call; the counters are updated once per call.
         stats.update(calls=self._calls, nodes_computed=self._computed, nodes_reused=self._reused)
