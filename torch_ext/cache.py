@@ -19,12 +19,23 @@ training); nodes with side effects (in-place methods and operators, setitem, out
 mutable aten ops, torch.empty*, modules holding buffers while in training mode: they may
 update them, like BatchNorm's running statistics); nodes named in never_cache.
 
-Adaptive bookkeeping. Inputs and parameters are "sources". A source that changed on two
-calls in a row is treated as varying: nodes depending on it are computed without looking
-them up or storing them (no overhead, no memory), e.g. the noisy latent of a diffusion
-sampler or the tokens of a full-miss workload. A node whose input was recomputed in this
-call is computed and stored without a lookup (it cannot hit). Only nodes whose inputs all
-came from the cache (or from unchanged sources) are looked up.
+Reused subgraphs. Inputs, get_attr values and shapes of those (x.shape, x.size(), x.device)
+are "sources". A source that changed on two calls in a row is treated as varying: nodes
+depending on it are computed without looking them up or storing them (no overhead, no
+memory), e.g. the noisy latent of a diffusion sampler or the tokens of a full-miss workload.
+A node that is pure and depends only on pure nodes (nothing in its closure random, with side
+effects, or written in place by such a node) is a function of its closure's sources and its
+call_module nodes' parameters, buffers and training flags. Only the "frontier" of such a
+subgraph is looked up and stored: nodes whose output is used by the graph output, by a node
+that cannot be reused this call, or by a node that depends on a graph input or a changed
+source the frontier node does not. Their key is those sources and that module state (checked
+in C++ in one call), so an unchanged conditioning encoder costs one lookup, not one per
+node, and its interior is neither run, looked up nor held. All lookups happen before any node
+runs (the keys need no interior values); then only the nodes a missed frontier needs run, in
+graph order. A frontier whose source changed this call is computed and stored without a
+lookup. Nodes outside reusable subgraphs (downstream of random or side-effect nodes) keep the
+per-node keys on their inputs. invalidate_node(name) drops the node's entry and every entry
+whose subgraph contains the node, so that the node and what depends on it recompute.
 
 Training and gradients. An output computed with grad enabled keeps its autograd graph and is
 reused as is, so gradients flow through every use of it into the same parameters (summed by
@@ -45,9 +56,10 @@ combination of its submodules' training flags; attributes read by plain Python c
 trace time (not tensors) are constants of the graph, and tracing refuses a random tensor it
 would freeze (torch.randn(4, 8) drawn without an input). Modules torch.fx treats as leaves
 (torch.nn modules, parametrized ones included) are one node each: their internal weight
-preprocessing is reused only together with their output. Interior outputs of a reused
-subgraph are held too (each node's key names its inputs, so the chain must stay):
-capacity_bytes bounds them and memory_estimate() tells what they take. Costs are host
+preprocessing is reused only together with their output. A subgraph is reused whole or not
+at all: when one of its parameters changes (an optimizer step) the whole closure of the
+frontier recomputes, including the part upstream of that parameter. The cost an entry
+reports for eviction is its subgraph's compute time (shared inputs counted per use). Costs are host
 seconds, which on CUDA measure the launch rather than the kernel; they only order evictions.
 """
 from __future__ import annotations
@@ -311,6 +323,141 @@ class _Plan:
                 self.steps[i].release.append(i)
         self.size = len(nodes)
         self.ids = [step.node_id for step in self.steps]
+        # Subgraph analysis. Sources: placeholders, get_attr nodes and shape-like values of sources
+        # (x.shape, x.size(), x.shape[1], x.device), evaluated before anything else at every call.
+        self.users = [[index[u] for u in node.users] for node in nodes]
+        self.feeds_output = [any(u.op == "output" for u in node.users) for node in nodes]
+        self.is_source = [False] * self.size
+        self.mask = [0] * self.size  # bit per source this node depends on
+        self.placeholder_bits = 0
+        self.sources: list[_Step] = []
+        for i, node in enumerate(nodes):
+            step = self.steps[i]
+            if node.op in ("placeholder", "get_attr") or (
+                    node.op != "output" and node.all_input_nodes
+                    and all(self.is_source[j] for j in step.inputs) and _is_shape_node(node)):
+                bit = 1 << len(self.sources)
+                self.is_source[i] = True
+                self.mask[i] = bit
+                self.sources.append(step)
+                if node.op == "placeholder":
+                    self.placeholder_bits |= bit
+            else:
+                m = 0
+                for j in step.inputs:
+                    m |= self.mask[j]
+                self.mask[i] = m
+        self.compute_steps = [step for step in self.steps if not self.is_source[step.index]]
+        self.module_steps = [step for step in self.steps if step.op == "call_module"]
+        self.n_nodes = sum(1 for step in self.compute_steps if step.op != "output")
+        self.analyses: dict = {}
+        self.last_analysis = None
+
+
+_SHAPE_ATTRIBUTES = {"shape", "ndim", "dtype", "device", "is_cuda", "layout"}
+
+
+def _is_shape_node(node: fx.Node) -> bool:
+    """x.shape, x.size(), x.dim(), x.numel(), x.shape[1], x.device ...: values that say what a
+    tensor is, not what it holds (torch.fx and torch.export spell them these ways)."""
+    if node.op == "call_method":
+        return node.target in ("size", "dim", "numel")
+    if node.op == "call_function":
+        if node.target is getattr:
+            return len(node.args) == 2 and node.args[1] in _SHAPE_ATTRIBUTES
+        if node.target is operator.getitem:
+            return isinstance(node.args[0], fx.Node) and _is_shape_node(node.args[0])
+    return False
+
+
+class _Analysis:
+    """Which nodes of a plan form reusable subgraphs, for one pattern of varying and changed
+    sources (and, for untraced graphs, one setting of the modules\' training flags).
+
+    closure_ok[i]: node i and everything it depends on (back to the sources) are pure, and
+    nothing in that closure is written by a node with side effects: its output is a function of
+    its closure\'s sources, its call_module nodes\' parameters, buffers and training flags.
+    frontier[i]: such a node whose output is needed by something outside the reusable part: the
+    graph output, a node that cannot be reused this call, or a node that depends on a graph input
+    or a changed source that i does not. Only frontier nodes are looked up and stored, keyed on
+    their closure\'s sources and module state; the interior of a reused subgraph is not run, not
+    looked up and not held."""
+
+    __slots__ = ("closure_ok", "frontier", "roots", "closures", "interior")
+
+    def __init__(self, plan: "_Plan", varying: int, fresh: int) -> None:
+        n = plan.size
+        steps = plan.steps
+        effective = [None] * n
+        for step in plan.compute_steps:
+            kind = step.kind
+            if step.op == "call_module":
+                module = step.parent._modules[step.attr]
+                if module.training and (step.random_in_training or step.buffers):
+                    kind = "random" if step.random_in_training else "side_effect"
+            if step.never and kind == "pure":
+                kind = "side_effect"
+            effective[step.index] = kind
+        tainted = [any(effective[u] == "side_effect" for u in plan.users[i]) for i in range(n)]
+        # Lookups happen before anything runs: a node after a side effect in graph order may read
+        # what it wrote (through a view, a buffer, an attribute), so from there on nodes keep the
+        # per-node keys checked in graph order.
+        first_effect = next((i for i in range(n) if effective[i] == "side_effect"), n)
+        closure_ok = [False] * n
+        for step in plan.steps:
+            i = step.index
+            if i > first_effect:
+                continue
+            if plan.is_source[i]:
+                closure_ok[i] = not tainted[i]
+            elif step.op != "output":
+                closure_ok[i] = (effective[i] == "pure" and not tainted[i]
+                                 and all(closure_ok[j] for j in step.inputs))
+        mask = plan.mask
+        now = [closure_ok[i] and not plan.is_source[i] and not (mask[i] & varying) for i in range(n)]
+        boundary = fresh | plan.placeholder_bits
+        frontier = [False] * n
+        roots = bytearray(n)
+        for step in plan.compute_steps:
+            i = step.index
+            if step.op == "output":
+                for j in step.inputs:
+                    roots[j] = 1
+                continue
+            if not closure_ok[i]:
+                roots[i] = 1  # never skipped: run (or looked up node by node) as before
+            if now[i]:
+                frontier[i] = plan.feeds_output[i] or any(
+                    steps[u].op != "output" and (not now[u] or mask[u] & boundary & ~mask[i])
+                    for u in plan.users[i])
+        self.closure_ok, self.frontier, self.roots = closure_ok, frontier, roots
+        self.closures: dict[int, tuple] = {}
+        self.interior = [step for step in plan.compute_steps
+                         if step.op != "output" and closure_ok[step.index] and not frontier[step.index]]
+
+    def closure(self, plan: "_Plan", i: int, with_training: bool) -> tuple:
+        """(source indices, (dict, key) state pairs, modules, all indices) of node i\'s closure."""
+        found = self.closures.get(i)
+        if found is None:
+            seen, stack = {i}, [i]
+            while stack:
+                j = stack.pop()
+                if not plan.is_source[j]:
+                    for k in plan.steps[j].inputs:
+                        if k not in seen:
+                            seen.add(k)
+                            stack.append(k)
+            ordered = sorted(seen)
+            sources = [j for j in ordered if plan.is_source[j]]
+            pairs, modules = [], []
+            for j in ordered:
+                step = plan.steps[j]
+                if step.op == "call_module":
+                    pairs.extend(step.state)
+                    if with_training:
+                        modules.append((step.parent, step.attr))
+            found = self.closures[i] = (sources, pairs, modules, frozenset(ordered))
+        return found
 
 
 class _Tracer(fx.Tracer):
@@ -495,92 +642,180 @@ class LazyExecutor(nn.Module):
         computed = reused = 0
         grad_enabled = torch.is_grad_enabled()
         perf_counter = time.perf_counter
-        for step in plan.steps:
+        mask = plan.mask
+        # 1. Sources (inputs, attributes, shapes of those): their values and whether they changed.
+        varying = fresh = 0
+        for step in plan.sources:
+            i = step.index
+            if step.op == "placeholder":
+                value = next(next_placeholder)
+            elif step.op == "get_attr":
+                value = getattr(step.parent, step.attr)
+            else:
+                value = self._call(step, env, None)
+            env[i] = value
+            st = status[i] = self._source_status(step, [value])
+            if st == VARYING:
+                varying |= mask[i]
+            elif st == FRESH:
+                fresh |= mask[i]
+        with_training = not self._trace
+        key = (varying, fresh) if self._trace else (
+            varying, fresh, tuple(s.parent._modules[s.attr].training for s in plan.module_steps))
+        analysis = plan.analyses.get(key)
+        if analysis is None:
+            if len(plan.analyses) >= 64:
+                plan.analyses.clear()
+            analysis = plan.analyses[key] = _Analysis(plan, varying, fresh)
+        if analysis is not plan.last_analysis:
+            # Nodes that are now interior (or vary) hold no entry: drop what earlier calls stored.
+            plan.last_analysis = analysis
+            stale = [s.node_id for s in analysis.interior if s.cached]
+            for s in analysis.interior:
+                s.cached = False
+            if stale:
+                cache.invalidate_nodes(stale)
+        closure_ok, frontier = analysis.closure_ok, analysis.frontier
+        # 2. Demand, from the output back: a frontier node found in the cache needs nothing of its
+        # closure; one that must be computed needs its inputs. Keys are closure sources and module
+        # state, all known now, so every lookup happens before anything runs.
+        needed = analysis.roots[:]
+        keys: dict = {}
+        run = []  # the steps to run, last first
+        for step in reversed(plan.compute_steps):
+            i = step.index
+            if not needed[i]:
+                continue
+            if frontier[i] and step.has_tensor:
+                sources, pairs, modules, _ = analysis.closure(plan, i, with_training)
+                key = [env[j] for j in sources]
+                if pairs:
+                    key.extend([d[k] for d, k in pairs])
+                if modules:
+                    key.extend([parent._modules[attr].training for parent, attr in modules])
+                if not mask[i] & fresh:
+                    value = cache.get(step.node_id, key, _MISS)
+                    if value is not _MISS:
+                        env[i] = value
+                        step.streak = 0  # its module state is in the key: unchanged
+                        continue
+                keys[i] = (key, len(sources))
+            run.append(step)
+            for j in step.inputs:
+                needed[j] = 1
+        # 3. Run what is needed, in graph order. The others were served by the cache or lie inside
+        # a subgraph that was (values whose last use is skipped live until the call returns).
+        reused = plan.n_nodes - len(run)
+        costs = [0.0] * plan.size
+        for step in reversed(run):
             i = step.index
             op = step.op
-            if op == "placeholder":
-                value = next(next_placeholder)
-                env[i] = value
-                status[i] = self._source_status(step, [value])
-                continue
-            if op == "get_attr":
-                value = getattr(step.parent, step.attr)
-                env[i] = value
-                status[i] = self._source_status(step, [value])
-                continue
-            if op == "output":
-                result = plan.output_build(env)
-                break
-            st = STABLE
-            for j in step.inputs:
-                if status[j] > st:
-                    st = status[j]
-            kind = step.kind
-            module = key_extra = None
-            if op == "call_module":
-                module = step.parent._modules[step.attr]  # what getattr finds, without its slow path
-                if module.training and (step.random_in_training or step.buffers):
-                    kind = "random" if step.random_in_training else "side_effect"
-                elif st != VARYING:
-                    # The module's parameters, buffers and mode are inputs of the node too.
-                    key_extra = [d[k] for d, k in step.state]
-                    key_extra.append(module.training)
-            if step.never and kind == "pure":
-                kind = "side_effect"
-
-            if (kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS
-                    and module is None):  # a module's result may depend on its state, which st does not cover
-                value = step.last_value  # a shape or size of unchanged inputs: as it was
-            elif kind != "pure" or st == VARYING or not step.has_tensor:
-                if step.cached:
-                    cache.invalidate_node(step.node_id)
-                    step.cached = False
-                value = self._call(step, env, module)
+            if closure_ok[i] and mask[i] & varying:  # depends on a varying source: just run it
+                env[i] = self._call(step, env, step.parent._modules[step.attr] if op == "call_module" else None)
                 computed += 1
-                if kind == "random":
-                    st = VARYING
-                elif kind == "side_effect" and st == STABLE:
-                    st = FRESH
-                elif kind == "pure" and not step.has_tensor:
-                    st = self._value_status(step, value, st)
-                    if _tensors_of(value):
-                        step.has_tensor = True  # learned wrong once: look it up from now on
-            else:
-                key = [env[j] for j in step.inputs]
-                if key_extra is not None:
-                    key.extend(key_extra)
-                value = cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
-                if value is not _MISS:
-                    reused += 1
-                    step.streak = 0  # the module's state is in the key: unchanged
-                else:
-                    if key_extra is not None:
-                        source = self._source_status(step, key_extra)
-                        if source > st:
-                            st = source
-                    start = perf_counter()
-                    value = self._call(step, env, module)
-                    cost = perf_counter() - start
-                    computed += 1
+                status[i] = VARYING
+            elif closure_ok[i]:
+                module = step.parent._modules[step.attr] if op == "call_module" else None
+                start = perf_counter()
+                value = self._call(step, env, module)
+                cost = perf_counter() - start
+                for j in step.inputs:
+                    cost += costs[j]
+                costs[i] = cost
+                computed += 1
+                st = VARYING if mask[i] & varying else FRESH
+                entry = keys.get(i)
+                if entry is not None:
+                    key, n_sources = entry
+                    if len(key) > n_sources and self._source_status(step, key[n_sources:]) == VARYING:
+                        st = VARYING  # parameters that change at every call (training)
                     tensors = _tensors_of(value)
                     if not tensors:
                         step.has_tensor = False
-                        st = self._value_status(step, value, max(st, FRESH))
-                    elif st == VARYING:  # its parameters change at every call (training)
+                    elif st == VARYING:
                         if step.cached:
                             cache.invalidate_node(step.node_id)
                             step.cached = False
                     else:
-                        st = FRESH
                         step.cached = cache.put(step.node_id, key, value, cost)
                         if step.cached and grad_enabled:
                             for tensor in tensors:
                                 if tensor.grad_fn is not None:
                                     tensor.grad_fn.register_hook(step.on_backward)
-            env[i] = value
-            status[i] = st
+                env[i] = value
+                status[i] = st
+            else:
+                st = STABLE
+                for j in step.inputs:
+                    if status[j] > st:
+                        st = status[j]
+                kind = step.kind
+                module = key_extra = None
+                if op == "call_module":
+                    module = step.parent._modules[step.attr]  # what getattr finds, without its slow path
+                    if module.training and (step.random_in_training or step.buffers):
+                        kind = "random" if step.random_in_training else "side_effect"
+                    elif st != VARYING:
+                        # The module's parameters, buffers and mode are inputs of the node too.
+                        key_extra = [d[k] for d, k in step.state]
+                        key_extra.append(module.training)
+                if step.never and kind == "pure":
+                    kind = "side_effect"
+
+                if (kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS
+                        and module is None):  # a module's result may depend on its state, which st does not cover
+                    value = step.last_value  # a shape or size of unchanged inputs: as it was
+                elif kind != "pure" or st == VARYING or not step.has_tensor:
+                    if step.cached:
+                        cache.invalidate_node(step.node_id)
+                        step.cached = False
+                    value = self._call(step, env, module)
+                    computed += 1
+                    if kind == "random":
+                        st = VARYING
+                    elif kind == "side_effect" and st == STABLE:
+                        st = FRESH
+                    elif kind == "pure" and not step.has_tensor:
+                        st = self._value_status(step, value, st)
+                        if _tensors_of(value):
+                            step.has_tensor = True  # learned wrong once: look it up from now on
+                else:
+                    key = [env[j] for j in step.inputs]
+                    if key_extra is not None:
+                        key.extend(key_extra)
+                    value = cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
+                    if value is not _MISS:
+                        reused += 1
+                        step.streak = 0  # the module's state is in the key: unchanged
+                    else:
+                        if key_extra is not None:
+                            source = self._source_status(step, key_extra)
+                            if source > st:
+                                st = source
+                        start = perf_counter()
+                        value = self._call(step, env, module)
+                        cost = perf_counter() - start
+                        computed += 1
+                        tensors = _tensors_of(value)
+                        if not tensors:
+                            step.has_tensor = False
+                            st = self._value_status(step, value, max(st, FRESH))
+                        elif st == VARYING:  # its parameters change at every call (training)
+                            if step.cached:
+                                cache.invalidate_node(step.node_id)
+                                step.cached = False
+                        else:
+                            st = FRESH
+                            step.cached = cache.put(step.node_id, key, value, cost)
+                            if step.cached and grad_enabled:
+                                for tensor in tensors:
+                                    if tensor.grad_fn is not None:
+                                        tensor.grad_fn.register_hook(step.on_backward)
+                env[i] = value
+                status[i] = st
             for j in step.release:
                 env[j] = None
+        result = plan.output_build(env)
         self._calls += 1
         self._computed += computed
         self._reused += reused
@@ -613,7 +848,9 @@ class LazyExecutor(nn.Module):
     def stats(self) -> dict:
         """The NodeCache's counters (hits, misses, tensors_recomputed, evictions, invalidations,
         entries, cached_bytes, capacity_bytes) and the executor's: calls, nodes_computed,
-        nodes_reused (hits), hit_rate (nodes_reused / (nodes_reused + nodes_computed))."""
+        nodes_reused (nodes not run: served by a lookup, or inside a subgraph whose frontier was),
+        hit_rate (nodes_reused / (nodes_reused + nodes_computed)). hits + misses counts lookups:
+        one per frontier node of a reused subgraph, not one per node."""
         stats = dict(self._cache.stats())
         # No lock: a forward hook may ask mid-call; the counters are updated once per call.
         stats.update(calls=self._calls, nodes_computed=self._computed, nodes_reused=self._reused)
@@ -631,8 +868,19 @@ class LazyExecutor(nn.Module):
         self._cache.invalidate()
 
     def invalidate_node(self, name: str) -> None:
-        """Drop the cached output of the node called name (in every traced plan)."""
+        """Drop the cached output of the node called name (in every traced plan), and of every
+        node whose reused subgraph contains it: the next call recomputes the node and what depends
+        on it. Interior nodes of a reused subgraph hold no entry of their own (only its frontier
+        nodes do), so invalidating one drops the frontier entries that cover it."""
         ids = [node_id for node_id, node_name in self._names.items() if node_name == name]
+        for plan in list(self._plans.values()):
+            for step in plan.steps:
+                if step.name != name:
+                    continue
+                for analysis in list(plan.analyses.values()):
+                    for frontier, closure in list(analysis.closures.items()):
+                        if step.index in closure[3]:
+                            ids.append(plan.steps[frontier].node_id)
         if not ids:
             known = sorted(set(self._names.values()))
             raise ValueError(f"LazyExecutor: no node named {name!r}; nodes are {known[:20]}"
