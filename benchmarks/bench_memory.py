@@ -14,8 +14,8 @@ import time
 
 import torch
 
-import torch_ext
 from harness import Report, format_bytes, format_seconds, measure_interleaved
+import torch_ext  # noqa: E402  (after harness, which puts this checkout first on sys.path)
 
 SMALL_SIZES = [16, 64, 256, 1024, 4096]          # floats: 64 B to 16 KiB
 LARGE_SIZES = [1 << 18, 1 << 20, 1 << 22]        # floats: 1 MiB to 16 MiB

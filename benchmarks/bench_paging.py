@@ -30,10 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch_ext  # noqa: E402
 from harness import Report, format_bytes, format_seconds, timing_of  # noqa: E402
+import torch_ext  # noqa: E402
 from torch_ext.models import GPT, GPTConfig  # noqa: E402
 
 FULL = dict(vocab_size=50257, block_size=1024, n_layer=20, n_head=16, n_embd=1024)

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch_ext  # noqa: E402
 from harness import Report, format_bytes, format_seconds, measure_interleaved, peak_memory  # noqa: E402
+import torch_ext  # noqa: E402
 from torch_ext import PlanCache, memory  # noqa: E402
 from torch_ext.models import EncoderClassifier  # noqa: E402
 

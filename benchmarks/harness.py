@@ -12,10 +12,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import sys
+
 import torch
 
-import torch_ext
-from torch_ext import memory
+# Measure the checkout this file is in, not whichever torch_ext the environment has installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch_ext  # noqa: E402
+from torch_ext import memory  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
