@@ -82,6 +82,7 @@ NodeCache = _C.cache.NodeCache
 
 STABLE, FRESH, VARYING = 0, 1, 2
 _MISS = object()
+_training = operator.attrgetter("training")
 _UNLIMITED = 2**63 - 1
 
 _RANDOM_FUNCTIONS = {
@@ -243,15 +244,70 @@ def _compile_arguments(args: tuple, kwargs: dict, index: dict) -> Callable[[list
     return build_nested
 
 
+class _Segment:
+    """Consecutive steps that just run (pure, depending on a varying source: never looked up nor
+    stored), compiled into one Python function so they cost what the module's own forward does
+    rather than an interpreter iteration each."""
+
+    __slots__ = ("run", "count")
+
+    def __init__(self, steps: list, index: dict) -> None:
+        namespace: dict = {}
+
+        def constant(value) -> str:
+            if value is None or isinstance(value, (bool, int, str)) or (
+                    isinstance(value, float) and value == value and abs(value) != float("inf")):
+                return repr(value)
+            name = f"c{len(namespace)}"
+            namespace[name] = value
+            return name
+
+        def expression(value) -> str:
+            if isinstance(value, fx.Node):
+                return f"env[{index[value]}]"
+            if isinstance(value, tuple):
+                items = "".join(expression(v) + ", " for v in value)
+                return f"{constant(type(value))}({items})" if hasattr(value, "_fields") else f"({items})"
+            if isinstance(value, list):  # fx's immutable_list too: the module received a list
+                return "[" + ", ".join(expression(v) for v in value) + "]"
+            if isinstance(value, dict):
+                return "{" + ", ".join(f"{constant(k)}: {expression(v)}" for k, v in value.items()) + "}"
+            if isinstance(value, slice):
+                return f"slice({expression(value.start)}, {expression(value.stop)}, {expression(value.step)})"
+            return constant(value)
+
+        lines = ["def run(env, status):"]
+        for step in steps:
+            node = step.node
+            args = [expression(a) for a in node.args]
+            args += [f"{k}={expression(v)}" if k.isidentifier() else f"**{{{k!r}: {expression(v)}}}"
+                     for k, v in node.kwargs.items()]
+            if step.op == "call_module":
+                callee = f"{constant(step.parent._modules)}[{step.attr!r}]"
+            elif step.op == "call_method":
+                callee = f"{args[0]}.{step.target}" if step.target.isidentifier() else \
+                    f"getattr({args[0]}, {step.target!r})"
+                args = args[1:]
+            else:
+                callee = constant(step.target)
+            lines.append(f"    env[{step.index}] = {callee}({', '.join(args)})  # {step.name}")
+            lines.append(f"    status[{step.index}] = {VARYING}")
+            lines.extend(f"    env[{j}] = None" for j in step.release)
+        exec(compile("\n".join(lines), "<torch_ext.LazyExecutor segment>", "exec"), namespace)
+        self.run = namespace["run"]
+        self.count = len(steps)
+
+
 class _Step:
     """One node of a plan, with everything the run loop needs precomputed."""
 
-    __slots__ = ("index", "node_id", "name", "op", "target", "build", "inputs", "kind", "parent", "attr",
+    __slots__ = ("index", "node_id", "node", "name", "op", "target", "build", "inputs", "kind", "parent", "attr",
                  "state", "random_in_training", "buffers", "streak", "has_tensor", "last_value", "cached",
                  "on_backward", "placeholder_default", "never", "release")
 
     def __init__(self, index: int, node_id: int, node: fx.Node) -> None:
-        self.index, self.node_id, self.name, self.op, self.target = index, node_id, node.name, node.op, node.target
+        self.index, self.node_id, self.node = index, node_id, node
+        self.name, self.op, self.target = node.name, node.op, node.target
         self.build = None
         self.inputs: list[int] = []
         self.kind = "pure"
@@ -273,7 +329,7 @@ class _Plan:
         self.graph_module = graph_module
         graph = graph_module.graph
         nodes = list(graph.nodes)
-        index = {node: i for i, node in enumerate(nodes)}
+        self.index = index = {node: i for i, node in enumerate(nodes)}
         self.steps: list[_Step] = []
         self.placeholders: list[_Step] = []
         self.output_build = None
@@ -352,6 +408,7 @@ class _Plan:
         self.n_nodes = sum(1 for step in self.compute_steps if step.op != "output")
         self.analyses: dict = {}
         self.last_analysis = None
+        self.epoch = 0  # bumped when a step's has_tensor changes: which frontier nodes are looked up
 
 
 _SHAPE_ATTRIBUTES = {"shape", "ndim", "dtype", "device", "is_cuda", "layout"}
@@ -383,7 +440,7 @@ class _Analysis:
     their closure\'s sources and module state; the interior of a reused subgraph is not run, not
     looked up and not held."""
 
-    __slots__ = ("closure_ok", "frontier", "roots", "closures", "interior")
+    __slots__ = ("closure_ok", "frontier", "roots", "closures", "interior", "programs", "demand")
 
     def __init__(self, plan: "_Plan", varying: int, fresh: int) -> None:
         n = plan.size
@@ -432,8 +489,34 @@ class _Analysis:
                     for u in plan.users[i])
         self.closure_ok, self.frontier, self.roots = closure_ok, frontier, roots
         self.closures: dict[int, tuple] = {}
+        self.programs: dict[tuple, list] = {}  # steps to run (last first) -> what runs them
+        # (plan.epoch, [(frontier step, found)] in lookup order, steps to run) of the last call
+        self.demand: Optional[tuple] = None
         self.interior = [step for step in plan.compute_steps
                          if step.op != "output" and closure_ok[step.index] and not frontier[step.index]]
+
+    def program(self, plan: "_Plan", run: list, varying: int) -> list:
+        """The steps of `run` (last first) in graph order, each maximal stretch of steps that just
+        run compiled into one _Segment."""
+        key = tuple(step.index for step in run)
+        found = self.programs.get(key)
+        if found is None:
+            if len(self.programs) >= 16:
+                self.programs.clear()
+            found, stretch = [], []
+            for step in reversed(run):
+                i = step.index
+                if self.closure_ok[i] and plan.mask[i] & varying:
+                    stretch.append(step)
+                    continue
+                if stretch:
+                    found.append(_Segment(stretch, plan.index))
+                    stretch = []
+                found.append(step)
+            if stretch:
+                found.append(_Segment(stretch, plan.index))
+            self.programs[key] = found
+        return found
 
     def closure(self, plan: "_Plan", i: int, with_training: bool) -> tuple:
         """(source indices, (dict, key) state pairs, modules, all indices) of node i\'s closure."""
@@ -564,7 +647,7 @@ class LazyExecutor(nn.Module):
 
     # ---- plans ----
     def _plan(self) -> _Plan:
-        key = tuple(m.training for m in self._all_modules) if self._trace else None
+        key = tuple(map(_training, self._all_modules)) if self._trace else None
         plan = self._plans.get(key)
         if plan is None:
             if self._trace:
@@ -679,42 +762,49 @@ class LazyExecutor(nn.Module):
         # 2. Demand, from the output back: a frontier node found in the cache needs nothing of its
         # closure; one that must be computed needs its inputs. Keys are closure sources and module
         # state, all known now, so every lookup happens before anything runs.
-        needed = analysis.roots[:]
-        keys: dict = {}
-        run = []  # the steps to run, last first
-        for step in reversed(plan.compute_steps):
-            i = step.index
-            if not needed[i]:
-                continue
-            if frontier[i] and step.has_tensor:
-                sources, pairs, modules, _ = analysis.closure(plan, i, with_training)
-                key = [env[j] for j in sources]
-                if pairs:
-                    key.extend([d[k] for d, k in pairs])
-                if modules:
-                    key.extend([parent._modules[attr].training for parent, attr in modules])
-                if not mask[i] & fresh:
-                    value = cache.get(step.node_id, key, _MISS)
+        # Lookups that come out as the last call's did (same analysis) demand the same steps: replay
+        # them and reuse that call's run list rather than walking the whole graph again.
+        keys: dict = {}  # frontier index -> (key, number of sources), for the misses
+        looked_up: dict = {}  # frontier index -> what its lookup found
+        run = None
+        memo = analysis.demand
+        if memo is not None and memo[0] == plan.epoch:
+            run = memo[2]
+            for step, hit in memo[1]:
+                value = looked_up[step.index] = self._look_up(plan, analysis, step, env, fresh, with_training, keys)
+                if (value is not _MISS) != hit:
+                    run = None
+                    break
+        if run is None:
+            needed = analysis.roots[:]
+            run = []  # the steps to run, last first
+            lookups = []
+            for step in reversed(plan.compute_steps):
+                i = step.index
+                if not needed[i]:
+                    continue
+                if frontier[i] and step.has_tensor:
+                    value = looked_up[i] if i in looked_up else self._look_up(
+                        plan, analysis, step, env, fresh, with_training, keys)
+                    lookups.append((step, value is not _MISS))
                     if value is not _MISS:
-                        env[i] = value
-                        step.streak = 0  # its module state is in the key: unchanged
                         continue
-                keys[i] = (key, len(sources))
-            run.append(step)
-            for j in step.inputs:
-                needed[j] = 1
+                run.append(step)
+                for j in step.inputs:
+                    needed[j] = 1
+            analysis.demand = (plan.epoch, lookups, run)
         # 3. Run what is needed, in graph order. The others were served by the cache or lie inside
         # a subgraph that was (values whose last use is skipped live until the call returns).
         reused = plan.n_nodes - len(run)
         costs = [0.0] * plan.size
-        for step in reversed(run):
+        for step in analysis.program(plan, run, varying):
+            if step.__class__ is _Segment:  # steps depending on a varying source: just run them
+                step.run(env, status)
+                computed += step.count
+                continue
             i = step.index
             op = step.op
-            if closure_ok[i] and mask[i] & varying:  # depends on a varying source: just run it
-                env[i] = self._call(step, env, step.parent._modules[step.attr] if op == "call_module" else None)
-                computed += 1
-                status[i] = VARYING
-            elif closure_ok[i]:
+            if closure_ok[i]:
                 module = step.parent._modules[step.attr] if op == "call_module" else None
                 start = perf_counter()
                 value = self._call(step, env, module)
@@ -732,6 +822,7 @@ class LazyExecutor(nn.Module):
                     tensors = _tensors_of(value)
                     if not tensors:
                         step.has_tensor = False
+                        plan.epoch += 1
                     elif st == VARYING:
                         if step.cached:
                             cache.invalidate_node(step.node_id)
@@ -779,6 +870,7 @@ class LazyExecutor(nn.Module):
                         st = self._value_status(step, value, st)
                         if _tensors_of(value):
                             step.has_tensor = True  # learned wrong once: look it up from now on
+                            plan.epoch += 1
                 else:
                     key = [env[j] for j in step.inputs]
                     if key_extra is not None:
@@ -799,6 +891,7 @@ class LazyExecutor(nn.Module):
                         tensors = _tensors_of(value)
                         if not tensors:
                             step.has_tensor = False
+                            plan.epoch += 1
                             st = self._value_status(step, value, max(st, FRESH))
                         elif st == VARYING:  # its parameters change at every call (training)
                             if step.cached:
@@ -822,6 +915,25 @@ class LazyExecutor(nn.Module):
         if plan.pytree_io:
             return plan.codegen.process_outputs(result)
         return result
+
+    def _look_up(self, plan: _Plan, analysis: _Analysis, step: _Step, env: list, fresh: int, with_training: bool,
+                 keys: dict) -> Any:
+        """A frontier node's cached value (also put in env), or _MISS with its key put in keys."""
+        i = step.index
+        sources, pairs, modules, _ = analysis.closure(plan, i, with_training)
+        key = [env[j] for j in sources]
+        if pairs:
+            key.extend([d[k] for d, k in pairs])
+        if modules:
+            key.extend([parent._modules[attr].training for parent, attr in modules])
+        if not plan.mask[i] & fresh:
+            value = self._cache.get(step.node_id, key, _MISS)
+            if value is not _MISS:
+                env[i] = value
+                step.streak = 0  # its module state is in the key: unchanged
+                return value
+        keys[i] = (key, len(sources))
+        return _MISS
 
     @staticmethod
     def _call(step: _Step, env: list, module: Optional[nn.Module]) -> Any:

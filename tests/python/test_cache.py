@@ -115,6 +115,38 @@ def test_diffusion_loop_reuses_the_conditioning_and_recomputes_the_rest():
     assert stats["misses"] == 0
 
 
+class Arguments(nn.Module):
+    """Nodes whose arguments are nested lists and tuples, slices, keywords, constants and methods."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, cond):
+        c = self.fc(cond)
+        y = torch.cat([x, c * 0.5], dim=1)[:, 1:-1:2]  # 7 columns
+        parts = torch.split(y, [3, 4], 1)
+        z = torch.stack((parts[0], parts[1][:, :3].clamp(min=-0.5, max=float("inf"))), 0).sum(dim=(0,))
+        return {"out": z.transpose(0, 1).reshape(-1) + x.new_ones(1), "scale": y.shape[1]}
+
+
+def test_steps_that_just_run_are_compiled_into_segments_that_equal_the_plain_module():
+    torch.manual_seed(0)
+    model = Arguments().eval()
+    executor = lazy(model)
+    cond = torch.randn(3, 8)
+    with torch.no_grad():
+        for step in range(6):  # from the third call on, x varies: its dependents run as segments
+            x = torch.randn(3, 8)
+            expected, got = model(x, cond), executor(x, cond)
+            assert torch.equal(got["out"], expected["out"]) and got["scale"] == expected["scale"]
+    plan = executor._plan()
+    segments = [part for programs in (a.programs for a in plan.analyses.values())
+                for program in programs.values() for part in program if hasattr(part, "count")]
+    assert segments and max(part.count for part in segments) >= 5
+    assert executor.stats()["hits"] >= 4  # fc(cond) is looked up once per call and found
+
+
 def test_in_place_edits_of_inputs_parameters_and_buffers_recompute_dependents():
     torch.manual_seed(0)
     model = WeightNormNet().eval()
