@@ -6,8 +6,8 @@ Variants, each served the same stream of requests (batch sizes drawn uniformly f
   (c) PlanCache, miss_mode="exact", cold (a new size builds its plan in the request)
   (d) PlanCache, exact, after preload(1..64)
   (e) PlanCache, miss_mode="pad", background builds, after preload of the buckets 1,2,4,..,64
-Each variant runs the whole stream in turn (a background build of (e) would otherwise slow the
-others' requests). A second table measures what each step of a plan buys, interleaved, at fixed
+Each variant serves the whole stream in its own phase (a background build of (e) would otherwise
+slow the others' requests). A second table measures what each step of a plan buys, interleaved, at fixed
 sizes, and the cost of a hit's lookup.
 
     python benchmarks/bench_plan.py            # 2000 requests per variant and model
@@ -16,6 +16,7 @@ sizes, and the cost of a hit's lookup.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -124,39 +125,38 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
     variants["(e) PlanCache pad + background builds"] = background_pad
 
-    # Start-up of every variant (preloads), then the stream in rounds: each request goes to every
-    # variant in turn, so drift on this shared machine hits each alike.
-    fns, caches_by_label = {}, {}
+    # Each variant in its own phase: start-up (preloads), the whole stream, then one request at
+    # every size for the peak memory. Phases keep one variant's builds (the cold cache's in its
+    # requests, (e)'s on a background thread) and its memory churn out of the others' latencies.
+    results = {}
     for label, setup in variants.items():
+        gc.collect()
         t = time.perf_counter()
-        fns[label], caches_by_label[label] = setup()
+        fn, cache = setup()
         startup[label] = time.perf_counter() - t
-        print(f"  start-up {label}: {startup[label]:.2f} s", file=sys.stderr)
-    latencies = {label: [] for label in variants}
-    stream_start = time.perf_counter()
-    with torch.no_grad():
-        iterator = stream
-        if not quick:
-            from tqdm import tqdm
-            iterator = tqdm(stream, desc=f"  stream ({name})", file=sys.stderr, leave=False, mininterval=5)
-        for index, n in enumerate(iterator):
-            for label, fn in fns.items():
+        print(f"  {label}: start-up {startup[label]:.2f} s", file=sys.stderr)
+        latencies = []
+        phase_start = time.perf_counter()
+        with torch.no_grad():
+            iterator = stream
+            if not quick:
+                from tqdm import tqdm
+                iterator = tqdm(stream, desc="    stream", file=sys.stderr, leave=False, mininterval=5)
+            for index, n in enumerate(iterator):
                 t = time.perf_counter()
                 fn(inputs[n])
-                latencies[label].append(time.perf_counter() - t)
-            cache_e = caches_by_label["(e) PlanCache pad + background builds"]
-            if index and "background_done" not in startup and cache_e.stats()["pending_builds"] == 0 \
-                    and len(cache_e.cached_sizes()) == len(set(stream[:index + 1]) | set(BUCKETS)):
-                startup["background_done"] = index
-    print(f"  stream: {time.perf_counter() - stream_start:.1f} s", file=sys.stderr)
-    results = {}
-    for label in variants:
-        cache = caches_by_label[label]
+                latencies.append(time.perf_counter() - t)
+                if label.startswith("(e)") and "background_done" not in startup \
+                        and cache.stats()["pending_builds"] == 0 \
+                        and len(cache.cached_sizes()) == len(set(stream[:index + 1]) | set(BUCKETS)):
+                    startup["background_done"] = index
+        print(f"    stream: {time.perf_counter() - phase_start:.1f} s", file=sys.stderr)
         if cache:
             cache.wait_for_builds()
         # Peak memory of one request at each size, on top of what the variant holds.
-        peak = peak_memory(lambda fn=fns[label]: [fn(inputs[n]) for n in range(1, MAX_BATCH + 1)])
-        results[label] = (latencies[label], sum(latencies[label]), peak, cache.stats() if cache else None)
+        peak = peak_memory(lambda: [fn(inputs[n]) for n in range(1, MAX_BATCH + 1)])
+        results[label] = (latencies, sum(latencies), peak, cache.stats() if cache else None)
+        del fn, cache
     report.data.setdefault("background_builds_done_at_request", {})[name] = startup.get("background_done")
 
     best_ab = max(sum(stream) / results[k][1] for k in list(variants)[:2])
@@ -280,11 +280,11 @@ def main() -> None:
                              for m, c, o, i, d in lookup_rows]
     report.data["stream_sizes"] = stream
     report.notes.append("\nThroughput counts items (sum of batch sizes) per second over the whole stream, builds "
-                        "included; start-up (preload) is not in it. The stream runs in rounds (each request through "
-                        "every variant in turn), one intra-op thread. Spikes count every request, first calls "
+                        "included; start-up (preload) is not in it. Each variant serves the whole stream in "
+                        "its own phase (its start-up just before), one intra-op thread. Spikes count every request, first calls "
                         "included. Peak memory: torch_ext.memory's CPU peak above the start during one request at "
                         "each size 1..64 after the stream; plans: the cache's plan_bytes (constants its plans "
-                        "reference). (e)'s background builds overlap the first requests of every variant: done by "
+                        "reference). (e)'s background builds overlap its first requests: done by "
                         f"request {report.data.get('background_builds_done_at_request')}.")
     report.write()
     steps_report.notes.append("\nEach cell: median over interleaved rounds of one call at n, each preceded by an untimed "
