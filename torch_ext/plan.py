@@ -53,7 +53,8 @@ class PlanCache:
     when no cached size can serve. background_builds: a miss is served by pad / split / the
     module while the plan builds on a background thread. admit_after: build a size only once it
     has been seen this many times. max_plans / max_bytes (0: unbounded) bound the cache, evicting
-    the least recently used plan. static_runtime: run plans with TorchScript's static runtime.
+    the least recently used plan; max_bytes counts the distinct constants of the plans, which
+    share the frozen weights (a budget below those keeps one plan). static_runtime: run plans with TorchScript's static runtime.
     """
 
     def __init__(self, module: Union[torch.jit.ScriptModule, str, os.PathLike], *,

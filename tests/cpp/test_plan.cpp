@@ -287,22 +287,30 @@ TEST(Plan, MaxPlansEvictsTheLeastRecentlyUsed) {
   EXPECT_EQ(s.plans, 2);
 }
 
-TEST(Plan, ByteBudgetBoundsThePlansAndEvictedPlansStayUsable) {
+TEST(Plan, PlansShareWeightsTheByteBudgetCountsOnceAndEvictedPlansStayUsable) {
   auto m = rowwise();
   PlanCache probe(m, options());
   run(probe, input(1));
   const int64_t plan_bytes = probe.stats().plan_bytes;
   ASSERT_GT(plan_bytes, 0);
+  // Plans are clones of one frozen, optimised module: they share its weights, counted once.
+  PlanCache unbounded(m, options());
+  for (int64_t n : {1, 2, 3}) run(unbounded, input(n));
+  EXPECT_EQ(unbounded.stats().plans, 3);
+  EXPECT_EQ(unbounded.stats().plan_bytes, plan_bytes);
+  // A budget below the shared weights keeps only the most recent plan.
   PlanCacheOptions o = options();
-  o.max_bytes = 2 * plan_bytes + plan_bytes / 2;
+  o.max_bytes = plan_bytes - 1;
   PlanCache cache(m, o);
   run(cache, input(1));
   auto held = cache.plan_module(1);
   ASSERT_TRUE(held.has_value());
   run(cache, input(2));
   run(cache, input(3));
-  EXPECT_EQ(cache.stats().plans, 2);
-  EXPECT_LE(cache.stats().plan_bytes, o.max_bytes);
+  EXPECT_EQ(cache.stats().plans, 1);
+  EXPECT_EQ(cache.stats().evictions, 2);
+  EXPECT_EQ(cache.stats().plan_bytes, plan_bytes);
+  EXPECT_TRUE(cache.contains(3));
   EXPECT_FALSE(cache.contains(1));
   // The evicted plan's module is still alive and correct for whoever holds it.
   auto x = input(1);

@@ -117,15 +117,31 @@ def test_admission_and_lru_bound(rowwise):
     assert cache.stats()["evictions"] == 1
 
 
-def test_byte_budget(rowwise):
+def tensor_constants(module) -> set:
+    """Data pointers of the tensor constants in a plan's graph (its frozen weights)."""
+    return {node.output().toIValue().data_ptr() for node in module.forward.graph.nodes()
+            if node.kind() == "prim::Constant" and node.output().type().kind() == "TensorType"}
+
+
+def test_plans_share_their_weights_and_the_byte_budget_counts_them_once(rowwise):
     probe = PlanCache(rowwise, warmup_calls=1)
     probe(x(1))
-    plan_bytes = probe.stats()["plan_bytes"]
-    cache = PlanCache(rowwise, max_bytes=plan_bytes * 2, warmup_calls=1)
+    one = probe.stats()["plan_bytes"]
+    assert one > 0
+    cache = PlanCache(rowwise, warmup_calls=1)
     for n in (1, 2, 3, 4):
         cache(x(n))
     s = cache.stats()
-    assert s["plans"] == 2 and s["plan_bytes"] <= plan_bytes * 2 and s["evictions"] == 2
+    assert s["plans"] == 4 and s["plan_bytes"] == one
+    assert all(size["plan_bytes"] == one for size in s["sizes"].values())
+    weights = [tensor_constants(cache.plan_module(n)) for n in (1, 2, 3, 4)]
+    assert weights[0] and all(w == weights[0] for w in weights)
+    # A budget below the shared weights keeps only the most recent plan.
+    tight = PlanCache(rowwise, max_bytes=one - 1, warmup_calls=1)
+    for n in (1, 2, 3, 4):
+        tight(x(n))
+    s = tight.stats()
+    assert tight.cached_sizes() == [4] and s["evictions"] == 3 and s["plan_bytes"] == one
 
 
 def test_select_batch_size_and_infer_batch(rowwise):

@@ -53,53 +53,50 @@ std::vector<c10::IValue> unpack_outputs(const c10::IValue& output, bool& is_tupl
   return {output};
 }
 
-int64_t tensor_bytes(const at::Tensor& t, std::unordered_set<const void*>& seen) {
+using Constants = std::unordered_map<const void*, int64_t>;  // storage (or opaque tensor) -> bytes
+
+void add_tensor(const at::Tensor& t, Constants& out) {
   if (!t.defined()) {
-    return 0;
+    return;
   }
   if (t.is_mkldnn() || !t.has_storage()) {
-    return static_cast<int64_t>(t.numel() * t.element_size());
+    out.emplace(t.unsafeGetTensorImpl(), static_cast<int64_t>(t.numel() * t.element_size()));
+    return;
   }
-  const auto& storage = t.storage();
-  if (!seen.insert(storage.unsafeGetStorageImpl()).second) {
-    return 0;
-  }
-  return static_cast<int64_t>(storage.nbytes());
+  out.emplace(t.storage().unsafeGetStorageImpl(), static_cast<int64_t>(t.storage().nbytes()));
 }
 
-int64_t block_constant_bytes(torch::jit::Block* block, std::unordered_set<const void*>& seen) {
-  int64_t total = 0;
+void add_block_constants(torch::jit::Block* block, Constants& out) {
   for (torch::jit::Node* node : block->nodes()) {
     if (node->kind() == c10::prim::Constant || node->kind().toQualString() == std::string("prim::ConstantMKLDNNTensor")) {
       if (node->hasAttribute(c10::attr::value)) {
         const auto kind = node->kindOf(c10::attr::value);
         if (kind == torch::jit::AttributeKind::t) {
-          total += tensor_bytes(node->t(c10::attr::value), seen);
+          add_tensor(node->t(c10::attr::value), out);
         } else if (kind == torch::jit::AttributeKind::ival && node->ival(c10::attr::value).isTensor()) {
-          total += tensor_bytes(node->ival(c10::attr::value).toTensor(), seen);
+          add_tensor(node->ival(c10::attr::value).toTensor(), out);
         }
       }
     }
     for (torch::jit::Block* inner : node->blocks()) {
-      total += block_constant_bytes(inner, seen);
+      add_block_constants(inner, out);
     }
   }
-  return total;
 }
 
-// Bytes a plan owns: its graphs' tensor constants (frozen weights) and tensor attributes.
-int64_t module_bytes(const torch::jit::Module& module) {
-  std::unordered_set<const void*> seen;
-  int64_t total = 0;
+// The memory a plan references: its graphs' tensor constants (frozen weights) and tensor
+// attributes, each storage once. Plans are clones of one base module and share most of them.
+Constants module_constants(const torch::jit::Module& module) {
+  Constants out;
   for (const auto& method : module.get_methods()) {
-    total += block_constant_bytes(method.graph()->block(), seen);
+    add_block_constants(method.graph()->block(), out);
   }
   for (const auto& attribute : module.named_attributes(/*recurse=*/true)) {
     if (attribute.value.isTensor()) {
-      total += tensor_bytes(attribute.value.toTensor(), seen);
+      add_tensor(attribute.value.toTensor(), out);
     }
   }
-  return total;
+  return out;
 }
 
 }  // namespace
@@ -138,7 +135,8 @@ struct PlanCache::Plan {
   std::unique_ptr<torch::jit::StaticModule> static_module;
   std::mutex runtimes_mutex;  // guards the free list only, never held while running
   std::vector<std::unique_ptr<torch::jit::StaticRuntime>> free_runtimes;
-  int64_t bytes = 0;
+  Constants constants;
+  int64_t bytes = 0;  // all of its constants, shared ones included
   int64_t build_ns = 0;
   int64_t warm_ns = 0;  // fastest warm-up after profiling: the estimate before real runs
   std::shared_ptr<SizeRecord> record;
@@ -206,6 +204,15 @@ torch::jit::Module PlanCache::frozen_locked() const {
     frozen_ready_ = true;
   }
   return frozen_;
+}
+
+torch::jit::Module PlanCache::optimized_locked() const {
+  if (!optimized_ready_) {
+    torch::jit::Module base = frozen_locked().clone();
+    optimized_ = torch::jit::optimize_for_inference(base);
+    optimized_ready_ = true;
+  }
+  return optimized_;
 }
 
 int64_t PlanCache::input_batch_dim(size_t index, int64_t dim) const {
@@ -366,20 +373,23 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
     {
       std::lock_guard<std::mutex> lock(source_mutex_);
       try {
-        frozen = frozen_locked().clone();
+        frozen = frozen_locked();
       } catch (const std::exception& e) {
         TORCH_CHECK(false, "PlanCache: freezing the module (", source_.type()->name()->qualifiedName(),
                     ") failed while building the plan for batch size ", batch_size, ": ", message_of(e));
       }
+      // A clone has its own graph executor, which specialises at this size; it shares the
+      // base's constants and (inplace) its attributes: every plan references the same weights.
+      const bool optimize = options_.optimize_for_inference && !options_.static_runtime;
+      frozen = (optimize ? optimized_locked() : frozen).clone(/*inplace=*/true);
       if (options_.static_runtime) {
         plan->static_module = std::make_unique<torch::jit::StaticModule>(frozen, /*is_frozen=*/true);
-      } else if (options_.optimize_for_inference) {
-        frozen = torch::jit::optimize_for_inference(frozen);
       }
     }
     plan->module = frozen;
     plan->method = plan->module.get_method(options_.method);
-    plan->bytes = module_bytes(plan->module);
+    plan->constants = module_constants(plan->module);
+    for (const auto& [storage, bytes] : plan->constants) plan->bytes += bytes;
     c10::AutoGradMode no_grad(false);
     for (int64_t i = 0; i < options_.warmup_calls; ++i) {
       const auto call_start = Clock::now();
@@ -411,11 +421,23 @@ void PlanCache::insert_plan(const std::shared_ptr<Plan>& plan) {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   plan->last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   auto& slot = plans_[plan->batch_size];
-  if (slot) plan_bytes_ -= slot->bytes;
+  if (slot) release_constants_locked(*slot);
   slot = plan;
-  plan_bytes_ += plan->bytes;
+  for (const auto& [storage, bytes] : plan->constants) {
+    if (constant_plans_[storage]++ == 0) plan_bytes_ += bytes;
+  }
   pending_.erase(plan->batch_size);
   evict_locked(plan->batch_size);
+}
+
+void PlanCache::release_constants_locked(const Plan& plan) {
+  for (const auto& [storage, bytes] : plan.constants) {
+    auto it = constant_plans_.find(storage);
+    if (--it->second == 0) {
+      plan_bytes_ -= bytes;
+      constant_plans_.erase(it);
+    }
+  }
 }
 
 void PlanCache::evict_locked(int64_t keep_batch_size) {
@@ -434,7 +456,7 @@ void PlanCache::evict_locked(int64_t keep_batch_size) {
       }
     }
     if (victim == plans_.end()) break;
-    plan_bytes_ -= victim->second->bytes;
+    release_constants_locked(*victim->second);
     victim->second->record->evictions.fetch_add(1, std::memory_order_relaxed);
     plans_.erase(victim);  // calls running it hold their own reference
   }
@@ -945,6 +967,7 @@ void PlanCache::reset_stats() {
 void PlanCache::clear() {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   plans_.clear();
+  constant_plans_.clear();
   plan_bytes_ = 0;
 }
 

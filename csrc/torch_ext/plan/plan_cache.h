@@ -10,7 +10,7 @@
 //
 // Thread safety: every public method may be called from many threads at once. Hits take a
 // shared (reader) lock only and never wait for a build. A build's warm-up runs outside every
-// lock; only its clone + optimise step (milliseconds) is serialised with other builds, since
+// lock; only its clone step (milliseconds) is serialised with other builds, since
 // TorchScript's CompilationUnit is not thread-safe. Concurrent misses of one size build once
 // and wait for that build; other sizes do not. Evicted plans stay alive until the calls
 // running them finish.
@@ -59,7 +59,7 @@ struct PlanCacheOptions {
   // Build a size only once it has been seen this many times (1: at the first miss).
   int64_t admit_after = 1;
   int64_t max_plans = 0;       // 0: unbounded
-  int64_t max_bytes = 0;       // byte budget over all plans' constants; 0: unbounded
+  int64_t max_bytes = 0;       // byte budget over the plans' distinct constants; 0: unbounded
   int64_t max_batch_size = 0;  // largest batch infer() accepts; 0: unbounded
   // Runs at the plan's size before it serves: the profiling executor profiles the 1st and
   // optimises on the 2nd; the 3rd gives a clean latency estimate for auto mode.
@@ -88,7 +88,7 @@ struct SizeStats {
   double plan_seconds = 0;      // time in this size's plan, summed over plan_runs
   int64_t padded_elements = 0;  // rows of padding added to calls at this size
   bool cached = false;
-  int64_t plan_bytes = 0;
+  int64_t plan_bytes = 0;  // constants this size's plan references, shared ones included
 };
 
 struct PlanCacheStats {
@@ -103,7 +103,7 @@ struct PlanCacheStats {
   int64_t fallback_calls = 0;
   int64_t padded_elements = 0;  // padding waste: rows computed and thrown away
   int64_t plans = 0;
-  int64_t plan_bytes = 0;
+  int64_t plan_bytes = 0;  // distinct constants of all cached plans (shared weights once)
   int64_t pending_builds = 0;
   double build_seconds = 0;
   double hit_lookup_seconds = 0;  // total time hits spent finding their plan
@@ -169,6 +169,7 @@ class PlanCache {
   std::shared_ptr<Plan> get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs);
   void insert_plan(const std::shared_ptr<Plan>& plan);
   void evict_locked(int64_t keep_batch_size);
+  void release_constants_locked(const Plan& plan);
   void enqueue_build(int64_t batch_size, std::vector<c10::IValue> example);
   void worker_loop();
 
@@ -188,15 +189,20 @@ class PlanCache {
 
   torch::jit::Module source_;
   PlanCacheOptions options_;
-  // Freezing is independent of the batch size: the module is frozen once (or loaded frozen by
-  // load()) and each plan is a clone of that, optimised and warmed at its size. clone(),
+  // Freezing and optimize_for_inference are independent of the batch size: the module is
+  // frozen (or loaded frozen by load()) and optimised once, and each plan is a clone of that,
+  // sharing its constants, warmed at its size. clone(),
   // freeze() and optimize_for_inference() register types in the module's CompilationUnit,
   // which is not thread-safe, so they run under source_mutex_; warm-ups, the bulk of a
   // build, run outside it.
   mutable std::mutex source_mutex_;
   mutable torch::jit::Module frozen_;  // guarded by source_mutex_
   mutable bool frozen_ready_ = false;  // guarded by source_mutex_
+  // frozen_ through optimize_for_inference, once: no pass of it depends on the batch size.
+  mutable torch::jit::Module optimized_;  // guarded by source_mutex_
+  mutable bool optimized_ready_ = false;  // guarded by source_mutex_
   torch::jit::Module frozen_locked() const;
+  torch::jit::Module optimized_locked() const;
 
   mutable std::shared_mutex mutex_;  // guards everything below up to the worker state
   std::unordered_map<int64_t, std::shared_ptr<Plan>> plans_;
@@ -204,7 +210,8 @@ class PlanCache {
   std::unordered_map<int64_t, std::shared_ptr<SizeRecord>> records_;
   std::shared_ptr<const Signature> signature_;
   std::vector<c10::IValue> example_;  // one row of each input, the batch size 1
-  int64_t plan_bytes_ = 0;
+  int64_t plan_bytes_ = 0;  // distinct constants of the cached plans
+  std::unordered_map<const void*, int64_t> constant_plans_;  // constant -> cached plans referencing it
 
   std::atomic<uint64_t> clock_{0};  // LRU ticks
   std::atomic<int64_t> build_failures_{0};
