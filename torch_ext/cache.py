@@ -490,14 +490,15 @@ class _Analysis:
         self.closure_ok, self.frontier, self.roots = closure_ok, frontier, roots
         self.closures: dict[int, tuple] = {}
         self.programs: dict[tuple, list] = {}  # steps to run (last first) -> what runs them
-        # (plan.epoch, [(frontier step, found)] in lookup order, steps to run) of the last call
+        # (plan.epoch, [(frontier step, found)] in lookup order, program, steps in it) of the last call
         self.demand: Optional[tuple] = None
         self.interior = [step for step in plan.compute_steps
                          if step.op != "output" and closure_ok[step.index] and not frontier[step.index]]
 
     def program(self, plan: "_Plan", run: list, varying: int) -> list:
         """The steps of `run` (last first) in graph order, each maximal stretch of steps that just
-        run compiled into one _Segment."""
+        run compiled into one _Segment; cached per run list, since a failed replay often comes back
+        to one seen before."""
         key = tuple(step.index for step in run)
         found = self.programs.get(key)
         if found is None:
@@ -766,16 +767,16 @@ class LazyExecutor(nn.Module):
         # them and reuse that call's run list rather than walking the whole graph again.
         keys: dict = {}  # frontier index -> (key, number of sources), for the misses
         looked_up: dict = {}  # frontier index -> what its lookup found
-        run = None
+        program = None
         memo = analysis.demand
         if memo is not None and memo[0] == plan.epoch:
-            run = memo[2]
+            program, n_run = memo[2], memo[3]
             for step, hit in memo[1]:
                 value = looked_up[step.index] = self._look_up(plan, analysis, step, env, fresh, with_training, keys)
                 if (value is not _MISS) != hit:
-                    run = None
+                    program = None
                     break
-        if run is None:
+        if program is None:
             needed = analysis.roots[:]
             run = []  # the steps to run, last first
             lookups = []
@@ -792,12 +793,13 @@ class LazyExecutor(nn.Module):
                 run.append(step)
                 for j in step.inputs:
                     needed[j] = 1
-            analysis.demand = (plan.epoch, lookups, run)
+            program, n_run = analysis.program(plan, run, varying), len(run)
+            analysis.demand = (plan.epoch, lookups, program, n_run)
         # 3. Run what is needed, in graph order. The others were served by the cache or lie inside
         # a subgraph that was (values whose last use is skipped live until the call returns).
-        reused = plan.n_nodes - len(run)
+        reused = plan.n_nodes - n_run
         costs = [0.0] * plan.size
-        for step in analysis.program(plan, run, varying):
+        for step in program:
             if step.__class__ is _Segment:  # steps depending on a varying source: just run them
                 step.run(env, status)
                 computed += step.count
