@@ -5,7 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <unordered_set>
+#include <unordered_map>
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/index_select.h>
@@ -369,9 +369,9 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
   plan->batch_size = batch_size;
   plan->record = record(batch_size);
   try {
-    torch::jit::Module frozen;
     {
       std::lock_guard<std::mutex> lock(source_mutex_);
+      torch::jit::Module frozen;
       try {
         frozen = frozen_locked();
       } catch (const std::exception& e) {
@@ -381,12 +381,11 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
       // A clone has its own graph executor, which specialises at this size; it shares the
       // base's constants and (inplace) its attributes: every plan references the same weights.
       const bool optimize = options_.optimize_for_inference && !options_.static_runtime;
-      frozen = (optimize ? optimized_locked() : frozen).clone(/*inplace=*/true);
+      plan->module = (optimize ? optimized_locked() : frozen).clone(/*inplace=*/true);
       if (options_.static_runtime) {
-        plan->static_module = std::make_unique<torch::jit::StaticModule>(frozen, /*is_frozen=*/true);
+        plan->static_module = std::make_unique<torch::jit::StaticModule>(plan->module, /*is_frozen=*/true);
       }
     }
-    plan->module = frozen;
     plan->method = plan->module.get_method(options_.method);
     plan->constants = module_constants(plan->module);
     for (const auto& [storage, bytes] : plan->constants) plan->bytes += bytes;
