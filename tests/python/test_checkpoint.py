@@ -35,6 +35,18 @@ def assert_same_grads(a: nn.Module, b: nn.Module):
             assert torch.equal(p.grad, q.grad), name
 
 
+def assert_same_backward(plain: nn.Module, ckpt: nn.Module, seed: int):
+    """Forward and backward of both on the same input and RNG state: equal input and parameter grads."""
+    x = torch.randn(4, 16, requires_grad=True)
+    xc = x.detach().requires_grad_()
+    torch.manual_seed(seed)
+    plain(x).sum().backward()
+    torch.manual_seed(seed)
+    ckpt(xc).sum().backward()
+    assert torch.equal(x.grad, xc.grad)
+    assert_same_grads(plain, ckpt)
+
+
 class Counted(nn.Module):
     """Linear + dropout that counts its forward calls."""
 
@@ -155,14 +167,7 @@ def test_nested_checkpoints_give_exact_gradients():
     ckpt = copy.deepcopy(plain)
     torch_ext.checkpoint(ckpt.inner)
     torch_ext.checkpoint(ckpt)
-    x = torch.randn(4, 16, requires_grad=True)
-    xc = x.detach().requires_grad_()
-    torch.manual_seed(5)
-    plain(x).sum().backward()
-    torch.manual_seed(5)
-    ckpt(xc).sum().backward()
-    assert torch.equal(x.grad, xc.grad)
-    assert_same_grads(plain, ckpt)
+    assert_same_backward(plain, ckpt, seed=5)
     assert ckpt.inner.calls == 3  # forward, outer replay, inner replay
 
 
@@ -357,14 +362,7 @@ def test_compressed_storage_holds_fewer_bytes_and_bounds_the_gradient_error(stor
 def test_offload_on_cpu_inputs_is_exact():
     plain = Counted()
     ckpt = torch_ext.checkpoint(copy.deepcopy(plain), storage="offload")
-    x = torch.randn(4, 16, requires_grad=True)
-    xc = x.detach().requires_grad_()
-    torch.manual_seed(2)
-    plain(x).sum().backward()
-    torch.manual_seed(2)
-    ckpt(xc).sum().backward()
-    assert torch.equal(x.grad, xc.grad)
-    assert_same_grads(plain, ckpt)
+    assert_same_backward(plain, ckpt, seed=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
