@@ -26,13 +26,15 @@ MISS_MODES = ("exact", "pad", "split", "auto")
 _INT_FIELDS = {
     "calls", "hits", "misses", "builds", "build_failures", "evictions", "padded_calls", "split_calls",
     "fallback_calls", "padded_elements", "plans", "plan_bytes", "pending_builds", "batch_size", "plan_runs",
+    "graph_capture_failures", "cuda_graphs", "graph_replays", "graph_bytes",
 }
+_BOOL_FIELDS = {"cached", "cuda_graph"}
 
 
 def _typed(stats: dict) -> dict:
     out = {}
     for key, value in stats.items():
-        if key == "cached":
+        if key in _BOOL_FIELDS:
             out[key] = bool(value)
         elif key in _INT_FIELDS:
             out[key] = int(value)
@@ -54,14 +56,19 @@ class PlanCache:
     module while the plan builds on a background thread. admit_after: build a size only once it
     has been seen this many times. max_plans / max_bytes (0: unbounded) bound the cache, evicting
     the least recently used plan; max_bytes counts the distinct constants of the plans, which
-    share the frozen weights (a budget below those keeps one plan). static_runtime: run plans with TorchScript's static runtime.
+    share the frozen weights (a budget below those keeps one plan) and their CUDA graphs' memory.
+    static_runtime: run plans with TorchScript's static runtime. cuda_graphs: on CUDA inputs, capture
+    each plan as a CUDA graph at its size (static buffers, one launch per call, outputs copied
+    out); a plan that cannot be captured (host synchronisation, CPU tensors) runs without one,
+    with a warning, and stats()["graph_capture_failures"] counts it. Ignored on CPU.
     """
 
     def __init__(self, module: Union[torch.jit.ScriptModule, str, os.PathLike], *,
                  batch_dims: Optional[Sequence[int]] = None, output_batch_dims: Optional[Sequence[int]] = None,
                  miss_mode: str = "exact", background_builds: bool = False, admit_after: int = 1,
                  max_plans: int = 0, max_bytes: int = 0, max_batch_size: int = 0, warmup_calls: int = 3,
-                 optimize_for_inference: bool = True, static_runtime: bool = False, method: str = "forward") -> None:
+                 optimize_for_inference: bool = True, static_runtime: bool = False, cuda_graphs: bool = False,
+                 method: str = "forward") -> None:
         if isinstance(module, (str, os.PathLike)):
             path = os.fspath(module)
             if not os.path.isfile(path):
@@ -78,7 +85,7 @@ class PlanCache:
         self._cache = torch.classes.torch_ext.PlanCache(
             source, [int(d) for d in (batch_dims or [])], [int(d) for d in (output_batch_dims or [])], miss_mode,
             bool(background_builds), int(admit_after), int(max_plans), int(max_bytes), int(max_batch_size),
-            int(warmup_calls), bool(optimize_for_inference), bool(static_runtime), method)
+            int(warmup_calls), bool(optimize_for_inference), bool(static_runtime), bool(cuda_graphs), method)
 
     @property
     def script_object(self) -> torch.ScriptObject:

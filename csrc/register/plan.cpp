@@ -45,12 +45,14 @@ c10::Dict<std::string, double> totals(const torch_ext::plan::PlanCacheStats& s) 
   d.insert("misses", s.misses);
   d.insert("builds", s.builds);
   d.insert("build_failures", s.build_failures);
+  d.insert("graph_capture_failures", s.graph_capture_failures);
   d.insert("evictions", s.evictions);
   d.insert("padded_calls", s.padded_calls);
   d.insert("split_calls", s.split_calls);
   d.insert("fallback_calls", s.fallback_calls);
   d.insert("padded_elements", s.padded_elements);
   d.insert("plans", s.plans);
+  d.insert("cuda_graphs", s.cuda_graphs);
   d.insert("plan_bytes", s.plan_bytes);
   d.insert("pending_builds", s.pending_builds);
   d.insert("build_seconds", s.build_seconds);
@@ -72,13 +74,16 @@ c10::Dict<int64_t, c10::Dict<std::string, double>> per_size(const torch_ext::pla
     d.insert("builds", z.builds);
     d.insert("evictions", z.evictions);
     d.insert("plan_runs", z.plan_runs);
+    d.insert("graph_replays", z.graph_replays);
     d.insert("build_seconds", z.build_seconds);
     d.insert("total_seconds", z.total_seconds);
     d.insert("max_seconds", z.max_seconds);
     d.insert("plan_seconds", z.plan_seconds);
     d.insert("padded_elements", z.padded_elements);
     d.insert("cached", z.cached ? 1.0 : 0.0);
+    d.insert("cuda_graph", z.cuda_graph ? 1.0 : 0.0);
     d.insert("plan_bytes", z.plan_bytes);
+    d.insert("graph_bytes", z.graph_bytes);
     out.insert(z.batch_size, d);
   }
   return out;
@@ -91,7 +96,7 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
       .def(torch::init([](c10::IValue module, std::vector<int64_t> batch_dims, std::vector<int64_t> output_batch_dims,
                           std::string miss_mode, bool background_builds, int64_t admit_after, int64_t max_plans,
                           int64_t max_bytes, int64_t max_batch_size, int64_t warmup_calls, bool optimize_for_inference,
-                          bool static_runtime, std::string method) {
+                          bool static_runtime, bool cuda_graphs, std::string method) {
         PlanCacheOptions options;
         options.batch_dims = std::move(batch_dims);
         options.output_batch_dims = std::move(output_batch_dims);
@@ -104,6 +109,7 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
         options.warmup_calls = warmup_calls;
         options.optimize_for_inference = optimize_for_inference;
         options.static_runtime = static_runtime;
+        options.cuda_graphs = cuda_graphs;
         options.method = std::move(method);
         return c10::make_intrusive<ScriptPlanCache>(as_module(module), std::move(options));
       }))

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/Context.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/cat.h>
@@ -556,4 +557,40 @@ TEST(Plan, ResetStatsAndClear) {
   EXPECT_EQ(cache.stats().plan_bytes, 0);
   auto x = input(2);
   EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+}
+
+TEST(Plan, CudaGraphsAreIgnoredOnCpuInputs) {
+  auto m = rowwise();
+  PlanCacheOptions o = options();
+  o.cuda_graphs = true;
+  PlanCache cache(m, o);
+  auto x = input(3);
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+  const auto s = cache.stats();
+  EXPECT_EQ(s.cuda_graphs, 0);
+  EXPECT_EQ(s.graph_capture_failures, 0);
+  EXPECT_FALSE(size_stats(s, 3)->cuda_graph);
+}
+
+TEST(Plan, CudaGraphPlansReplayFreshInputsAndReturnCopies) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a CUDA device";
+  auto m = rowwise();
+  m.to(at::Device(at::kCUDA, 0));
+  PlanCacheOptions o = options(MissMode::pad);
+  o.cuda_graphs = true;
+  PlanCache cache(m, o);
+  auto cuda_input = [](int64_t n) { return input(n).to(at::kCUDA); };
+  cache.preload({2, 8}, {cuda_input(1)});
+  std::vector<std::pair<at::Tensor, at::Tensor>> held;
+  for (int64_t n : {2, 8, 5, 2, 1, 8}) {
+    auto x = cuda_input(n);
+    held.emplace_back(run(cache, x), reference(m, x));
+  }
+  for (const auto& [got, want] : held) EXPECT_TRUE(at::equal(got, want));  // row-wise math: exact
+  const auto s = cache.stats();
+  EXPECT_EQ(s.cuda_graphs, 2);
+  EXPECT_EQ(s.graph_capture_failures, 0);
+  EXPECT_EQ(size_stats(s, 8)->graph_replays, 3);  // 8, 5 (padded to 8), 8
+  EXPECT_GT(size_stats(s, 2)->graph_bytes, 0);
+  EXPECT_GE(s.plan_bytes, size_stats(s, 2)->graph_bytes + size_stats(s, 8)->graph_bytes);
 }

@@ -308,3 +308,110 @@ def test_static_runtime_plans_equal_the_module(rowwise):
 def test_exported_from_the_package():
     assert torch_ext.PlanCache is PlanCache
     assert "PlanCache" in torch_ext.__all__
+
+
+def test_cuda_graphs_are_ignored_on_cpu_inputs(rowwise):
+    cache = PlanCache(rowwise, cuda_graphs=True, warmup_calls=1)
+    inputs = x(4)
+    assert torch.equal(cache(inputs), reference(rowwise, inputs))
+    s = cache.stats()
+    assert s["cuda_graphs"] == 0 and s["graph_capture_failures"] == 0
+    assert not s["sizes"][4]["cuda_graph"] and s["sizes"][4]["graph_replays"] == 0
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class CudaNet(torch.nn.Module):
+    """Two inputs (one unbatched), a tuple output, and a non-tensor argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32)
+        self.fc2 = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, scale: float):
+        y = self.fc2(torch.relu(self.fc1(x))) + bias
+        return y * scale, y.sum(1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["exact", "pad", "split"])
+def test_cuda_graph_plans_equal_the_module_on_fresh_inputs_every_call(mode):
+    torch.manual_seed(0)
+    module = scripted(CudaNet().cuda())
+    cache = PlanCache(module, miss_mode=mode, cuda_graphs=True, batch_dims=[0, -1, -1], warmup_calls=2)
+    bias = torch.randn(8, device="cuda")
+    cache.preload([1, 4, 8], example_inputs=(torch.randn(2, 8, device="cuda"), bias, 0.5), progress=False)
+    held = []
+    for n in [4, 4, 1, 8, 3, 5, 8, 2, 4]:
+        inputs = (torch.randn(n, 8, device="cuda"), torch.randn(8, device="cuda"), 0.5)
+        got, want = cache(*inputs), reference(module, *inputs)
+        # The graph replays the plan's kernels; the eager module may pick other GEMM kernels.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        held.append((got, want))
+    # Outputs are copies: later replays of the same graph did not overwrite earlier results.
+    for got, want in held:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    s = cache.stats()
+    assert s["cuda_graphs"] == s["plans"] and s["graph_capture_failures"] == 0
+    assert all(s["sizes"][n]["cuda_graph"] and s["sizes"][n]["graph_bytes"] > 0 for n in (1, 4, 8))
+    assert s["sizes"][4]["graph_replays"] >= 3
+    # A different non-tensor argument was not captured: the plan runs without its graph.
+    replays = s["sizes"][4]["graph_replays"]
+    inputs = (torch.randn(4, 8, device="cuda"), bias, 2.0)
+    torch.testing.assert_close(cache(*inputs), reference(module, *inputs), rtol=1e-5, atol=1e-5)
+    assert cache.stats()["sizes"][4]["graph_replays"] == replays
+
+
+class Synchronizing(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.sum() > 1e9):  # a host read of a device value cannot be captured
+            return x
+        return x * 2.0
+
+
+@needs_cuda
+def test_a_module_that_cannot_be_captured_runs_without_a_graph():
+    module = scripted(Synchronizing().cuda())
+    cache = PlanCache(module, cuda_graphs=True, warmup_calls=1)
+    inputs = torch.randn(4, 8, device="cuda")
+    with pytest.warns(UserWarning, match="batch size 4 runs without a CUDA graph"):
+        got = cache(inputs)
+    assert torch.equal(got, inputs * 2.0)
+    s = cache.stats()
+    assert s["graph_capture_failures"] == 1 and s["cuda_graphs"] == 0 and s["plans"] == 1
+    # The failed capture left the device and the cache usable.
+    assert torch.equal(cache(inputs), inputs * 2.0)
+    torch.cuda.synchronize()
+
+
+@needs_cuda
+def test_cuda_graph_replays_from_many_threads_and_streams():
+    torch.manual_seed(0)
+    module = scripted(Net().cuda())
+    cache = PlanCache(module, miss_mode="pad", cuda_graphs=True, max_plans=4, warmup_calls=1)
+    cache.preload([1, 2, 4, 8, 16], example_inputs=(torch.randn(1, 8, device="cuda"),), progress=False)
+    errors = []
+
+    def serve(seed: int) -> None:
+        rng = random.Random(seed)
+        stream = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(60):
+                    inputs = torch.randn(rng.randint(1, 16), 8, device="cuda")
+                    got, want = cache(inputs), reference(module, inputs)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(seed,)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    s = cache.stats()
+    assert s["plans"] <= 4 and s["evictions"] >= 1
+    assert sum(z["graph_replays"] for z in s["sizes"].values()) > 0

@@ -1,5 +1,7 @@
 #include "torch_ext/plan/plan_cache.h"
 
+#include "torch_ext/plan/cuda_graph.h"
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -124,7 +126,7 @@ struct PlanCache::SizeRecord {
   const int64_t batch_size;
   std::atomic<int64_t> sightings{0};
   std::atomic<int64_t> calls{0}, hits{0}, misses{0}, padded_calls{0}, split_calls{0}, fallback_calls{0};
-  std::atomic<int64_t> builds{0}, evictions{0}, plan_runs{0}, padded_elements{0};
+  std::atomic<int64_t> builds{0}, evictions{0}, plan_runs{0}, graph_replays{0}, padded_elements{0};
   std::atomic<int64_t> build_ns{0}, total_ns{0}, max_ns{0}, plan_ns{0};
 };
 
@@ -135,7 +137,8 @@ struct PlanCache::Plan {
   std::unique_ptr<torch::jit::StaticModule> static_module;
   std::mutex runtimes_mutex;  // guards the free list only, never held while running
   std::vector<std::unique_ptr<torch::jit::StaticRuntime>> free_runtimes;
-  Constants constants;
+  std::unique_ptr<CapturedGraph> graph;  // with cuda_graphs, on CUDA inputs that could be captured
+  Constants constants;                   // its graph is one entry of its own
   int64_t bytes = 0;  // all of its constants, shared ones included
   int64_t build_ns = 0;
   int64_t warm_ns = 0;  // fastest warm-up after profiling: the estimate before real runs
@@ -401,6 +404,21 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
       const int64_t ns = elapsed_ns(call_start);
       if (i == 1 || options_.warmup_calls == 1 || (i > 1 && ns < plan->warm_ns)) plan->warm_ns = ns;
     }
+    if (options_.cuda_graphs && on_cuda(example)) {
+      Plan* warmed = plan.get();
+      try {
+        plan->graph = capture_cuda_graph(
+            [warmed](const std::vector<c10::IValue>& in) {
+              return warmed->static_module ? (*warmed->static_module)(in) : (*warmed->method)(in);
+            },
+            example);
+        plan->constants.emplace(plan->graph.get(), plan->graph->bytes());
+        plan->bytes += plan->graph->bytes();
+      } catch (const std::exception& e) {
+        graph_capture_failures_.fetch_add(1, std::memory_order_relaxed);
+        TORCH_WARN("PlanCache: the plan for batch size ", batch_size, " runs without a CUDA graph: ", message_of(e));
+      }
+    }
   } catch (const std::exception& e) {
     std::ostringstream shapes;
     for (size_t i = 0; i < example.size(); ++i) {
@@ -560,7 +578,10 @@ c10::IValue PlanCache::run_plan(Plan& plan, const std::vector<c10::IValue>& inpu
   c10::AutoGradMode no_grad(false);
   c10::IValue output;
   try {
-    if (plan.static_module) {
+    if (plan.graph && plan.graph->serves(inputs)) {
+      output = plan.graph->replay(inputs);
+      plan.record->graph_replays.fetch_add(1, std::memory_order_relaxed);
+    } else if (plan.static_module) {
       std::unique_ptr<torch::jit::StaticRuntime> runtime;
       {
         std::lock_guard<std::mutex> lock(plan.runtimes_mutex);
@@ -912,6 +933,7 @@ PlanCacheStats PlanCache::stats() const {
     if (!plans_.count(entry.first)) ++out.pending_builds;
   }
   out.build_failures = build_failures_.load();
+  out.graph_capture_failures = graph_capture_failures_.load();
   out.hit_lookup_seconds = seconds(hit_lookup_ns_.load());
   for (const auto& [n, rec] : records_) {
     SizeStats s;
@@ -925,6 +947,7 @@ PlanCacheStats PlanCache::stats() const {
     s.builds = rec->builds.load();
     s.evictions = rec->evictions.load();
     s.plan_runs = rec->plan_runs.load();
+    s.graph_replays = rec->graph_replays.load();
     s.build_seconds = seconds(rec->build_ns.load());
     s.total_seconds = seconds(rec->total_ns.load());
     s.max_seconds = seconds(rec->max_ns.load());
@@ -933,6 +956,11 @@ PlanCacheStats PlanCache::stats() const {
     if (auto it = plans_.find(n); it != plans_.end()) {
       s.cached = true;
       s.plan_bytes = it->second->bytes;
+      if (const auto& graph = it->second->graph) {
+        s.cuda_graph = true;
+        s.graph_bytes = graph->bytes();
+        ++out.cuda_graphs;
+      }
     }
     out.calls += s.calls;
     out.hits += s.hits;
@@ -955,11 +983,12 @@ void PlanCache::reset_stats() {
   for (const auto& entry : records_) {
     auto& r = *entry.second;
     for (auto* counter : {&r.calls, &r.hits, &r.misses, &r.padded_calls, &r.split_calls, &r.fallback_calls, &r.builds,
-                          &r.evictions, &r.plan_runs, &r.padded_elements, &r.build_ns, &r.total_ns, &r.max_ns, &r.plan_ns}) {
+                          &r.evictions, &r.plan_runs, &r.graph_replays, &r.padded_elements, &r.build_ns, &r.total_ns, &r.max_ns, &r.plan_ns}) {
       counter->store(0);
     }
   }
   build_failures_.store(0);
+  graph_capture_failures_.store(0);
   hit_lookup_ns_.store(0);
 }
 

@@ -68,6 +68,10 @@ struct PlanCacheOptions {
   // Run plans with TorchScript's static runtime (memory planning for the size) instead of
   // the graph executor; the frozen graph is then not passed through optimize_for_inference.
   bool static_runtime = false;
+  // On CUDA inputs, capture each plan as a CUDA graph at its size (static input and output
+  // buffers, one launch per call). A plan whose run cannot be captured (host syncs, CPU
+  // tensors) keeps running without one; stats count those failures. Ignored on CPU.
+  bool cuda_graphs = false;
   std::string method = "forward";
 };
 
@@ -82,13 +86,16 @@ struct SizeStats {
   int64_t builds = 0;           // plans built (or loaded) for this size
   int64_t evictions = 0;
   int64_t plan_runs = 0;        // runs of this size's plan, also as part of pad / split
+  int64_t graph_replays = 0;    // plan_runs served by its CUDA graph
   double build_seconds = 0;     // total over builds
   double total_seconds = 0;     // latency of infer() calls at this size, summed
   double max_seconds = 0;
   double plan_seconds = 0;      // time in this size's plan, summed over plan_runs
   int64_t padded_elements = 0;  // rows of padding added to calls at this size
   bool cached = false;
-  int64_t plan_bytes = 0;  // constants this size's plan references, shared ones included
+  bool cuda_graph = false;  // the cached plan runs as a CUDA graph
+  int64_t plan_bytes = 0;   // constants this size's plan references, shared ones included, and its graph
+  int64_t graph_bytes = 0;  // device memory of its CUDA graph (pool and static inputs)
 };
 
 struct PlanCacheStats {
@@ -97,13 +104,15 @@ struct PlanCacheStats {
   int64_t misses = 0;
   int64_t builds = 0;
   int64_t build_failures = 0;
+  int64_t graph_capture_failures = 0;  // plans built without the CUDA graph asked for
   int64_t evictions = 0;
   int64_t padded_calls = 0;
   int64_t split_calls = 0;
   int64_t fallback_calls = 0;
   int64_t padded_elements = 0;  // padding waste: rows computed and thrown away
   int64_t plans = 0;
-  int64_t plan_bytes = 0;  // distinct constants of all cached plans (shared weights once)
+  int64_t cuda_graphs = 0;  // cached plans that run as CUDA graphs
+  int64_t plan_bytes = 0;  // distinct constants of all cached plans (shared weights once) and their graphs
   int64_t pending_builds = 0;
   double build_seconds = 0;
   double hit_lookup_seconds = 0;  // total time hits spent finding their plan
@@ -215,6 +224,7 @@ class PlanCache {
 
   std::atomic<uint64_t> clock_{0};  // LRU ticks
   std::atomic<int64_t> build_failures_{0};
+  std::atomic<int64_t> graph_capture_failures_{0};
   std::atomic<int64_t> hit_lookup_ns_{0};
 
   std::mutex worker_mutex_;
