@@ -372,7 +372,7 @@ class Synchronizing(torch.nn.Module):
 
 
 @needs_cuda
-def test_a_module_that_cannot_be_captured_runs_without_a_graph():
+def test_cuda_graph_capture_failure_runs_the_plan_without_a_graph():
     module = scripted(Synchronizing().cuda())
     cache = PlanCache(module, cuda_graphs=True, warmup_calls=1)
     inputs = torch.randn(4, 8, device="cuda")
@@ -381,8 +381,9 @@ def test_a_module_that_cannot_be_captured_runs_without_a_graph():
     assert torch.equal(got, inputs * 2.0)
     s = cache.stats()
     assert s["graph_capture_failures"] == 1 and s["cuda_graphs"] == 0 and s["plans"] == 1
-    # The failed capture left the device and the cache usable.
+    # The failed capture left the device, its random number generator and the cache usable.
     assert torch.equal(cache(inputs), inputs * 2.0)
+    assert torch.randn(4, device="cuda").isfinite().all()
     torch.cuda.synchronize()
 
 
@@ -415,3 +416,34 @@ def test_cuda_graph_replays_from_many_threads_and_streams():
     s = cache.stats()
     assert s["plans"] <= 4 and s["evictions"] >= 1
     assert sum(z["graph_replays"] for z in s["sizes"].values()) > 0
+
+
+@needs_cuda
+def test_cuda_graphs_with_background_builds_serve_misses_while_capturing():
+    torch.manual_seed(0)
+    module = scripted(Net().cuda())
+    cache = PlanCache(module, miss_mode="pad", background_builds=True, cuda_graphs=True, warmup_calls=1)
+    cache.preload([4, 16], example_inputs=(torch.randn(1, 8, device="cuda"),), progress=False)
+    rng = random.Random(0)
+    for _ in range(200):
+        inputs = torch.randn(rng.randint(1, 16), 8, device="cuda")
+        torch.testing.assert_close(cache(inputs)[0], reference(module, inputs)[0], rtol=1e-5, atol=1e-5)
+        # Device-wide: it would fail if the background thread were capturing a graph right now.
+        torch.cuda.synchronize()
+    cache.wait_for_builds()
+    for n in range(1, 17):  # a plan built in the background is captured by its first run
+        inputs = torch.randn(n, 8, device="cuda")
+        torch.testing.assert_close(cache(inputs)[0], reference(module, inputs)[0], rtol=1e-5, atol=1e-5)
+    s = cache.stats()
+    assert s["plans"] == 16 and s["cuda_graphs"] == 16 and s["graph_capture_failures"] == 0
+    assert s["padded_calls"] > 0
+
+
+@needs_cuda
+def test_static_runtime_refuses_cuda_inputs_and_the_cache_stays_usable():
+    module = scripted(RowWise().cuda())
+    cache = PlanCache(module, static_runtime=True, warmup_calls=1)
+    inputs = torch.randn(4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="static runtime runs CPU modules only"):
+        cache(inputs)
+    assert cache.stats()["build_failures"] == 1 and cache.stats()["plans"] == 0

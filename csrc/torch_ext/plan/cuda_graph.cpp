@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #ifdef TORCH_EXT_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
@@ -43,7 +44,7 @@ c10::IValue map_tensors(const c10::IValue& value, const F& f) {
   }
   if (value.isList()) {
     c10::impl::GenericList list(value.toList().elementType());
-    for (const c10::IValue e : value.toList()) list.push_back(map_tensors(e, f));
+    for (const c10::IValue& e : value.toList()) list.push_back(map_tensors(e, f));
     return list;
   }
   if (value.isGenericDict()) {
@@ -54,6 +55,15 @@ c10::IValue map_tensors(const c10::IValue& value, const F& f) {
   }
   return value;
 }
+
+// torch's CUDAGraph ends the capture of its generators only when the capture succeeds; after a
+// failed one the default generator would stay marked as capturing and every later random op on
+// the device would fail. This ends it either way.
+struct Graph final : at::cuda::CUDAGraph {
+  void end_generator_captures() {
+    for (auto& entry : captured_generator_states_) entry.first->capturing_ = false;
+  }
+};
 
 int64_t reserved_bytes(c10::DeviceIndex device) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
@@ -85,21 +95,27 @@ class CudaGraph final : public CapturedGraph {
       // Lazy per-stream state (cuBLAS workspaces, fuser kernels) is created here, not in the capture.
       for (int i = 0; i < 2; ++i) run(static_inputs_);
       const int64_t before = reserved_bytes(device_.index());
-      graph_ = std::make_unique<at::cuda::CUDAGraph>();
+      graph_ = std::make_unique<Graph>();
       // Thread-local mode: other threads may allocate and run while this one captures.
       graph_->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
       try {
-        static_output_ = run(static_inputs_);
-      } catch (...) {
         try {
-          graph_->capture_end();  // ends the (invalidated) capture so the stream is usable again
+          static_output_ = run(static_inputs_);
         } catch (...) {
+          try {
+            graph_->capture_end();  // ends the (invalidated) capture so the stream is usable again
+          } catch (...) {
+          }
+          throw;
         }
+        graph_->capture_end();
+      } catch (...) {
+        graph_->end_generator_captures();
         (void)cudaGetLastError();
+        static_output_ = c10::IValue();
         graph_.reset();
         throw;
       }
-      graph_->capture_end();
       bytes_ = std::max<int64_t>(0, reserved_bytes(device_.index()) - before);
     }
     for (const auto& v : static_inputs_) {
@@ -142,7 +158,7 @@ class CudaGraph final : public CapturedGraph {
   const c10::Device device_;
   std::vector<c10::IValue> static_inputs_;
   c10::IValue static_output_;
-  std::unique_ptr<at::cuda::CUDAGraph> graph_;
+  std::unique_ptr<Graph> graph_;
   int64_t bytes_ = 0;
   std::mutex mutex_;
   c10::Event done_;  // recorded after each replay's output copies

@@ -137,8 +137,12 @@ struct PlanCache::Plan {
   std::unique_ptr<torch::jit::StaticModule> static_module;
   std::mutex runtimes_mutex;  // guards the free list only, never held while running
   std::vector<std::unique_ptr<torch::jit::StaticRuntime>> free_runtimes;
-  std::unique_ptr<CapturedGraph> graph;  // with cuda_graphs, on CUDA inputs that could be captured
-  Constants constants;                   // its graph is one entry of its own
+  // With cuda_graphs on CUDA inputs that could be captured. Written before the plan is published,
+  // or (deferred) under the cache's unique lock before capture_pending turns false.
+  std::unique_ptr<CapturedGraph> graph;
+  std::atomic<bool> capture_pending{false};  // built in the background: the first run captures
+  std::mutex capture_mutex;
+  Constants constants;  // its graph is one entry of its own
   int64_t bytes = 0;  // all of its constants, shared ones included
   int64_t build_ns = 0;
   int64_t warm_ns = 0;  // fastest warm-up after profiling: the estimate before real runs
@@ -366,7 +370,43 @@ std::shared_ptr<PlanCache::SizeRecord> PlanCache::record(int64_t batch_size) {
   return slot;
 }
 
-std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const std::vector<c10::IValue>& example) {
+std::unique_ptr<CapturedGraph> PlanCache::capture_graph(Plan& plan, const std::vector<c10::IValue>& example) {
+  try {
+    return capture_cuda_graph(
+        [&plan](const std::vector<c10::IValue>& in) {
+          return plan.static_module ? (*plan.static_module)(in) : (*plan.method)(in);
+        },
+        example);
+  } catch (const std::exception& e) {
+    graph_capture_failures_.fetch_add(1, std::memory_order_relaxed);
+    TORCH_WARN("PlanCache: the plan for batch size ", plan.batch_size, " runs without a CUDA graph: ", message_of(e));
+    return nullptr;
+  }
+}
+
+void PlanCache::capture_deferred(Plan& plan, const std::vector<c10::IValue>& inputs) {
+  std::unique_lock<std::mutex> capturing(plan.capture_mutex, std::try_to_lock);
+  // Another thread is capturing it: this call runs the plan's executor meanwhile.
+  if (!capturing.owns_lock() || !plan.capture_pending.load(std::memory_order_acquire)) return;
+  std::unique_ptr<CapturedGraph> graph = capture_graph(plan, inputs);
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  if (graph) {
+    const int64_t bytes = graph->bytes();
+    plan.graph = std::move(graph);
+    auto it = plans_.find(plan.batch_size);
+    if (it != plans_.end() && it->second.get() == &plan) {  // an evicted plan's bytes are no longer counted
+      plan.constants.emplace(plan.graph.get(), bytes);
+      plan.bytes += bytes;
+      constant_plans_[plan.graph.get()] = 1;
+      plan_bytes_ += bytes;
+      evict_locked(plan.batch_size);
+    }
+  }
+  plan.capture_pending.store(false, std::memory_order_release);
+}
+
+std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const std::vector<c10::IValue>& example,
+                                                       bool capture) {
   const auto start = Clock::now();
   auto plan = std::make_shared<Plan>();
   plan->batch_size = batch_size;
@@ -386,6 +426,7 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
       const bool optimize = options_.optimize_for_inference && !options_.static_runtime;
       plan->module = (optimize ? optimized_locked() : frozen).clone(/*inplace=*/true);
       if (options_.static_runtime) {
+        TORCH_CHECK(!on_cuda(example), "the static runtime runs CPU modules only; these inputs are on CUDA");
         plan->static_module = std::make_unique<torch::jit::StaticModule>(plan->module, /*is_frozen=*/true);
       }
     }
@@ -405,18 +446,11 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
       if (i == 1 || options_.warmup_calls == 1 || (i > 1 && ns < plan->warm_ns)) plan->warm_ns = ns;
     }
     if (options_.cuda_graphs && on_cuda(example)) {
-      Plan* warmed = plan.get();
-      try {
-        plan->graph = capture_cuda_graph(
-            [warmed](const std::vector<c10::IValue>& in) {
-              return warmed->static_module ? (*warmed->static_module)(in) : (*warmed->method)(in);
-            },
-            example);
+      if (!capture) {
+        plan->capture_pending.store(true, std::memory_order_relaxed);
+      } else if ((plan->graph = capture_graph(*plan, example))) {
         plan->constants.emplace(plan->graph.get(), plan->graph->bytes());
         plan->bytes += plan->graph->bytes();
-      } catch (const std::exception& e) {
-        graph_capture_failures_.fetch_add(1, std::memory_order_relaxed);
-        TORCH_WARN("PlanCache: the plan for batch size ", batch_size, " runs without a CUDA graph: ", message_of(e));
       }
     }
   } catch (const std::exception& e) {
@@ -499,7 +533,7 @@ std::shared_ptr<PlanCache::Plan> PlanCache::get_or_build(int64_t batch_size, con
   }
   std::shared_ptr<Plan> plan;
   try {
-    plan = build_plan(batch_size, inputs);
+    plan = build_plan(batch_size, inputs, /*capture=*/true);
   } catch (...) {
     {
       std::unique_lock<std::shared_mutex> lock(mutex_);
@@ -539,7 +573,9 @@ void PlanCache::worker_loop() {
     worker_busy_ = true;
     lock.unlock();
     try {
-      auto plan = build_plan(job.batch_size, job.example);
+      // No capture on this thread: a capture fails device-wide synchronisations in other
+      // threads (a CUDA rule), and request threads may be synchronising right now.
+      auto plan = build_plan(job.batch_size, job.example, /*capture=*/false);
       remember_example(job.example, job.batch_size);
       insert_plan(plan);
       job.promise->set_value(plan);
@@ -577,8 +613,9 @@ c10::IValue PlanCache::run_plan(Plan& plan, const std::vector<c10::IValue>& inpu
   const auto start = Clock::now();
   c10::AutoGradMode no_grad(false);
   c10::IValue output;
+  if (plan.capture_pending.load(std::memory_order_acquire)) capture_deferred(plan, inputs);
   try {
-    if (plan.graph && plan.graph->serves(inputs)) {
+    if (!plan.capture_pending.load(std::memory_order_acquire) && plan.graph && plan.graph->serves(inputs)) {
       output = plan.graph->replay(inputs);
       plan.record->graph_replays.fetch_add(1, std::memory_order_relaxed);
     } else if (plan.static_module) {

@@ -35,6 +35,8 @@
 
 namespace torch_ext::plan {
 
+class CapturedGraph;
+
 enum class MissMode {
   exact,  // build the plan for the exact size
   pad,    // pad up to the smallest cached size >= n, slice the outputs; build if none
@@ -67,10 +69,15 @@ struct PlanCacheOptions {
   bool optimize_for_inference = true;
   // Run plans with TorchScript's static runtime (memory planning for the size) instead of
   // the graph executor; the frozen graph is then not passed through optimize_for_inference.
+  // CPU modules only.
   bool static_runtime = false;
   // On CUDA inputs, capture each plan as a CUDA graph at its size (static input and output
   // buffers, one launch per call). A plan whose run cannot be captured (host syncs, CPU
   // tensors) keeps running without one; stats count those failures. Ignored on CPU.
+  // The capture runs where the plan is built, except that a plan built in the background is
+  // captured by its first run, on the request's thread. While a capture runs, a device-wide
+  // synchronisation (torch.cuda.synchronize) in another thread fails (a CUDA rule): other
+  // threads should synchronise their streams instead.
   bool cuda_graphs = false;
   std::string method = "forward";
 };
@@ -174,7 +181,10 @@ class PlanCache {
   void remember_example(const std::vector<c10::IValue>& inputs, int64_t batch_size);
   std::vector<c10::IValue> example_at(int64_t batch_size) const;
 
-  std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example);
+  // capture: with cuda_graphs, capture the plan's CUDA graph now rather than at its first run.
+  std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example, bool capture);
+  std::unique_ptr<CapturedGraph> capture_graph(Plan& plan, const std::vector<c10::IValue>& example);
+  void capture_deferred(Plan& plan, const std::vector<c10::IValue>& inputs);
   std::shared_ptr<Plan> get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs);
   void insert_plan(const std::shared_ptr<Plan>& plan);
   void evict_locked(int64_t keep_batch_size);
