@@ -1,10 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <ftw.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstring>
-#include <filesystem>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -12,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
@@ -21,27 +23,27 @@
 #include "torch_ext/paging/layer_pager.h"
 #include "torch_ext/paging/source.h"
 
-namespace fs = std::filesystem;
 namespace pg = torch_ext::paging;
 
 namespace {
 
+// POSIX rather than std::filesystem: the CUDA wheels of torch export their own copy of
+// std::filesystem from libtorch.so, which crashes when a program built elsewhere calls it.
 class TempDir {
  public:
   TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() / ("torch_ext_paging_" + std::to_string(::getpid()) + "_" +
-                                         std::to_string(counter++));
-    fs::create_directories(path_);
+    std::string pattern = "/tmp/torch_ext_paging_XXXXXX";
+    EXPECT_NE(::mkdtemp(pattern.data()), nullptr);
+    path_ = pattern;
   }
   ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
+    ::nftw(path_.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+           FTW_DEPTH | FTW_PHYS);
   }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
 
  private:
-  fs::path path_;
+  std::string path_;
 };
 
 void write_bytes(const std::string& path, const std::string& bytes) {
@@ -415,4 +417,28 @@ TEST(Paging, BadArguments) {
   expect_error([&] { make_pager(open(path), -1); }, {"budget_bytes", "m.safetensors"});
   expect_error([&] { make_pager(open(path), 1, pg::EvictionPolicy::LRU, -2); }, {"prefetch"});
   expect_error([&] { pg::parse_policy("fifo"); }, {"fifo"});
+}
+
+TEST(Paging, CudaTargetLoadsExactDataOnTheDeviceWithinTheBudget) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a CUDA device";
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(6, 4096)));
+  pg::PagerOptions options;
+  options.budget_bytes = 3 * 4096 * 4;
+  options.policy = pg::EvictionPolicy::ScanResistant;
+  options.prefetch = 2;
+  options.device = c10::Device(c10::kCUDA);
+  auto pager = c10::make_intrusive<pg::LayerPager>(open(path), options);
+  for (int pass = 0; pass < 3; ++pass) {
+    pager->begin_pass();
+    for (int i = 0; i < 6; ++i) {
+      const at::Tensor t = pager->acquire("t" + std::to_string(i));
+      EXPECT_TRUE(t.is_cuda());
+      EXPECT_TRUE(at::equal(t.cpu(), values(4096, 1000.0f * i))) << "pass " << pass << " tensor " << i;
+      EXPECT_LE(pager->resident_bytes(), options.budget_bytes);
+    }
+  }
+  EXPECT_EQ(pager->stats().bytes_loaded % (4096 * 4), 0);
+  EXPECT_GT(pager->stats().hits, 0);  // the recorded order keeps tensors the next pass reuses
 }

@@ -509,7 +509,7 @@ def test_a_failing_forward_still_releases_the_weights(gpt_file):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_device_target_matches_resident_on_the_device(gpt_file, batch):
+def test_cuda_target_matches_resident_on_the_device(gpt_file, batch):
     model, path = gpt_file
     resident = copy.deepcopy(model).cuda()
     paged = copy.deepcopy(model)

@@ -112,7 +112,14 @@ at::Tensor LayerPager::acquire(const std::string& id) {
         if (e.prefetched) ++stats_.prefetch_hits;
       }
       e.prefetched = false;
-      return e.tensor.detach();
+      at::Tensor out = e.tensor.detach();
+      if (copy_stream_) {
+        // Device tensors are allocated on the copy stream: once freed, their memory must not be
+        // reused there before the work this caller queues on its own stream has read them.
+        c10::impl::VirtualGuardImpl impl(options_.device.type());
+        out.record_stream(impl.getStream(options_.device));
+      }
+      return out;
     }
     if (e.state == State::Loading) {
       if (!counted) {
@@ -191,11 +198,13 @@ at::Tensor LayerPager::load(const std::string& id, at::Tensor recycled) {
     return out;
   }
   // Pinned staging buffer, then a non-blocking copy on the side stream. The destination is
-  // allocated on the calling thread's current stream, the stream its users compute on.
+  // allocated on that stream too, so the allocator orders the copy after earlier uses of the
+  // memory on it; acquire() records each caller's stream on the tensor for its later reuse.
   at::Tensor staging = source_->load(id, /*pin_memory=*/true);
-  at::Tensor out = at::empty(staging.sizes(), staging.options().pinned_memory(false).device(options_.device));
+  at::Tensor out;
   {
     c10::StreamGuard guard(*copy_stream_);
+    out = at::empty(staging.sizes(), staging.options().pinned_memory(false).device(options_.device));
     out.copy_(staging, /*non_blocking=*/true);
     c10::Event done(options_.device.type());
     done.record(*copy_stream_);
