@@ -2,6 +2,7 @@
 
 #include <atomic>
 
+#include <ATen/Context.h>
 #include <ATen/ops/randn.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -173,4 +174,21 @@ TEST(Checkpoint, ErrorsNameTheSegmentAndTheProblem) {
   expect_error([&] { out[0].sum().backward(); }, "neither one of its inputs nor one of its params");
 
   expect_error([&] { ck::checkpoint(ck::Segment(), {x}); }, "empty callable");
+}
+
+TEST(Checkpoint, OffloadedCudaBoundariesGiveExactGradients) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a CUDA device";
+  torch::manual_seed(0);
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  auto weight = at::randn({256, 256}, cuda).requires_grad_();
+  auto x = at::randn({512, 256}, cuda).requires_grad_();
+  auto segment = [&](const ck::TensorList& in) -> ck::TensorList {
+    return {torch::gelu(torch::matmul(in[0], weight.t()))};
+  };
+  auto plain = torch::autograd::grad({segment({x})[0].pow(2).sum()}, {x, weight});
+  ck::CheckpointOptions options;
+  options.storage = ck::StoragePolicy::kOffload;
+  auto out = ck::checkpoint(segment, {x}, {weight}, options);
+  auto grads = torch::autograd::grad({out[0].pow(2).sum()}, {x, weight});
+  EXPECT_TRUE(same(grads, plain));
 }
