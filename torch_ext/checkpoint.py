@@ -25,6 +25,7 @@ import inspect
 import math
 import statistics
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -534,9 +535,12 @@ class CheckpointedSequential(nn.Sequential):
     budget_bytes=B (planned by plan_checkpoints on the first forward with grad; see .plan). A
     CheckpointPlan may be given as boundaries. The state_dict keys are nn.Sequential's.
 
-    After a forward with grad the chain keeps references to each segment's input (they are alive
-    in the autograd graph anyway) until the next forward or clear(), for the accounting methods
-    and recompute(). Not thread-safe: one forward at a time per instance.
+    After a forward with grad the chain keeps weak references to each segment's input, for
+    recompute(), and the bytes of the stored boundaries, for the accounting methods: it never keeps
+    a boundary alive itself, so backward frees them (and offloaded or compressed boundaries leave
+    their device right after the forward). recompute() therefore works while the autograd graph
+    holds the boundaries (before backward, with keep storage). Not thread-safe: one forward at a
+    time per instance.
     """
 
     def __init__(self, layers: Any, *, every: Optional[int] = None, boundaries: Any = None,
@@ -576,7 +580,9 @@ class CheckpointedSequential(nn.Sequential):
             if not isinstance(every, int) or every < 1:
                 raise ValueError(f"CheckpointedSequential: every must be a positive int, got {every!r}")
             self._segments = _segments_from_boundaries(n, list(range(0, n, every)), "CheckpointedSequential")
-        self._records: list = []  # per segment of the last forward with grad: (start, args, kwargs, rng)
+        # Per segment of the last forward with grad: (start, checkpointed, weak (args, kwargs),
+        # stored boundary bytes, rng).
+        self._records: list = []
         self._layer_output_bytes: list[int] = [0] * n
         self._layer_output_meta: list = [None] * n
 
@@ -597,8 +603,7 @@ class CheckpointedSequential(nn.Sequential):
     # ---- accounting (of the last forward with grad)
     def memory_bytes(self) -> int:
         """Bytes of the boundaries the last forward stored (checkpointed segments' inputs, under the storage policy)."""
-        return sum(int(_C.checkpoint.boundary_bytes(_tensor_leaves((args, kwargs)), self.storage))
-                   for start, checkpointed, args, kwargs, _ in self._records if checkpointed)
+        return sum(nbytes for _, checkpointed, _, nbytes, _ in self._records if checkpointed)
 
     def full_memory_bytes(self) -> int:
         """Bytes that storing every layer's output of the last forward would take."""
@@ -615,7 +620,7 @@ class CheckpointedSequential(nn.Sequential):
         return max(0, self.full_memory_bytes() - self.memory_bytes())
 
     def clear(self) -> None:
-        """Drop the references to the last forward's boundaries."""
+        """Forget the last forward (its accounting and what recompute() would replay)."""
         self._records = []
 
     # ---- running
@@ -654,8 +659,10 @@ class CheckpointedSequential(nn.Sequential):
             args, kw = (inputs, kwargs) if start == 0 else ((value,), {})
             run = self._segment_fn(start, end, record=grad)
             if grad:
-                rng = _rng_snapshot(_tensor_leaves((args, kw)))
-                self._records.append((start, checkpointed, args, kw, rng))
+                leaves = _tensor_leaves((args, kw))
+                nbytes = int(_C.checkpoint.boundary_bytes(leaves, self.storage)) if checkpointed else 0
+                weak = pytree.tree_map_only(torch.Tensor, weakref.ref, (args, kw))
+                self._records.append((start, checkpointed, weak, nbytes, _rng_snapshot(leaves)))
             if checkpointed and grad:
                 params = [p for i in range(start, end) for p in _trainable_parameters(self[i])]
                 value = _runner()(run, args, kw, params, self.storage, self.preserve_rng_state,
@@ -677,7 +684,12 @@ class CheckpointedSequential(nn.Sequential):
         self._check_index(layer_idx)
         if not self._records:
             raise RuntimeError("CheckpointedSequential.recompute: no forward with grad has run since construction or clear()")
-        start, _, args, kwargs, rng = max((r for r in self._records if r[0] <= layer_idx), key=lambda r: r[0])
+        start, _, weak, _, rng = max((r for r in self._records if r[0] <= layer_idx), key=lambda r: r[0])
+        if any(isinstance(leaf, weakref.ref) and leaf() is None for leaf in pytree.tree_leaves(weak)):
+            raise RuntimeError(f"CheckpointedSequential.recompute: the input of layer {start} (the checkpoint before "
+                               f"layer {layer_idx}) is no longer alive: backward freed it, or the storage policy "
+                               f"({self.storage!r}) kept only a copy; call recompute() between forward and backward")
+        args, kwargs = pytree.tree_map_only(weakref.ref, lambda ref: ref(), weak)
         with torch.random.fork_rng(devices=[d for d, _ in rng if d is not None]):
             _restore_rng(rng)
             value: Any = None

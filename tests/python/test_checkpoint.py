@@ -463,6 +463,29 @@ def test_chain_is_collected_after_a_forward():
     assert ref() is None  # the autograd graph the chain's records keep does not hold the chain
 
 
+def test_chain_keeps_no_boundary_alive_after_backward():
+    import weakref
+
+    seen = []
+
+    class Recording(nn.Linear):
+        def forward(self, x):
+            seen.append(weakref.ref(x))
+            return super().forward(x)
+
+    chain = torch_ext.CheckpointedSequential([Recording(32, 32) for _ in range(4)], every=1)
+    out = chain(torch.randn(4, 32, requires_grad=True))
+    boundaries = seen[:4]  # the forward's inputs of the four segments (the replays add more)
+    assert all(ref() is not None for ref in boundaries)  # the autograd graph holds them
+    chain.recompute(2)  # between forward and backward the boundaries can be replayed
+    out.sum().backward()
+    del out
+    assert chain.memory_bytes() == 4 * 4 * 32 * 4  # the accounting outlives the boundaries
+    assert all(ref() is None for ref in boundaries[1:])  # backward freed them; the chain held none
+    with pytest.raises(RuntimeError, match="input of layer 2 .* is no longer alive"):
+        chain.recompute(2)
+
+
 def test_recompute_detects_a_replay_with_different_shapes():
     class Growing(nn.Module):
         def __init__(self):
@@ -474,7 +497,8 @@ def test_recompute_detects_a_replay_with_different_shapes():
             return x[:, : self.n]
 
     chain = torch_ext.CheckpointedSequential([nn.Linear(8, 8), Growing()], every=1)
-    chain(torch.randn(2, 8, requires_grad=True))
+    out = chain(torch.randn(2, 8, requires_grad=True))
+    assert out.grad_fn is not None  # the graph holds the boundaries recompute() replays
     with pytest.raises(RuntimeError, match="replay of layer 1 \\(Growing\\)"):
         chain.recompute(1)
 
