@@ -13,6 +13,13 @@ Variants (each measured in its own subprocess, so peak RSS never mixes):
 
     python benchmarks/bench_paging.py            # full run (~1.2 GB model)
     python benchmarks/bench_paging.py --quick    # small model, a smoke test
+    python benchmarks/bench_paging.py --device cuda   # the GPU run: results/paging_cuda.{md,json}
+
+--device DEVICE: the same variants computing on DEVICE, the budget being DEVICE memory for the
+weights (the pager copies through pinned staging buffers on a side stream). No mmap rows there
+(zero_copy is CPU only); O_DIRECT rows read into the pinned staging buffers. Time is the median of
+synchronised forwards, and the report adds peak GPU memory (torch.cuda.max_memory_allocated) and
+the pinned host-to-device bandwidth. Without --device the CPU benchmark runs as it always has.
 
 Needs accelerate==1.15.0 for the accelerate rows (benchmark-only; skipped when missing).
 """
@@ -38,6 +45,7 @@ from torch_ext.models import GPT, GPTConfig  # noqa: E402
 FULL = dict(vocab_size=50257, block_size=1024, n_layer=20, n_head=16, n_embd=1024)
 QUICK = dict(vocab_size=8192, block_size=256, n_layer=6, n_head=8, n_embd=512)
 PREFETCH = 12  # tensors ahead: one transformer block's 12 tensors
+CUDA_TOKENS = 1024  # tokens per forward on a GPU (capped at block_size): 1x16 leaves an H100 idle
 
 
 # ------------------------------------------------------------------------ child side
@@ -62,11 +70,11 @@ def _tied_names(model) -> dict[str, list[str]]:
     return {n: names for names in groups.values() for n in names}
 
 
-def _full_state_dict(model, path: str) -> dict[str, torch.Tensor]:
+def _full_state_dict(model, path: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     """The file's tensors under every name the model uses (tied weights are stored once)."""
     from safetensors.torch import load_file
 
-    stored = load_file(path)
+    stored = load_file(path, device=device)
     out = {}
     for name, names in _tied_names(model).items():
         out[name] = stored[next(n for n in names if n in stored)]
@@ -77,22 +85,25 @@ def child(args) -> None:
     import psutil
 
     config = GPTConfig(**json.loads(args.config))
+    device = torch.device(args.device or "cpu")
+    on_gpu = device.type == "cuda"
     with torch.device("meta"):
         model = GPT(config).eval()
     batch = torch.randint(0, config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    batch = batch.to(device)
     pager = None
     variant = args.child
     if variant == "resident":
         # Tied weights share one tensor, as in the checkpoint.
-        model.load_state_dict(_full_state_dict(model, args.path), strict=True, assign=True)
+        model.load_state_dict(_full_state_dict(model, args.path, str(device)), strict=True, assign=True)
     elif variant == "accelerate-disk":
         from accelerate import disk_offload
 
-        disk_offload(model, args.offload_dir, execution_device=torch.device("cpu"))
+        disk_offload(model, args.offload_dir, execution_device=device)
     elif variant == "accelerate-cpu":
         from accelerate import cpu_offload
 
-        cpu_offload(model, execution_device=torch.device("cpu"), state_dict=_full_state_dict(model, args.path))
+        cpu_offload(model, execution_device=device, state_dict=_full_state_dict(model, args.path))
     else:
         policy, prefetch, direct, zero_copy = {
             "lru": ("lru", 0, False, False),
@@ -100,7 +111,11 @@ def child(args) -> None:
             "scan+prefetch+mmap": ("scan_resistant", PREFETCH, False, True),
             "scan+prefetch+O_DIRECT": ("scan_resistant", PREFETCH, True, False)}[variant]
         pager = torch_ext.page_weights(model, args.path, args.budget, policy=policy, prefetch=prefetch,
-                                       direct_io=direct, zero_copy=zero_copy)
+                                       direct_io=direct, zero_copy=zero_copy, device=device)
+    if on_gpu:
+        torch.cuda.synchronize(device)
+        baseline_gpu = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     baseline_rss = psutil.Process().memory_info().rss
     _reset_peak_rss()
     # Protocol on stdin/stdout, one line each: "warm" / "run" -> one forward (reply: seconds),
@@ -113,6 +128,8 @@ def child(args) -> None:
             with torch.no_grad():
                 start = time.perf_counter()
                 out = model(batch)
+                if on_gpu:
+                    torch.cuda.synchronize(device)
                 seconds = time.perf_counter() - start
             if command == "run":
                 samples.append(seconds)
@@ -129,11 +146,14 @@ def child(args) -> None:
     peak = _vm_hwm_bytes()
     result = {"variant": variant, "timing": timing_of(samples).__dict__, "baseline_rss": baseline_rss,
               "peak_rss": peak, "peak_above_baseline": peak - baseline_rss}
+    if on_gpu:
+        result.update(baseline_gpu=baseline_gpu, peak_gpu=torch.cuda.max_memory_allocated(device))
+        result["peak_gpu_above_baseline"] = result["peak_gpu"] - baseline_gpu
     if pager is not None:
         s = pager.stats()
         result["stats"] = {k: (float(v) if isinstance(v, bool) else v) for k, v in s.items()}
         result["forwards"] = forwards
-    torch.save(out, args.output)
+    torch.save(out.cpu(), args.output)
     Path(args.json).write_text(json.dumps(result))
 
 
@@ -164,22 +184,46 @@ def read_bandwidth(path: str, direct_io: bool) -> float:
     return best
 
 
+def h2d_bandwidth(device: torch.device, nbytes: int = 512 << 20) -> float | None:
+    """Bytes per second copying a pinned host tensor to `device` (non_blocking, then synchronize);
+    None where the device is the CPU."""
+    if device.type != "cuda":
+        return None
+    host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = 0.0
+    for i in range(6):  # the first copy is a warm-up
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        if i:
+            best = max(best, nbytes / (time.perf_counter() - start))
+    del host, target
+    torch.cuda.empty_cache()
+    return best
+
+
 class Child:
     """One variant in its own process, driven a forward at a time so variants interleave."""
 
-    def __init__(self, variant: str, budget: int, workdir: Path, config: dict, path: str, args) -> None:
+    def __init__(self, variant: str, budget: int, workdir: Path, config: dict, path: str, args,
+                 wait: bool = True) -> None:
         self.variant, self.budget = variant, budget
         self.json = workdir / f"{variant}-{budget}.json"
         self.tensor = workdir / f"{variant}-{budget}.pt"
         command = [sys.executable, __file__, "--child", variant, "--budget", str(budget), "--path", path,
                    "--offload-dir", str(workdir / "offload"), "--config", json.dumps(config),
                    "--tokens", str(args.tokens), "--json", str(self.json), "--output", str(self.tensor)]
+        if args.device is not None:
+            command += ["--device", args.device]
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
         # A fixed mmap threshold: glibc otherwise raises it after large frees and serves later
         # multi-MB allocations from the heap, whose RSS does not go back to the OS. Same for all variants.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.expect("ready")
+        if wait:
+            self.expect("ready")
 
     def ask(self, command: str) -> str:
         self.process.stdin.write(command + "\n")
@@ -209,7 +253,11 @@ class Child:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small model and fewer repeats")
-    parser.add_argument("--tokens", type=int, default=16, help="tokens per forward (batch of 1)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="compute on this device, the budget being its memory for the weights; results go to "
+                             "results/paging_<device>.{md,json} (default: the CPU benchmark, results/paging.{md,json})")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help=f"tokens per forward (batch of 1; default 16, on cuda {CUDA_TOKENS} capped at block_size)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--all-direct", action="store_true", help="O_DIRECT rows at every budget, not only 25%%")
@@ -227,7 +275,17 @@ def main() -> None:
         return
     from tqdm import tqdm
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"bench_paging: --device cuda needs a GPU, but torch.cuda.is_available() is False here "
+                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). "
+                 f"Run without --device for the CPU benchmark.")
+    # device is None for the CPU benchmark as it always was; --device picks the device mode.
+    device = torch.device(args.device) if args.device is not None else None
+    on_gpu = device is not None and device.type == "cuda"
     config = QUICK if args.quick else FULL
+    tokens_given = args.tokens is not None
+    if args.tokens is None:
+        args.tokens = min(CUDA_TOKENS, config["block_size"]) if on_gpu else 16
     if args.quick:
         args.repeat, args.warmup = min(args.repeat, 3), min(args.warmup, 2)
     try:
@@ -260,17 +318,26 @@ def main() -> None:
             direct_bandwidth = read_bandwidth(path, direct_io=True)
         except RuntimeError:
             direct_bandwidth = None
+        h2d = h2d_bandwidth(device) if device is not None else None
 
         budgets = [weights // 4, weights // 2, weights]
         runs = [("resident", 0)]
         if have_accelerate:
             runs += [("accelerate-disk", 0), ("accelerate-cpu", 0)]
         for b in budgets:
-            runs += [("lru", b), ("scan+prefetch", b), ("scan+prefetch+mmap", b)]
+            runs += [("lru", b), ("scan+prefetch", b)]
+            if device is None or device.type == "cpu":  # zero_copy serves the mapped file: CPU only
+                runs.append(("scan+prefetch+mmap", b))
             if direct_bandwidth is not None and (b == budgets[0] or args.all_direct):
                 runs.append(("scan+prefetch+O_DIRECT", b))
-        children = [Child(variant, budget, workdir, config, path, args)
-                    for variant, budget in tqdm(runs, desc="starting variants", file=sys.stderr)]
+        if device is None:
+            children = [Child(variant, budget, workdir, config, path, args)
+                        for variant, budget in tqdm(runs, desc="starting variants", file=sys.stderr)]
+        else:
+            # Set up side by side (nothing is measured before every variant is ready).
+            children = [Child(variant, budget, workdir, config, path, args, wait=False) for variant, budget in runs]
+            for c in tqdm(children, desc="starting variants", file=sys.stderr):
+                c.expect("ready")
         for _ in range(args.warmup):
             for c in children:
                 c.ask("warm")
@@ -283,25 +350,46 @@ def main() -> None:
 
     resident = results[("resident", 0)]
     # The machine is shared: other work only ever adds time, so the targets use each variant's
-    # fastest forward (the table shows the median too).
-    compute = resident["timing"]["min_seconds"]
+    # fastest forward (the table shows the median too). The device mode, for a machine of its own
+    # with synchronised forwards, uses the median (and shows the fastest).
+    stat, other_stat = ("min_seconds", "median_seconds") if device is None else ("median_seconds", "min_seconds")
+    compute = resident["timing"][stat]
     # What a forward costs in RSS besides the weights (code pages, activations, scratch), from the
     # resident run: a paged run may exceed it by at most the budget plus one layer.
     floor = resident["peak_rss"] - weights
-    command = "python benchmarks/bench_paging.py" + (" --quick" if args.quick else "")
-    report = Report("paging" + ("_quick" if args.quick else ""),
-                    f"Weight paging: GPT ({weights / 1e9:.2f} GB fp32), 1x{args.tokens} tokens per forward",
-                    ["variant", "budget", "time / forward: min (median)", "vs resident", "peak RSS (above start)", "hit rate",
-                     "stall / forward", "loaded / forward", "target"], command)
+    # The same on the GPU: what a resident forward allocates there besides the weights (activations, logits).
+    gpu_floor = resident["peak_gpu"] - weights if on_gpu else None
+    command = "python benchmarks/bench_paging.py"
+    if device is not None:
+        command += f" --device {args.device}" + (f" --tokens {args.tokens}" if tokens_given else "")
+    command += " --quick" if args.quick else ""
+    time_column = "time / forward: min (median)" if device is None else "time / forward: median (min)"
+    title = f"Weight paging: GPT ({weights / 1e9:.2f} GB fp32), 1x{args.tokens} tokens per forward"
+    if device is not None:
+        where = torch.cuda.get_device_name(device) if on_gpu else "the CPU"
+        title = f"Weight paging on {where} ({args.device}): GPT ({weights / 1e9:.2f} GB fp32), 1x{args.tokens} tokens per forward"
+    report = Report("paging" + (f"_{args.device}" if device is not None else "") + ("_quick" if args.quick else ""),
+                    title,
+                    ["variant", "budget", time_column, "vs resident"]
+                    + (["peak GPU memory (above start)"] if on_gpu else [])
+                    + ["peak RSS (above start)", "hit rate", "stall / forward", "loaded / forward", "target"],
+                    command)
     checks = []
     for (variant, budget), r in results.items():
-        t = r["timing"]["min_seconds"]
+        t = r["timing"][stat]
         cells = {"variant": variant, "budget": f"{budget / weights:.0%} ({format_bytes(budget)})" if budget else "-",
-                 "time / forward: min (median)": f"{format_seconds(t)} ({format_seconds(r['timing']['median_seconds'])})",
+                 time_column: f"{format_seconds(t)} ({format_seconds(r['timing'][other_stat])})",
                  "vs resident": f"{t / compute:.2f}x",
                  "peak RSS (above start)": f"{format_bytes(r['peak_rss'])} ({format_bytes(r['peak_above_baseline'])})"}
         raw = {"seconds": t, "median_seconds": r["timing"]["median_seconds"], "peak_rss": r["peak_rss"], "peak_above_baseline": r["peak_above_baseline"],
                "equal_to_resident": bool(torch.equal(r["output"], resident["output"]))}
+        if device is not None:
+            raw.update(min_seconds=r["timing"]["min_seconds"],
+                       max_abs_difference=(r["output"] - resident["output"]).abs().max().item())
+        if on_gpu:
+            cells["peak GPU memory (above start)"] = (f"{format_bytes(r['peak_gpu'])} "
+                                                      f"({format_bytes(r['peak_gpu_above_baseline'])})")
+            raw.update(peak_gpu=r["peak_gpu"], peak_gpu_above_baseline=r["peak_gpu_above_baseline"])
         if "stats" in r:
             s, n = r["stats"], r["forwards"]
             accesses = s["hits"] + s["misses"]
@@ -312,18 +400,23 @@ def main() -> None:
             raw.update(stats=s, bytes_loaded_per_forward=loaded)
             if variant.startswith("scan+prefetch"):
                 bw = direct_bandwidth if "O_DIRECT" in variant else bandwidth
+                if h2d is not None:  # file -> pinned staging -> device: the slower link bounds it
+                    bw = min(bw, h2d)
                 bound = max(compute, loaded / bw)
-                accelerate_best = min((results[(v, 0)]["timing"]["min_seconds"]
+                accelerate_best = min((results[(v, 0)]["timing"][stat]
                                        for v in ("accelerate-disk", "accelerate-cpu") if (v, 0) in results),
                                       default=None)
-                within = r["peak_rss"] <= floor + budget + largest_layer
+                if on_gpu:
+                    within = r["peak_gpu"] <= gpu_floor + budget + largest_layer
+                else:
+                    within = r["peak_rss"] <= floor + budget + largest_layer
                 ok_time = t <= 1.3 * bound
                 ok_fast = accelerate_best is None or t < accelerate_best
                 cells["target"] = (f"{'met' if ok_time else 'MISSED'} {t / bound:.2f}x of bound; "
                                    f"{'faster' if ok_fast else 'SLOWER'} than accelerate; "
-                                   f"RSS {'within' if within else 'OVER'} budget+layer")
+                                   f"{'GPU memory' if on_gpu else 'RSS'} {'within' if within else 'OVER'} budget+layer")
                 raw.update(bound_seconds=bound, ratio_to_bound=t / bound, faster_than_accelerate=ok_fast,
-                           rss_within_budget_plus_layer=within)
+                           **{("gpu_memory" if on_gpu else "rss") + "_within_budget_plus_layer": within})
                 checks.append((variant, budget, ok_time, ok_fast, within))
         if not raw["equal_to_resident"]:
             cells["target"] = (cells.get("target", "") + " OUTPUT DIFFERS").strip()
@@ -332,29 +425,71 @@ def main() -> None:
                    "read_bandwidth_bytes_per_second": bandwidth,
                    "direct_read_bandwidth_bytes_per_second": direct_bandwidth, "compute_seconds": compute,
                    "config": config, "tokens": args.tokens, "warmup": args.warmup, "repeat": args.repeat}
-    report.notes += [
-        "",
-        f"Time: fastest and median of {args.repeat} forwards after {args.warmup} warm-up forwards (the first "
-        f"records the access order); ratios and targets use the fastest, since other work on this shared 2-core "
-        f"machine only adds time. "
-        f"Each variant lives in its own subprocess (all started up front) and the parent runs one "
-        f"forward of each in turn, {args.repeat} rounds, so load from other work on the machine hits every variant "
-        f"alike; after a forward a paged variant waits until its prefetcher is idle before the next variant runs. "
-        f"Peak RSS: VmHWM of the variant's process, reset after its model is set up; in brackets, the peak "
-        f"above the RSS at that point. Hit rate, stall and bytes loaded: "
-        f"the pager's statistics over the timed forwards. Every variant's logits equal the resident model's "
-        f"(torch.equal) unless the row says otherwise.",
-        f"Read bandwidth measured here: {bandwidth / 1e9:.2f} GB/s with pread from the page cache"
-        + (f", {direct_bandwidth / 1e9:.2f} GB/s with O_DIRECT" if direct_bandwidth else "")
-        + f". The file ({weights / 1e9:.2f} GB) fits in this machine's page cache, so pread rows read from RAM; "
-          f"the O_DIRECT rows bypass it and read the disk.",
-        f"Targets for scan+prefetch: time <= 1.3 x max(compute {format_seconds(compute)} = resident time, bytes "
-        f"loaded / read bandwidth); faster than accelerate's best offload; peak RSS <= the resident run's peak RSS "
-        f"without its weights ({format_bytes(floor)}: interpreter, libraries, activations) + budget + the "
-        f"largest layer's weights ({format_bytes(largest_layer)}, the tied embedding; one block is "
-        f"{format_bytes(largest_block)}). accelerate's offloads have no budget (cpu_offload keeps every weight "
-        f"in RAM). glibc's mmap threshold is fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_) in every subprocess.",
-    ]
+    if device is not None:
+        report.data.update(device=args.device, h2d_bandwidth_bytes_per_second=h2d, gpu_floor_bytes=gpu_floor,
+                           gpu=torch.cuda.get_device_name(device) if on_gpu else None)
+    if device is None:
+        report.notes += [
+            "",
+            f"Time: fastest and median of {args.repeat} forwards after {args.warmup} warm-up forwards (the first "
+            f"records the access order); ratios and targets use the fastest, since other work on this shared 2-core "
+            f"machine only adds time. "
+            f"Each variant lives in its own subprocess (all started up front) and the parent runs one "
+            f"forward of each in turn, {args.repeat} rounds, so load from other work on the machine hits every variant "
+            f"alike; after a forward a paged variant waits until its prefetcher is idle before the next variant runs. "
+            f"Peak RSS: VmHWM of the variant's process, reset after its model is set up; in brackets, the peak "
+            f"above the RSS at that point. Hit rate, stall and bytes loaded: "
+            f"the pager's statistics over the timed forwards. Every variant's logits equal the resident model's "
+            f"(torch.equal) unless the row says otherwise.",
+            f"Read bandwidth measured here: {bandwidth / 1e9:.2f} GB/s with pread from the page cache"
+            + (f", {direct_bandwidth / 1e9:.2f} GB/s with O_DIRECT" if direct_bandwidth else "")
+            + f". The file ({weights / 1e9:.2f} GB) fits in this machine's page cache, so pread rows read from RAM; "
+              f"the O_DIRECT rows bypass it and read the disk.",
+            f"Targets for scan+prefetch: time <= 1.3 x max(compute {format_seconds(compute)} = resident time, bytes "
+            f"loaded / read bandwidth); faster than accelerate's best offload; peak RSS <= the resident run's peak RSS "
+            f"without its weights ({format_bytes(floor)}: interpreter, libraries, activations) + budget + the "
+            f"largest layer's weights ({format_bytes(largest_layer)}, the tied embedding; one block is "
+            f"{format_bytes(largest_block)}). accelerate's offloads have no budget (cpu_offload keeps every weight "
+            f"in RAM). glibc's mmap threshold is fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_) in every subprocess.",
+        ]
+    else:
+        memory_target = (
+            f"peak GPU memory <= the resident run's peak GPU memory without its weights ({format_bytes(gpu_floor)}: "
+            f"activations and logits) + budget + the largest layer's weights" if on_gpu else
+            f"peak RSS <= the resident run's peak RSS without its weights ({format_bytes(floor)}) + budget + the "
+            f"largest layer's weights")
+        report.notes += [
+            "",
+            f"Device mode (--device {args.device}): the weights live in the safetensors file, the model computes on "
+            f"{args.device}, and the budget is {args.device} memory for the weights; the pager loads "
+            + ("through pinned staging buffers and copies them on a side stream. " if on_gpu else "on the CPU. ")
+            + "No mmap rows on a GPU (zero_copy is CPU only). accelerate's offloads (execution_device="
+            f"{args.device}) keep every weight in RAM (cpu_offload) or read the same file (disk_offload) and have no "
+            f"budget.",
+            f"Time: median and fastest of {args.repeat} forwards after {args.warmup} warm-up forwards (the first "
+            f"records the access order)" + (", each ending in torch.cuda.synchronize()" if on_gpu else "")
+            + f"; ratios and targets use the median. Each variant lives in its own subprocess (all set up side by "
+              f"side before anything is timed) and the parent runs one forward of each in turn, {args.repeat} rounds; "
+              f"after a forward a paged variant waits until its prefetcher is idle before the next variant runs. "
+            + ("Peak GPU memory: torch.cuda.max_memory_allocated in the variant's process, reset after its model is "
+               "set up; in brackets, the peak above what was allocated at that point (the resident run's weights). "
+               if on_gpu else "")
+            + "Peak RSS: VmHWM of the variant's process, reset after its model is set up; in brackets, the peak above "
+              "the RSS at that point. Hit rate, stall and bytes loaded: the pager's statistics over the timed "
+              "forwards. Every variant's logits equal the resident model's (torch.equal) unless the row says "
+              "otherwise (the JSON has the largest difference).",
+            f"Bandwidth measured here: {bandwidth / 1e9:.2f} GB/s reading the file with pread from the page cache"
+            + (f", {direct_bandwidth / 1e9:.2f} GB/s with O_DIRECT" if direct_bandwidth else "")
+            + (f"; {h2d / 1e9:.2f} GB/s host-to-device from pinned memory (a 512 MiB tensor, non_blocking copy then "
+               f"synchronize, best of 5)" if h2d is not None else "")
+            + f". The file ({weights / 1e9:.2f} GB) fits in this machine's page cache.",
+            f"Targets for scan+prefetch: time <= 1.3 x max(compute {format_seconds(compute)} = resident time, bytes "
+            f"loaded / " + ("min(read bandwidth, host-to-device bandwidth)" if on_gpu else "read bandwidth")
+            + f"); faster than accelerate's best offload; {memory_target} ({format_bytes(largest_layer)}, the tied "
+              f"embedding; one block is {format_bytes(largest_block)})."
+            + (" The pager reads each tensor into its staging buffer and then copies it, one after the other, so "
+               "without overlap a load costs bytes / read + bytes / host-to-device." if on_gpu else ""),
+        ]
     report.write()
 
 

@@ -6,12 +6,16 @@ Variants, each served the same stream of requests (batch sizes drawn uniformly f
   (c) PlanCache, miss_mode="exact", cold (a new size builds its plan in the request)
   (d) PlanCache, exact, after preload(1..64)
   (e) PlanCache, miss_mode="pad", background builds, after preload of the buckets 1,2,4,..,64
+With --device cuda (models and inputs on the GPU, every request synchronised), two more:
+  (f) PlanCache exact + CUDA graphs, after preload(1..64)
+  (g) PlanCache pad + background builds + CUDA graphs, after preload of the buckets
 Each variant serves the whole stream in its own phase (a background build of (e) would otherwise
 slow the others' requests). A second table measures what each step of a plan buys, interleaved, at fixed
 sizes, and the cost of a hit's lookup.
 
-    python benchmarks/bench_plan.py            # 2000 requests per variant and model
-    python benchmarks/bench_plan.py --quick    # 300 requests, a smoke run
+    python benchmarks/bench_plan.py                  # 2000 requests per variant and model, CPU
+    python benchmarks/bench_plan.py --quick          # 300 requests, a smoke run
+    python benchmarks/bench_plan.py --device cuda    # on a GPU: results in plan_cuda{,_steps}.{md,json}
 """
 from __future__ import annotations
 
@@ -91,10 +95,16 @@ def first_calls(latencies: list[float], stream: list[int]) -> list[float]:
     return out
 
 
-def bench_model(name, make, make_input, stream, report, steps_report, lookup_rows, quick):
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_model(name, make, make_input, stream, report, steps_report, lookup_rows, quick, device):
     torch.manual_seed(0)
-    scripted = torch.jit.script(make().eval())
-    inputs = {n: make_input(n) for n in range(1, MAX_BATCH + 1)}
+    scripted = torch.jit.script(make().to(device).eval())
+    inputs = {n: make_input(n).to(device) for n in range(1, MAX_BATCH + 1)}
+    cuda = device.type == "cuda"
     variants = {}
     startup = {}
 
@@ -125,14 +135,32 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
     variants["(e) PlanCache pad + background builds"] = background_pad
 
+    if cuda:
+        def graphs_preloaded():
+            cache = PlanCache(scripted, cuda_graphs=True)
+            cache.preload(range(1, MAX_BATCH + 1), example_inputs=(inputs[1],), progress=not quick)
+            return cache.infer, cache
+
+        variants["(f) PlanCache exact + CUDA graphs + preload 1..64"] = graphs_preloaded
+
+        def graphs_background_pad():
+            cache = PlanCache(scripted, miss_mode="pad", background_builds=True, cuda_graphs=True)
+            cache.preload(BUCKETS, example_inputs=(inputs[1],), progress=not quick)
+            return cache.infer, cache
+
+        variants["(g) PlanCache pad + background builds + CUDA graphs"] = graphs_background_pad
+
     # Each variant in its own phase: start-up (preloads), the whole stream, then one request at
     # every size for the peak memory. Phases keep one variant's builds (the cold cache's in its
     # requests, (e)'s on a background thread) and its memory churn out of the others' latencies.
     results = {}
+    background_done = {}  # variant -> the request by which its background builds were done
     for label, setup in variants.items():
         gc.collect()
+        synchronize(device)
         t = time.perf_counter()
         fn, cache = setup()
+        synchronize(device)
         startup[label] = time.perf_counter() - t
         print(f"  {label}: start-up {startup[label]:.2f} s", file=sys.stderr)
         latencies = []
@@ -145,35 +173,36 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             for index, n in enumerate(iterator):
                 t = time.perf_counter()
                 fn(inputs[n])
+                synchronize(device)
                 latencies.append(time.perf_counter() - t)
-                if label.startswith("(e)") and "background_done" not in startup \
+                if "background" in label and label not in background_done \
                         and cache.stats()["pending_builds"] == 0 \
                         and len(cache.cached_sizes()) == len(set(stream[:index + 1]) | set(BUCKETS)):
-                    startup["background_done"] = index
+                    background_done[label] = index
         print(f"    stream: {time.perf_counter() - phase_start:.1f} s", file=sys.stderr)
         if cache:
             cache.wait_for_builds()
         # Peak memory of one request at each size, on top of what the variant holds.
-        peak = peak_memory(lambda: [fn(inputs[n]) for n in range(1, MAX_BATCH + 1)])
+        peak = peak_memory(lambda: [fn(inputs[n]) for n in range(1, MAX_BATCH + 1)], device)
         results[label] = (latencies, sum(latencies), peak, cache.stats() if cache else None)
         del fn, cache
-    done = startup.get("background_done")
-    report.data.setdefault("background_builds_done_at_request", {})[name] = done
-    if done is not None:
-        latencies_e = results["(e) PlanCache pad + background builds"][0]
-        during, during_worst = spikes(latencies_e, stream, skip_first_per_size=False, start=0)
-        after, after_worst = spikes(latencies_e, stream, skip_first_per_size=False, start=done + 1)
-        report.notes.append(f"\n{name}, (e): its background builds ran until request {done}; "
+    report.data.setdefault("background_builds_done_at_request", {})[name] = background_done.get(
+        "(e) PlanCache pad + background builds")
+    for label, done in background_done.items():
+        latencies_bg = results[label][0]
+        during, during_worst = spikes(latencies_bg, stream, skip_first_per_size=False, start=0)
+        after, after_worst = spikes(latencies_bg, stream, skip_first_per_size=False, start=done + 1)
+        report.notes.append(f"\n{name}, {label[:3]}: its background builds ran until request {done}; "
                             f"{during - after} of its {during} requests over twice their size's median came "
-                            f"before then (padded while the exact plan built on the other core), {after} after "
+                            f"before then (padded while the exact plan built on another core), {after} after "
                             f"(worst {after_worst:.1f}x).")
-        report.data.setdefault("background_spikes", {})[name] = dict(done_at=done, total=during, after=after,
-                                                                     worst_after=after_worst)
+        report.data.setdefault("background_spikes", {}).setdefault(name, {})[label] = dict(
+            done_at=done, total=during, after=after, worst_after=after_worst)
 
     best_ab = max(sum(stream) / results[k][1] for k in list(variants)[:2])
     for label, (latencies, total, peak, stats) in results.items():
         firsts = first_calls(latencies, stream)
-        after_startup = label.startswith("(d)") or label.startswith("(e)")
+        after_startup = label[:3] in ("(d)", "(e)", "(f)", "(g)")
         spike_count, worst = spikes(latencies, stream, skip_first_per_size=False)
         later_count, later_worst = spikes(latencies, stream, skip_first_per_size=True)
         throughput = sum(stream) / total
@@ -203,8 +232,11 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
     steps = {
         "freeze only": dict(optimize_for_inference=False),
         "freeze + optimize_for_inference": dict(),
-        "freeze + static runtime": dict(static_runtime=True),
     }
+    if cuda:  # the static runtime runs CPU modules only
+        steps["freeze + optimize_for_inference + CUDA graph"] = dict(cuda_graphs=True)
+    else:
+        steps["freeze + static runtime"] = dict(static_runtime=True)
     caches = {}
     build = {}
     for label, opts in steps.items():
@@ -219,6 +251,11 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
         caches[label] = cache
         build[label] = cache.stats()["build_seconds"] / len(sizes)
     generic = torch.jit.optimize_for_inference(torch.jit.freeze(scripted))
+    graph_bytes = {label: sum(z["graph_bytes"] for z in cache.stats()["sizes"].values())
+                   for label, cache in caches.items() if cache.stats()["cuda_graphs"]}
+    for label, nbytes in graph_bytes.items():
+        steps_report.notes.append(f"\n{name}, {label}: {len(sizes)} graphs hold {format_bytes(nbytes)} of GPU memory "
+                                  "(private pools and static inputs).")
     # Before each timed call at n, an untimed call at another size: the generic modules see the
     # sizes alternate as a server does; each plan sees only its own size.
     others = iter([m for m in range(1, MAX_BATCH + 1)] * 10_000)
@@ -265,12 +302,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="300 requests per variant: a smoke run")
     parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     requests = args.requests or (300 if args.quick else 2000)
     rng = random.Random(0)
     stream = [rng.randint(1, MAX_BATCH) for _ in range(requests)]
-    command = "python benchmarks/bench_plan.py" + (" --quick" if args.quick else "")
-    name = "plan_quick" if args.quick else "plan"
+    command = "python benchmarks/bench_plan.py" + (" --quick" if args.quick else "") + (
+        f" --device {args.device}" if device.type != "cpu" else "")
+    name = "plan" + ("_cuda" if device.type == "cuda" else "") + ("_quick" if args.quick else "")
     report = Report(name, f"PlanCache: {requests} requests, batch sizes uniform in 1..{MAX_BATCH}",
                     ["model", "variant", "startup", "throughput (items/s)", "vs best of (a),(b)", "p50", "p99", "max",
                      "first call at a new size (median / max)", "requests > 2x their size's median",
@@ -281,7 +323,7 @@ def main() -> None:
     lookup_rows = []
     for model_name, (make, make_input) in MODELS.items():
         print(f"{model_name}", file=sys.stderr)
-        bench_model(model_name, make, make_input, stream, report, steps_report, lookup_rows, args.quick)
+        bench_model(model_name, make, make_input, stream, report, steps_report, lookup_rows, args.quick, device)
     for model_name, cpp, overhead, infer, direct in lookup_rows:
         report.notes.append(f"\nHit lookup, {model_name}: {format_seconds(cpp)} per hit by the C++ clock "
                             f"(validation, shared lock, map find, LRU tick); infer() {format_seconds(infer)} vs the "
@@ -293,7 +335,7 @@ def main() -> None:
     report.notes.append("\nThroughput counts items (sum of batch sizes) per second over the whole stream, builds "
                         "included; start-up (preload) is not in it. Each variant serves the whole stream in "
                         "its own phase (its start-up just before), one intra-op thread. Spikes count every request, first calls "
-                        "included. Peak memory: torch_ext.memory's CPU peak above the start during one request at "
+                        "included. Peak memory: torch_ext.memory's peak (CPU, or torch.cuda's on the GPU) above the start during one request at "
                         "each size 1..64 after the stream; plans: the cache's plan_bytes (constants its plans "
                         "reference). (e)'s background builds overlap its first requests: done by "
                         f"request {report.data.get('background_builds_done_at_request')}.")
