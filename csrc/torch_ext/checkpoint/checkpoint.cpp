@@ -213,7 +213,7 @@ void accumulate(at::Tensor& buffer, at::Tensor&& grad) {
   }
 }
 
-// Back-propagates root_grads from roots through the replayed graph to the target edges and
+// Back-propagates root_grads from the root edges through the replayed graph to the target edges and
 // returns each target's gradient. This is the engine's algorithm for one graph small enough to
 // need none of its machinery: nodes run once all their consumers have run, highest sequence
 // number first (the engine's order, so sums of gradients round alike), with their tensor, pre
@@ -221,8 +221,9 @@ void accumulate(at::Tensor& buffer, at::Tensor&& grad) {
 // nodes (AccumulateGrad of inputs and params) never run: their gradients go to the checkpoint's
 // node, whose consumers run them in the caller's backward, hooks included. A replayed node that
 // leads to a tensor requiring grad other than the targets raises: its gradient would be lost.
-variable_list replay_backward(const SegmentState& state, const variable_list& roots, variable_list root_grads,
-                              const std::vector<torch::autograd::Edge>& targets, uint64_t first_sequence_nr) {
+variable_list replay_backward(const SegmentState& state, const std::vector<torch::autograd::Edge>& root_edges,
+                              variable_list root_grads, const std::vector<torch::autograd::Edge>& targets,
+                              uint64_t first_sequence_nr) {
   using torch::autograd::Node;
   variable_list target_grads(targets.size());
   auto target_slot = [&](const torch::autograd::Edge& edge) -> std::ptrdiff_t {
@@ -246,11 +247,8 @@ variable_list replay_backward(const SegmentState& state, const variable_list& ro
   };
   std::unordered_map<Node*, Pending> pending;
   std::vector<Node*> stack;
-  std::vector<torch::autograd::Edge> root_edges;
-  root_edges.reserve(roots.size());
-  for (const auto& root : roots) {
-    root_edges.push_back(torch::autograd::impl::gradient_edge(root));
-    Node* node = root_edges.back().function.get();
+  for (const auto& edge : root_edges) {
+    Node* node = edge.function.get();
     if (node != nullptr && !is_target_node(node) && pending.try_emplace(node).second) stack.push_back(node);
   }
   // Discover the replayed graph and count each node's consumers.
@@ -272,7 +270,7 @@ variable_list replay_backward(const SegmentState& state, const variable_list& ro
 
   auto by_sequence_nr = [](Node* a, Node* b) { return a->sequence_nr() < b->sequence_nr(); };
   std::vector<Node*> ready;  // a max-heap on sequence_nr
-  for (size_t i = 0; i < roots.size(); ++i) {
+  for (size_t i = 0; i < root_edges.size(); ++i) {
     const auto& edge = root_edges[i];
     if (edge.function == nullptr) continue;
     const auto slot = target_slot(edge);
@@ -426,7 +424,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
     TORCH_CHECK(outputs.size() == s.output_meta.size(), "checkpoint: the replay of ", s.options.name, " returned ",
                 outputs.size(), " tensors but its forward returned ", s.output_meta.size());
-    variable_list roots;
+    std::vector<torch::autograd::Edge> root_edges;
     variable_list root_grads;
     bool any_grad = false;
     for (size_t i = 0; i < outputs.size(); ++i) {
@@ -440,14 +438,18 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       if (!grad_outputs[i].defined()) continue;
       any_grad = true;
       if (outputs[i].requires_grad()) {
-        roots.push_back(outputs[i]);
+        root_edges.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
         root_grads.push_back(grad_outputs[i]);
       }
     }
+    // Backward needs the outputs' nodes, not their values: an output that no node saved is freed
+    // here rather than living through the segment's backward (torch's early stop never
+    // materialises it at all).
+    outputs.clear();
 
     variable_list result(1 + s.num_inputs + s.params.size());
     if (!any_grad) return result;
-    TORCH_CHECK(!roots.empty(), "checkpoint: none of the outputs of ", s.options.name,
+    TORCH_CHECK(!root_edges.empty(), "checkpoint: none of the outputs of ", s.options.name,
                 " requires grad in the replay although its inputs do: the segment detaches its result "
                 "from its inputs and params, so no gradient can flow through it");
 
@@ -463,7 +465,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     variable_list grads;
     const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
     if (exec_info == nullptr || exec_info->empty()) {
-      grads = replay_backward(s, roots, std::move(root_grads), targets, first_sequence_nr);
+      grads = replay_backward(s, root_edges, std::move(root_grads), targets, first_sequence_nr);
     } else {
       // The running backward only needs some gradients (autograd.grad, backward(inputs=...)), and
       // nodes consult its plan to skip the others, which would skip the replay's. The replay is
@@ -473,7 +475,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       std::thread worker([&] {
         try {
           at::ThreadLocalStateGuard guard(thread_locals);
-          grads = replay_backward(s, roots, std::move(root_grads), targets, first_sequence_nr);
+          grads = replay_backward(s, root_edges, std::move(root_grads), targets, first_sequence_nr);
         } catch (...) {
           error = std::current_exception();
         }
