@@ -47,6 +47,14 @@ def x(n: int) -> torch.Tensor:
     return torch.randn(n, 8)
 
 
+def run_in_threads(target, seeds) -> None:
+    threads = [threading.Thread(target=target, args=(seed,)) for seed in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def reference(module, *inputs):
     with torch.no_grad():
         return module(*inputs)
@@ -270,11 +278,7 @@ def test_concurrent_stress_with_evictions(rowwise, mode, background):
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(work, range(4))
     cache.wait_for_builds()
     s = cache.stats()
     assert not errors and not wrong
@@ -407,11 +411,7 @@ def test_cuda_graph_replays_from_many_threads_and_streams():
         except Exception as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=serve, args=(seed,)) for seed in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(serve, range(6))
     assert not errors, errors[0]
     s = cache.stats()
     assert s["plans"] <= 4 and s["evictions"] >= 1
