@@ -1,4 +1,4 @@
-"""Segment checkpointing on a GPT-2-style decoder training step (CPU), in one run:
+"""Segment checkpointing on a GPT-2-style decoder training step (CPU, or CUDA with --device cuda), in one run:
 
   (a) no checkpointing
   (b) torch.utils.checkpoint per block (use_reentrant=False)
@@ -14,13 +14,21 @@ Step time: harness.measure_interleaved (rounds of a b c d, median), one torch th
 tiny regions (Linear 32x32 on 8 rows) timed forward + backward with and without checkpointing;
 (time - plain time) / regions.
 
+--device cuda runs the same code on the GPU (torch.cuda peak memory through
+torch_ext.memory.track("cuda"), steps synchronised) with a GPT-2-small-width model, adds
+(c-offload) and (c-bf16) (CheckpointedSequential(every=1, storage=...)), the whole step's
+absolute peak and each variant's gradient difference from (a), and writes
+results/checkpoint_cuda.{md,json} (checkpoint_cuda_quick with --quick).
+
     python benchmarks/bench_checkpoint.py [--quick]
+    python benchmarks/bench_checkpoint.py --device cuda [--quick]
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,6 +41,9 @@ import harness  # noqa: E402
 import torch_ext  # noqa: E402
 from torch_ext import memory  # noqa: E402
 from torch_ext.models import GPT, GPTConfig, language_model_loss  # noqa: E402
+
+OFFLOAD = "(c-offload) torch_ext per block, offload storage"
+BF16 = "(c-bf16) torch_ext per block, bf16 storage"
 
 
 class TorchCheckpointPerBlock(nn.Module):
@@ -47,25 +58,57 @@ class TorchCheckpointPerBlock(nn.Module):
         return x
 
 
+CUDA_REPORT = "checkpoint_cuda"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer repeats")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared 2-core machine, OpenMP workers spinning "
                              "against other processes make multi-threaded timings erratic)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (default: results/checkpoint.{md,json}) or cuda (a GPU-sized model, offload "
+                             "and bf16 storage too: results/checkpoint_cuda.{md,json}, _quick with --quick)")
+    # A dry run of the --device cuda code path on CPU (same variants, offload and bf16 included),
+    # written to a temporary folder: for machines without a GPU.
+    parser.add_argument("--cuda-path-on-cpu", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
+                     f"torch.version.cuda={torch.version.cuda}, torch.cuda.device_count()={torch.cuda.device_count()})")
+    if args.device == "cuda" and args.cuda_path_on_cpu:
+        parser.error("--cuda-path-on-cpu runs the cuda code path on CPU; do not combine it with --device cuda")
     torch.set_num_threads(args.threads)
-    command = "python benchmarks/bench_checkpoint.py" + (" --quick" if args.quick else "")
+    device_mode = args.device == "cuda" or args.cuda_path_on_cpu
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    command = ("python benchmarks/bench_checkpoint.py" + (" --device cuda" if args.device == "cuda" else "")
+               + (" --cuda-path-on-cpu" if args.cuda_path_on_cpu else "") + (" --quick" if args.quick else ""))
+    if args.cuda_path_on_cpu:
+        harness.RESULTS = Path(tempfile.mkdtemp(prefix="bench_checkpoint_dry_"))
+    run(device, device_mode, args.quick, command)
+    if args.cuda_path_on_cpu:
+        print(f"(dry run of the cuda code path on CPU: written under {harness.RESULTS})")
 
+
+def run(device: torch.device, device_mode: bool, quick: bool, command: str) -> None:
+    """device_mode: the --device cuda benchmark (on `device`, which is CPU only for a dry run);
+    otherwise the CPU benchmark, exactly as it has always run."""
     torch.manual_seed(0)
-    if args.quick:
+    if device_mode and quick:
+        config = GPTConfig(n_layer=12, n_embd=256, n_head=4, vocab_size=1024, block_size=128)
+        batch, warmup, repeat, regions, region_repeat = 4, 1, 3, 20, 20
+    elif device_mode:
+        config = GPTConfig(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, block_size=512)
+        batch, warmup, repeat, regions, region_repeat = 8, 2, 12, 50, 60
+    elif quick:
         config = GPTConfig(n_layer=12, n_embd=64, n_head=4, vocab_size=256, block_size=64)
-        batch, repeat, regions, region_repeat = 2, 3, 20, 20
+        batch, warmup, repeat, regions, region_repeat = 2, 1, 3, 20, 20
     else:
         config = GPTConfig(n_layer=12, n_embd=192, n_head=6, vocab_size=1024, block_size=256)
-        batch, repeat, regions, region_repeat = 4, 9, 50, 60
-    model = GPT(config)
-    tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1))
+        batch, warmup, repeat, regions, region_repeat = 4, 1, 9, 50, 60
+    model = GPT(config).to(device)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -79,7 +122,7 @@ def main() -> None:
 
     def chain_peak(chain) -> int:
         x = sample.detach().requires_grad_()
-        with memory.track() as tracked:
+        with memory.track(device) as tracked:
             chain(x).backward(torch.ones_like(sample))
         zero_grads()
         return tracked.peak_delta_bytes
@@ -92,12 +135,22 @@ def main() -> None:
         "(b') (b) with early_stop=False": TorchCheckpointPerBlock(model.blocks, early_stop=False),
         "(c) torch_ext per block": torch_ext.CheckpointedSequential(model.blocks, every=1),
     }
+    if device_mode:
+        chains[OFFLOAD] = torch_ext.CheckpointedSequential(model.blocks, every=1, storage="offload")
+        chains[BF16] = torch_ext.CheckpointedSequential(model.blocks, every=1, storage="bf16")
     budgets = {}
     plans = {}
+    failed = {}
     for fraction in (0.5, 0.25):
         name = f"(d) torch_ext planned, {fraction:.0%} budget"
         budget = int(activation_bytes * fraction)
-        plan = torch_ext.plan_checkpoints(list(model.blocks), sample, budget_bytes=budget, repeat=2)
+        try:
+            plan = torch_ext.plan_checkpoints(list(model.blocks), sample, budget_bytes=budget, repeat=2)
+        except ValueError as error:  # no plan fits this budget
+            if not device_mode:
+                raise
+            failed[name] = str(error)
+            continue
         plans[name] = plan
         budgets[name] = budget
         chains[name] = torch_ext.CheckpointedSequential(model.blocks, boundaries=plan)
@@ -109,24 +162,48 @@ def main() -> None:
             loss.backward()
         return step
 
+    def flat_grads() -> torch.Tensor:
+        return torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()]).float().cpu()
+
     steps = {name: step_of(chain) for name, chain in chains.items()}
-    peaks, chain_peaks = {}, {}
-    for name, step in steps.items():
-        step()
-        zero_grads()
-        with memory.track() as tracked:
+    peaks, chain_peaks, total_peaks, grad_diffs = {}, {}, {}, {}
+    reference_grads = None
+    for name, step in list(steps.items()):
+        try:
             step()
-        peaks[name] = tracked.peak_delta_bytes
-        zero_grads()
-        chain_peaks[name] = chain_peak(chains[name])
-    timings = harness.measure_interleaved(steps, warmup=1, repeat=repeat,
+            zero_grads()
+            with memory.track(device) as tracked:
+                step()
+            peaks[name] = tracked.peak_delta_bytes
+            total_peaks[name] = tracked.peak_bytes
+            if device_mode:
+                # Gradients of one step against (a)'s: max |g - g_a| / max |g_a| over all parameters.
+                grads = flat_grads()
+                if reference_grads is None and name == "(a) no checkpointing":
+                    reference_grads = grads
+                if reference_grads is not None:
+                    scale = reference_grads.abs().max().item() or 1.0
+                    grad_diffs[name] = (grads - reference_grads).abs().max().item() / scale
+                del grads
+            zero_grads()
+            chain_peaks[name] = chain_peak(chains[name])
+        except Exception as error:  # device mode reports a failing variant and goes on
+            if not device_mode:
+                raise
+            failed[name] = f"{type(error).__name__}: {error}"
+            del steps[name]
+            for table in (peaks, total_peaks, grad_diffs, chain_peaks):
+                table.pop(name, None)
+            zero_grads()
+    del reference_grads
+    timings = harness.measure_interleaved(steps, warmup=warmup, repeat=repeat,
                                           before_each={name: zero_grads for name in steps})
 
     # ---- per-region overhead on tiny segments
     torch.manual_seed(0)
-    tiny = [nn.Linear(32, 32) for _ in range(regions)]
+    tiny = [nn.Linear(32, 32).to(device) for _ in range(regions)]
     ours = [torch_ext.checkpoint(copy.deepcopy(layer)) for layer in tiny]
-    x_tiny = torch.randn(8, 32, requires_grad=True)
+    x_tiny = torch.randn(8, 32, requires_grad=True, device=device)
 
     def region_chain(kind):
         def run():
@@ -157,14 +234,23 @@ def main() -> None:
     replay_seconds = region_timings["forward only"].median_seconds / regions
 
     # ---- report
-    report = harness.Report("checkpoint", "Segment checkpointing: GPT-2-style decoder training step (CPU)",
-                            ["variant", "step peak memory", "blocks peak memory", "step time", "vs (a)", "checkpoints",
-                             "budget"], command)
-    base_time = timings["(a) no checkpointing"].median_seconds
+    columns = ["variant", "step peak memory", "blocks peak memory", "step time", "vs (a)", "checkpoints", "budget"]
+    if device_mode:
+        columns[1:1] = ["step peak (total)"]
+        columns.append("grad diff vs (a)")
+        where = (f"CUDA, {torch.cuda.get_device_name(device)}" if device.type == "cuda"
+                 else "dry run of the CUDA code path on CPU")
+        report = harness.Report(CUDA_REPORT + ("_quick" if quick else ""),
+                                f"Segment checkpointing: GPT-2-style decoder training step ({where})", columns, command)
+    else:
+        report = harness.Report("checkpoint", "Segment checkpointing: GPT-2-style decoder training step (CPU)",
+                                columns, command)
+    a, b, c = "(a) no checkpointing", "(b) torch.utils.checkpoint per block", "(c) torch_ext per block"
+    base_time = timings[a].median_seconds if a in timings else float("nan")
     for name in steps:
         t = timings[name]
         plan = plans.get(name)
-        report.add_row({
+        cells = {
             "variant": name,
             "step peak memory": harness.format_bytes(peaks[name]),
             "blocks peak memory": harness.format_bytes(chain_peaks[name]),
@@ -172,41 +258,86 @@ def main() -> None:
             "vs (a)": f"{t.median_seconds / base_time:.2f}x",
             "checkpoints": str(plan.boundaries) if plan else ("0" if name.startswith("(a)") else "every block"),
             "budget": harness.format_bytes(budgets[name]) if name in budgets else "",
-        }, peak_bytes=peaks[name], blocks_peak_bytes=chain_peaks[name], step_seconds=t.median_seconds,
-            timing=t, budget_bytes=budgets.get(name), plan=plan.as_dict() if plan else None)
+        }
+        raw = {}
+        if device_mode:
+            cells["step peak (total)"] = harness.format_bytes(total_peaks[name])
+            cells["grad diff vs (a)"] = f"{grad_diffs[name]:.1e}" if name in grad_diffs else ""
+            raw = {"total_peak_bytes": total_peaks[name], "grad_max_rel_diff": grad_diffs.get(name)}
+        report.add_row(cells, peak_bytes=peaks[name], blocks_peak_bytes=chain_peaks[name], step_seconds=t.median_seconds,
+                       timing=t, budget_bytes=budgets.get(name), plan=plan.as_dict() if plan else None, **raw)
 
-    a, b, c = "(a) no checkpointing", "(b) torch.utils.checkpoint per block", "(c) torch_ext per block"
-    tb, tc, ta = (timings[k].median_seconds for k in (b, c, a))
     ratio = overhead["torch"] / overhead["torch_ext"] if overhead["torch_ext"] > 0 else float("inf")
-    checks = [
-        (f"(c) has (b)'s peak memory at lower step time: blocks peak {harness.format_bytes(chain_peaks[c])} vs "
-         f"{harness.format_bytes(chain_peaks[b])}, step peak {harness.format_bytes(peaks[c])} vs "
-         f"{harness.format_bytes(peaks[b])}; step {harness.format_seconds(tc)} vs {harness.format_seconds(tb)}",
-         chain_peaks[c] <= chain_peaks[b] * 1.02 and tc < tb),
+    median = {name: t.median_seconds for name, t in timings.items()}
+    ta, tb, tc = (median.get(k, float("nan")) for k in (a, b, c))
+    checks = []
+    if all(k in timings for k in (a, b, c)):
+        checks.append(
+            (f"(c) has (b)'s peak memory at lower step time: blocks peak {harness.format_bytes(chain_peaks[c])} vs "
+             f"{harness.format_bytes(chain_peaks[b])}, step peak {harness.format_bytes(peaks[c])} vs "
+             f"{harness.format_bytes(peaks[b])}; step {harness.format_seconds(tc)} vs {harness.format_seconds(tb)}",
+             chain_peaks[c] <= chain_peaks[b] * 1.02 and tc < tb))
+    checks.append(
         (f"per-region overhead at least 5x smaller: torch {harness.format_seconds(overhead['torch'])}, torch_ext "
          f"{harness.format_seconds(overhead['torch_ext'])} per region ({ratio:.1f}x); one plain forward of a region "
-         f"(the replay every checkpoint pays) is {harness.format_seconds(replay_seconds)}", ratio >= 5),
-    ]
+         f"(the replay every checkpoint pays) is {harness.format_seconds(replay_seconds)}", ratio >= 5))
     for name, budget in budgets.items():
+        if name not in chain_peaks:
+            continue
         checks.append((f"{name} stays within its budget: blocks peak {harness.format_bytes(chain_peaks[name])} <= "
                        f"{harness.format_bytes(budget)} (predicted {harness.format_bytes(plans[name].predicted_peak_bytes)})",
                        chain_peaks[name] <= budget))
-    checks.append((f"(c) step time at most 1.35x (a)'s: {tc / ta:.2f}x", tc <= 1.35 * ta))
+    if a in timings and c in timings:
+        checks.append((f"(c) step time at most 1.35x (a)'s: {tc / ta:.2f}x", tc <= 1.35 * ta))
+    if device_mode and OFFLOAD in timings and c in timings:
+        to = timings[OFFLOAD].median_seconds
+        checks.append((f"(c-offload) keeps less GPU memory than (c) (boundaries leave the device): blocks peak "
+                       f"{harness.format_bytes(chain_peaks[OFFLOAD])} vs {harness.format_bytes(chain_peaks[c])}, step peak "
+                       f"{harness.format_bytes(peaks[OFFLOAD])} vs {harness.format_bytes(peaks[c])}; step "
+                       f"{harness.format_seconds(to)} vs {harness.format_seconds(tc)} ({to / tc:.2f}x (c)'s)",
+                       chain_peaks[OFFLOAD] < chain_peaks[c] and peaks[OFFLOAD] < peaks[c]))
+    for name, error in failed.items():
+        checks.append((f"{name} could not run: {error}", False))
     report.notes.append("")
-    report.notes.append(f"Model: GPT, {config.n_layer} blocks, width {config.n_embd}, {config.n_head} heads, "
-                        f"batch {tuple(inputs.shape)}, {torch.get_num_threads()} torch thread(s); (a)'s blocks activation memory {harness.format_bytes(activation_bytes)}. "
-                        f"Per-region overhead over {regions} regions x {region_repeat} rounds.")
+    if device_mode:
+        report.notes.append(
+            f"Model: GPT, {config.n_layer} blocks, width {config.n_embd}, {config.n_head} heads, vocabulary "
+            f"{config.vocab_size}, batch {tuple(inputs.shape)}, fp32 (float32 matmul precision "
+            f"{torch.get_float32_matmul_precision()!r}), random weights, on {device}; (a)'s blocks activation memory "
+            f"{harness.format_bytes(activation_bytes)}. Step time: median of {repeat} interleaved rounds after "
+            f"{warmup} warm-up round(s), synchronised. Per-region overhead over {regions} regions x {region_repeat} "
+            f"rounds.")
+        report.notes.append("")
+        report.notes.append(
+            "Step peak (total): the highest allocated memory during the step, weights and gradients included; step "
+            "peak and blocks peak: above the memory live when the step (or the blocks' forward and backward) began. "
+            "Grad diff: max |g - g_(a)| / max |g_(a)| over all parameters after one step.")
+    else:
+        report.notes.append(f"Model: GPT, {config.n_layer} blocks, width {config.n_embd}, {config.n_head} heads, "
+                            f"batch {tuple(inputs.shape)}, {torch.get_num_threads()} torch thread(s); (a)'s blocks activation memory {harness.format_bytes(activation_bytes)}. "
+                            f"Per-region overhead over {regions} regions x {region_repeat} rounds.")
     bp = "(b') (b) with early_stop=False"
-    report.notes.append("")
-    report.notes.append(f"(b') is (b) without torch's early stop (the replay runs the whole block, as torch_ext's does): "
-                        f"{harness.format_seconds(timings[bp].median_seconds)}; early stop saves (b) "
-                        f"{harness.format_seconds(timings[bp].median_seconds - tb)} per step.")
+    if bp in timings and b in timings:
+        report.notes.append("")
+        report.notes.append(f"(b') is (b) without torch's early stop (the replay runs the whole block, as torch_ext's does): "
+                            f"{harness.format_seconds(timings[bp].median_seconds)}; early stop saves (b) "
+                            f"{harness.format_seconds(timings[bp].median_seconds - tb)} per step.")
+    if device_mode and BF16 in timings and c in timings:
+        report.notes.append("")
+        report.notes.append(f"(c-bf16) stores the boundaries in bfloat16: blocks peak {harness.format_bytes(chain_peaks[BF16])} "
+                            f"vs (c)'s {harness.format_bytes(chain_peaks[c])}, step "
+                            f"{harness.format_seconds(timings[BF16].median_seconds)} vs {harness.format_seconds(tc)}.")
     report.notes.append("")
     for text, ok in checks:
         report.notes.append(f"- {'met' if ok else 'NOT met'}: {text}")
     report.data = {"overhead_seconds_per_region": overhead, "replay_seconds_per_region": replay_seconds,
                    "overhead_ratio": ratio, "region_timings": region_timings, "activation_bytes": activation_bytes,
                    "checks": [{"target": text, "met": ok} for text, ok in checks]}
+    if device_mode:
+        report.data.update({"device": str(device), "failed": failed,
+                            "config": {"n_layer": config.n_layer, "n_embd": config.n_embd, "n_head": config.n_head,
+                                       "vocab_size": config.vocab_size, "block_size": config.block_size,
+                                       "batch": batch}})
     report.write()
 
 
