@@ -497,6 +497,24 @@ def test_chain_keeps_no_boundary_alive_after_backward():
         chain.recompute(2)
 
 
+def test_chain_with_compressed_storage_frees_the_full_precision_boundaries_after_the_forward():
+    import weakref
+
+    seen = []
+
+    class Recording(nn.Linear):
+        def forward(self, x):
+            seen.append(weakref.ref(x))
+            return super().forward(x)
+
+    chain = torch_ext.CheckpointedSequential([Recording(32, 32) for _ in range(4)], every=1, storage="bf16")
+    out = chain(torch.randn(4, 32, requires_grad=True))
+    # Only their bf16 copies are kept for backward: the float32 inputs of segments 1..3 are gone.
+    assert all(ref() is None for ref in seen[1:4])
+    assert chain.memory_bytes() == 4 * 4 * 32 * 2
+    out.sum().backward()
+
+
 def test_recompute_detects_a_replay_with_different_shapes():
     class Growing(nn.Module):
         def __init__(self):
