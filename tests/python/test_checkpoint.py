@@ -2,6 +2,7 @@ import copy
 import itertools
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -474,17 +475,22 @@ def test_chain_is_collected_after_a_forward():
     assert ref() is None  # the autograd graph the chain's records keep does not hold the chain
 
 
-def test_chain_keeps_no_boundary_alive_after_backward():
-    import weakref
+class Recording(nn.Linear):
+    """A Linear that records a weak reference to each input it is called with."""
 
+    def __init__(self, in_features: int, out_features: int, seen: list) -> None:
+        super().__init__(in_features, out_features)
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.append(weakref.ref(x))
+        return super().forward(x)
+
+
+def test_chain_keeps_no_boundary_alive_after_backward():
     seen = []
 
-    class Recording(nn.Linear):
-        def forward(self, x):
-            seen.append(weakref.ref(x))
-            return super().forward(x)
-
-    chain = torch_ext.CheckpointedSequential([Recording(32, 32) for _ in range(4)], every=1)
+    chain = torch_ext.CheckpointedSequential([Recording(32, 32, seen) for _ in range(4)], every=1)
     out = chain(torch.randn(4, 32, requires_grad=True))
     boundaries = seen[:4]  # the forward's inputs of the four segments (the replays add more)
     assert all(ref() is not None for ref in boundaries)  # the autograd graph holds them
@@ -498,16 +504,9 @@ def test_chain_keeps_no_boundary_alive_after_backward():
 
 
 def test_chain_with_compressed_storage_frees_the_full_precision_boundaries_after_the_forward():
-    import weakref
-
     seen = []
 
-    class Recording(nn.Linear):
-        def forward(self, x):
-            seen.append(weakref.ref(x))
-            return super().forward(x)
-
-    chain = torch_ext.CheckpointedSequential([Recording(32, 32) for _ in range(4)], every=1, storage="bf16")
+    chain = torch_ext.CheckpointedSequential([Recording(32, 32, seen) for _ in range(4)], every=1, storage="bf16")
     out = chain(torch.randn(4, 32, requires_grad=True))
     # Only their bf16 copies are kept for backward: the float32 inputs of segments 1..3 are gone.
     assert all(ref() is None for ref in seen[1:4])
