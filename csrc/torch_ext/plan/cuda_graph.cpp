@@ -112,9 +112,7 @@ class CudaGraph final : public CapturedGraph {
       } catch (...) {
         graph_->end_generator_captures();
         (void)cudaGetLastError();
-        static_output_ = c10::IValue();
-        graph_.reset();
-        throw;
+        throw;  // the caller discards this object, graph and buffers with it
       }
       bytes_ = std::max<int64_t>(0, reserved_bytes(device_.index()) - before);
     }

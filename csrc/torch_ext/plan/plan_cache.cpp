@@ -137,10 +137,10 @@ struct PlanCache::Plan {
   std::unique_ptr<torch::jit::StaticModule> static_module;
   std::mutex runtimes_mutex;  // guards the free list only, never held while running
   std::vector<std::unique_ptr<torch::jit::StaticRuntime>> free_runtimes;
-  // With cuda_graphs on CUDA inputs that could be captured. Written before the plan is published,
-  // or (deferred) under the cache's unique lock before capture_pending turns false.
+  // With cuda_graphs on CUDA inputs that could be captured; written under the cache's unique
+  // lock before capture_pending turns false.
   std::unique_ptr<CapturedGraph> graph;
-  std::atomic<bool> capture_pending{false};  // built in the background: the first run captures
+  std::atomic<bool> capture_pending{false};
   std::mutex capture_mutex;
   Constants constants;  // its graph is one entry of its own
   int64_t bytes = 0;  // all of its constants, shared ones included
@@ -370,25 +370,23 @@ std::shared_ptr<PlanCache::SizeRecord> PlanCache::record(int64_t batch_size) {
   return slot;
 }
 
-std::unique_ptr<CapturedGraph> PlanCache::capture_graph(Plan& plan, const std::vector<c10::IValue>& example) {
-  try {
-    return capture_cuda_graph(
-        [&plan](const std::vector<c10::IValue>& in) {
-          return plan.static_module ? (*plan.static_module)(in) : (*plan.method)(in);
-        },
-        example);
-  } catch (const std::exception& e) {
-    graph_capture_failures_.fetch_add(1, std::memory_order_relaxed);
-    TORCH_WARN("PlanCache: the plan for batch size ", plan.batch_size, " runs without a CUDA graph: ", message_of(e));
-    return nullptr;
-  }
-}
-
-void PlanCache::capture_deferred(Plan& plan, const std::vector<c10::IValue>& inputs) {
+void PlanCache::capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs) {
   std::unique_lock<std::mutex> capturing(plan.capture_mutex, std::try_to_lock);
   // Another thread is capturing it: this call runs the plan's executor meanwhile.
   if (!capturing.owns_lock() || !plan.capture_pending.load(std::memory_order_acquire)) return;
-  std::unique_ptr<CapturedGraph> graph = capture_graph(plan, inputs);
+  const auto start = Clock::now();
+  std::unique_ptr<CapturedGraph> graph;
+  try {
+    graph = capture_cuda_graph(
+        [&plan](const std::vector<c10::IValue>& in) {
+          return plan.static_module ? (*plan.static_module)(in) : (*plan.method)(in);
+        },
+        inputs);
+  } catch (const std::exception& e) {
+    graph_capture_failures_.fetch_add(1, std::memory_order_relaxed);
+    TORCH_WARN("PlanCache: the plan for batch size ", plan.batch_size, " runs without a CUDA graph: ", message_of(e));
+  }
+  plan.record->build_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   std::unique_lock<std::shared_mutex> lock(mutex_);
   if (graph) {
     const int64_t bytes = graph->bytes();
@@ -405,8 +403,7 @@ void PlanCache::capture_deferred(Plan& plan, const std::vector<c10::IValue>& inp
   plan.capture_pending.store(false, std::memory_order_release);
 }
 
-std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const std::vector<c10::IValue>& example,
-                                                       bool capture) {
+std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const std::vector<c10::IValue>& example) {
   const auto start = Clock::now();
   auto plan = std::make_shared<Plan>();
   plan->batch_size = batch_size;
@@ -445,14 +442,9 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
       const int64_t ns = elapsed_ns(call_start);
       if (i == 1 || options_.warmup_calls == 1 || (i > 1 && ns < plan->warm_ns)) plan->warm_ns = ns;
     }
-    if (options_.cuda_graphs && on_cuda(example)) {
-      if (!capture) {
-        plan->capture_pending.store(true, std::memory_order_relaxed);
-      } else if ((plan->graph = capture_graph(*plan, example))) {
-        plan->constants.emplace(plan->graph.get(), plan->graph->bytes());
-        plan->bytes += plan->graph->bytes();
-      }
-    }
+    // Captured once the plan is cached: by get_or_build on the building thread, or by the plan's
+    // first run when the background worker built it.
+    if (options_.cuda_graphs && on_cuda(example)) plan->capture_pending.store(true, std::memory_order_relaxed);
   } catch (const std::exception& e) {
     std::ostringstream shapes;
     for (size_t i = 0; i < example.size(); ++i) {
@@ -533,7 +525,7 @@ std::shared_ptr<PlanCache::Plan> PlanCache::get_or_build(int64_t batch_size, con
   }
   std::shared_ptr<Plan> plan;
   try {
-    plan = build_plan(batch_size, inputs, /*capture=*/true);
+    plan = build_plan(batch_size, inputs);
   } catch (...) {
     {
       std::unique_lock<std::shared_mutex> lock(mutex_);
@@ -546,6 +538,7 @@ std::shared_ptr<PlanCache::Plan> PlanCache::get_or_build(int64_t batch_size, con
   remember_example(inputs, batch_size);
   insert_plan(plan);
   promise.set_value(plan);
+  if (plan->capture_pending.load(std::memory_order_acquire)) capture_graph(*plan, inputs);
   return plan;
 }
 
@@ -575,7 +568,7 @@ void PlanCache::worker_loop() {
     try {
       // No capture on this thread: a capture fails device-wide synchronisations in other
       // threads (a CUDA rule), and request threads may be synchronising right now.
-      auto plan = build_plan(job.batch_size, job.example, /*capture=*/false);
+      auto plan = build_plan(job.batch_size, job.example);
       remember_example(job.example, job.batch_size);
       insert_plan(plan);
       job.promise->set_value(plan);
@@ -613,7 +606,7 @@ c10::IValue PlanCache::run_plan(Plan& plan, const std::vector<c10::IValue>& inpu
   const auto start = Clock::now();
   c10::AutoGradMode no_grad(false);
   c10::IValue output;
-  if (plan.capture_pending.load(std::memory_order_acquire)) capture_deferred(plan, inputs);
+  if (plan.capture_pending.load(std::memory_order_acquire)) capture_graph(plan, inputs);
   try {
     if (!plan.capture_pending.load(std::memory_order_acquire) && plan.graph && plan.graph->serves(inputs)) {
       output = plan.graph->replay(inputs);

@@ -181,10 +181,9 @@ class PlanCache {
   void remember_example(const std::vector<c10::IValue>& inputs, int64_t batch_size);
   std::vector<c10::IValue> example_at(int64_t batch_size) const;
 
-  // capture: with cuda_graphs, capture the plan's CUDA graph now rather than at its first run.
-  std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example, bool capture);
-  std::unique_ptr<CapturedGraph> capture_graph(Plan& plan, const std::vector<c10::IValue>& example);
-  void capture_deferred(Plan& plan, const std::vector<c10::IValue>& inputs);
+  std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example);
+  // Captures a plan whose capture is pending (once, on this thread, from inputs at its size).
+  void capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs);
   std::shared_ptr<Plan> get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs);
   void insert_plan(const std::shared_ptr<Plan>& plan);
   void evict_locked(int64_t keep_batch_size);
