@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -70,30 +69,19 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu (default: results/checkpoint.{md,json}) or cuda (a GPU-sized model, offload "
                              "and bf16 storage too: results/checkpoint_cuda.{md,json}, _quick with --quick)")
-    # A dry run of the --device cuda code path on CPU (same variants, offload and bf16 included),
-    # written to a temporary folder: for machines without a GPU.
-    parser.add_argument("--cuda-path-on-cpu", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
                      f"torch.version.cuda={torch.version.cuda}, torch.cuda.device_count()={torch.cuda.device_count()})")
-    if args.device == "cuda" and args.cuda_path_on_cpu:
-        parser.error("--cuda-path-on-cpu runs the cuda code path on CPU; do not combine it with --device cuda")
     torch.set_num_threads(args.threads)
-    device_mode = args.device == "cuda" or args.cuda_path_on_cpu
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     command = ("python benchmarks/bench_checkpoint.py" + (" --device cuda" if args.device == "cuda" else "")
-               + (" --cuda-path-on-cpu" if args.cuda_path_on_cpu else "") + (" --quick" if args.quick else ""))
-    if args.cuda_path_on_cpu:
-        harness.RESULTS = Path(tempfile.mkdtemp(prefix="bench_checkpoint_dry_"))
-    run(device, device_mode, args.quick, command)
-    if args.cuda_path_on_cpu:
-        print(f"(dry run of the cuda code path on CPU: written under {harness.RESULTS})")
+               + (" --quick" if args.quick else ""))
+    run(device, args.quick, command)
 
 
-def run(device: torch.device, device_mode: bool, quick: bool, command: str) -> None:
-    """device_mode: the --device cuda benchmark (on `device`, which is CPU only for a dry run);
-    otherwise the CPU benchmark, exactly as it has always run."""
+def run(device: torch.device, quick: bool, command: str) -> None:
+    device_mode = device.type == "cuda"
     torch.manual_seed(0)
     if device_mode and quick:
         config = GPTConfig(n_layer=12, n_embd=256, n_head=4, vocab_size=1024, block_size=128)
