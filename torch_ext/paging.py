@@ -130,6 +130,10 @@ class LayerPager:
     def acquire(self, id: str) -> torch.Tensor:
         return self.script_object.acquire(id)
 
+    def acquire_many(self, ids: list[str]) -> list[torch.Tensor]:
+        """acquire() of each id in turn, in one call."""
+        return self.script_object.acquire_many(list(ids))
+
     def begin_pass(self) -> None:
         self.script_object.begin_pass()
 
@@ -329,12 +333,11 @@ def page_weights(model: nn.Module, path_or_source: SafetensorsSource | str | os.
             table[slot.attr] = placeholders[slot.key]
 
     state = _PagingState(pager, slots, placeholders, requires_grad)
-    acquire = pager.script_object.acquire
+    acquire_many = pager.script_object.acquire_many
     state.handles.append(model.register_forward_pre_hook(lambda module, args: pager.begin_pass(), prepend=True))
     for module, module_slots in slots.items():
-        def pre_hook(module, args, module_slots=module_slots):
-            for slot in module_slots:
-                t = acquire(slot.key)
+        def pre_hook(module, args, module_slots=module_slots, keys=[slot.key for slot in module_slots]):
+            for slot, t in zip(module_slots, acquire_many(keys)):
                 if slot.kind == "parameter":
                     module._parameters[slot.attr] = nn.Parameter(t, requires_grad=False)
                 else:

@@ -88,6 +88,7 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
             torch::arg("policy") = std::string("lru"), torch::arg("prefetch") = 0,
             torch::arg("device") = std::string("cpu"), torch::arg("zero_copy") = false})
       .def("acquire", &LayerPager::acquire)
+      .def("acquire_many", &LayerPager::acquire_many)
       .def("begin_pass", &LayerPager::begin_pass)
       .def("set_order", &LayerPager::set_order)
       .def("order", &LayerPager::order)

@@ -250,6 +250,25 @@ TEST(Paging, AcquireLoadsExactDataAndKeepsTheBudget) {
   expect_error([&] { pager->acquire("nope"); }, {"m.safetensors", "nope"});
 }
 
+TEST(Paging, AcquireManyAcquiresEachIdInTurn) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(4, 256)));
+  auto pager = make_pager(open(path), 2 * 1024);
+  auto tensors = pager->acquire_many({"t2", "t0", "t2"});
+  ASSERT_EQ(tensors.size(), 3u);
+  EXPECT_TRUE(at::equal(tensors[0], values(256, 2000.0f)));
+  EXPECT_TRUE(at::equal(tensors[1], values(256, 0.0f)));
+  EXPECT_TRUE(at::equal(tensors[2], values(256, 2000.0f)));
+  EXPECT_EQ(pager->stats().misses, 2);
+  EXPECT_EQ(pager->stats().hits, 1);
+  tensors.clear();
+  // An unknown id fails the call after the ids before it were acquired; nothing is left loading.
+  expect_error([&] { pager->acquire_many({"t1", "nope"}); }, {"m.safetensors", "nope"});
+  EXPECT_EQ(pager->stats().misses, 3);
+  EXPECT_LE(pager->resident_bytes(), 2 * 1024);
+}
+
 TEST(Paging, HeldTensorsStayValidAndAreNotEvicted) {
   TempDir dir;
   const auto path = dir.file("m.safetensors");

@@ -270,12 +270,21 @@ def test_torchscript_front_door(tmp_path):
             out = out + pager.acquire(i)
         return out
 
+    @torch.jit.script
+    def total_many(pager: torch.classes.torch_ext.LayerPager, ids: list[str]) -> torch.Tensor:
+        out = torch.zeros(256)
+        for t in pager.acquire_many(ids):
+            out = out + t
+        return out
+
     source = torch.classes.torch_ext.SafetensorsSource(str(path))
     pager = torch.classes.torch_ext.LayerPager(source, 1024, ["t2"], "scan_resistant", 1, "cpu")
     assert torch.equal(total(pager, ["t0", "t1", "t2"]), torch.full((256,), 3.0))
     assert pager.is_pinned("t2") and pager.resident_bytes() <= 2048
     wrapped = torch_ext.LayerPager(path, 1024)
     assert torch.equal(total(wrapped.script_object, ["t1", "t1"]), torch.full((256,), 2.0))
+    assert torch.equal(total_many(wrapped.script_object, ["t2", "t0", "t2"]), torch.full((256,), 4.0))
+    assert [t[0].item() for t in wrapped.acquire_many(["t2", "t0"])] == [2.0, 0.0]
 
 
 # ---------------------------------------------------------------- page_weights

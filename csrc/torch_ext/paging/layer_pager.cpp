@@ -102,7 +102,7 @@ at::Tensor LayerPager::acquire(const std::string& id) {
     }
   }
   advance_cursor_locked(id);
-  prefetch_wake_.notify_one();
+  wake_prefetcher_locked();
   e.last_use = ++clock_;
   bool counted = false;
   while (true) {
@@ -160,6 +160,27 @@ at::Tensor LayerPager::acquire(const std::string& id) {
     finish_load_locked(e, std::move(tensor), error, seconds_since(load_start), false);
     stats_.stall_seconds += seconds_since(load_start);
     if (error) std::rethrow_exception(error);
+  }
+}
+
+std::vector<at::Tensor> LayerPager::acquire_many(const std::vector<std::string>& ids) {
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(ids.size());
+  for (const auto& id : ids) tensors.push_back(acquire(id));
+  return tensors;
+}
+
+void LayerPager::wake_prefetcher_locked() {
+  // Waking the thread costs a context switch per acquire; it is only worth it when the thread is
+  // idle and the tensors ahead of the cursor are not all loaded (a busy thread re-reads the cursor
+  // after each load).
+  if (!prefetcher_idle_ || order_.empty()) return;
+  const int64_t n = static_cast<int64_t>(order_.size());
+  for (int64_t k = 1; k <= std::min(options_.prefetch, n); ++k) {
+    if (entries_.at(order_[(cursor_ + k) % n]).state == State::Absent) {
+      prefetch_wake_.notify_one();
+      return;
+    }
   }
 }
 
@@ -328,8 +349,10 @@ void LayerPager::prefetch_loop() {
     // the cursor had moved and been notified, in about 3% of runs of a test (Debian 12's
     // glibc 2.36); with the timed wait that never happened in 1200 runs. The timeout also
     // bounds the cost of any wake-up that is still lost.
+    prefetcher_idle_ = true;
     prefetch_wake_.wait_for(lock, std::chrono::milliseconds(50),
                             [&] { return stop_ || cursor_generation_ != handled; });
+    prefetcher_idle_ = false;
     if (stop_) break;
     handled = cursor_generation_;
     if (order_.empty()) continue;

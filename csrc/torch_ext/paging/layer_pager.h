@@ -70,6 +70,8 @@ class LayerPager : public torch::CustomClassHolder {
   LayerPager& operator=(const LayerPager&) = delete;
 
   at::Tensor acquire(const std::string& id);
+  // acquire() of each id in turn (one call for a module's tensors).
+  std::vector<at::Tensor> acquire_many(const std::vector<std::string>& ids);
 
   // Marks the start of a pass (e.g. a forward). The accesses between the first two marks become
   // the recorded order that the scan-resistant policy and the prefetcher follow.
@@ -114,6 +116,7 @@ class LayerPager : public torch::CustomClassHolder {
   void advance_cursor_locked(const std::string& id);
   at::Tensor load(const std::string& id, at::Tensor recycled);  // no lock held
   void finish_load_locked(Entry& e, at::Tensor tensor, std::exception_ptr error, double seconds, bool prefetch);
+  void wake_prefetcher_locked();
   void prefetch_loop();
 
   c10::intrusive_ptr<PagerSource> source_;
@@ -138,6 +141,7 @@ class LayerPager : public torch::CustomClassHolder {
   bool recycle_ = false;  // CPU target and a source that reads into any buffer
   std::optional<c10::Stream> copy_stream_;
   bool stop_ = false;
+  bool prefetcher_idle_ = false;  // the prefetch thread is waiting for the cursor to move
   std::thread prefetcher_;
 };
 
