@@ -120,22 +120,28 @@ def child(args) -> None:
     _reset_peak_rss()
     # Protocol on stdin/stdout, one line each: "warm" / "run" -> one forward (reply: seconds),
     # "reset" -> reset the pager's statistics, "finish" -> write results and exit.
-    samples, forwards, out = [], 0, None
+    samples, cpu_samples, forwards, out = [], [], 0, None
     print("ready", flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command in ("warm", "run"):
             with torch.no_grad():
+                cpu_start = time.process_time()
                 start = time.perf_counter()
                 out = model(batch)
                 if on_gpu:
                     torch.cuda.synchronize(device)
                 seconds = time.perf_counter() - start
-            if command == "run":
-                samples.append(seconds)
-                forwards += 1
             if pager is not None:
                 _wait_until_quiet(pager)
+            else:
+                time.sleep(0.02)  # idle as long as a quiet pager's wait: torch's threads spin a while when idle
+            # CPU time of every thread of the process over the forward and the loads it set off.
+            cpu_seconds = time.process_time() - cpu_start
+            if command == "run":
+                samples.append(seconds)
+                cpu_samples.append(cpu_seconds)
+                forwards += 1
             print(f"{seconds:.6f}", flush=True)
         elif command == "reset":
             if pager is not None:
@@ -144,7 +150,8 @@ def child(args) -> None:
         elif command == "finish":
             break
     peak = _vm_hwm_bytes()
-    result = {"variant": variant, "timing": timing_of(samples).__dict__, "baseline_rss": baseline_rss,
+    result = {"variant": variant, "timing": timing_of(samples).__dict__, "cpu_timing": timing_of(cpu_samples).__dict__,
+              "baseline_rss": baseline_rss,
               "peak_rss": peak, "peak_above_baseline": peak - baseline_rss}
     if on_gpu:
         result.update(baseline_gpu=baseline_gpu, peak_gpu=torch.cuda.max_memory_allocated(device))
@@ -370,7 +377,7 @@ def main() -> None:
         title = f"Weight paging on {where} ({args.device}): GPT ({weights / 1e9:.2f} GB fp32), 1x{args.tokens} tokens per forward"
     report = Report("paging" + (f"_{args.device}" if device is not None else "") + ("_quick" if args.quick else ""),
                     title,
-                    ["variant", "budget", time_column, "vs resident"]
+                    ["variant", "budget", time_column, "vs resident", "CPU / forward (median)"]
                     + (["peak GPU memory (above start)"] if on_gpu else [])
                     + ["peak RSS (above start)", "hit rate", "stall / forward", "loaded / forward", "target"],
                     command)
@@ -380,8 +387,10 @@ def main() -> None:
         cells = {"variant": variant, "budget": f"{budget / weights:.0%} ({format_bytes(budget)})" if budget else "-",
                  time_column: f"{format_seconds(t)} ({format_seconds(r['timing'][other_stat])})",
                  "vs resident": f"{t / compute:.2f}x",
+                 "CPU / forward (median)": format_seconds(r["cpu_timing"]["median_seconds"]),
                  "peak RSS (above start)": f"{format_bytes(r['peak_rss'])} ({format_bytes(r['peak_above_baseline'])})"}
-        raw = {"seconds": t, "median_seconds": r["timing"]["median_seconds"], "peak_rss": r["peak_rss"], "peak_above_baseline": r["peak_above_baseline"],
+        raw = {"seconds": t, "median_seconds": r["timing"]["median_seconds"],
+               "cpu_median_seconds": r["cpu_timing"]["median_seconds"], "peak_rss": r["peak_rss"], "peak_above_baseline": r["peak_above_baseline"],
                "equal_to_resident": bool(torch.equal(r["output"], resident["output"]))}
         if device is not None:
             raw.update(min_seconds=r["timing"]["min_seconds"],
@@ -438,7 +447,9 @@ def main() -> None:
             f"forward of each in turn, {args.repeat} rounds, so load from other work on the machine hits every variant "
             f"alike; after a forward a paged variant waits until its prefetcher is idle before the next variant runs. "
             f"Peak RSS: VmHWM of the variant's process, reset after its model is set up; in brackets, the peak "
-            f"above the RSS at that point. Hit rate, stall and bytes loaded: "
+            f"above the RSS at that point. CPU / forward: CPU time of all the variant's threads (torch's "
+            f"{torch.get_num_threads()} compute threads, the prefetcher) from the start of a forward until its loads "
+            f"are done, the work a forward costs whatever else runs on the machine. Hit rate, stall and bytes loaded: "
             f"the pager's statistics over the timed forwards. Every variant's logits equal the resident model's "
             f"(torch.equal) unless the row says otherwise.",
             f"Read bandwidth measured here: {bandwidth / 1e9:.2f} GB/s with pread from the page cache"
@@ -475,7 +486,8 @@ def main() -> None:
                "set up; in brackets, the peak above what was allocated at that point (the resident run's weights). "
                if on_gpu else "")
             + "Peak RSS: VmHWM of the variant's process, reset after its model is set up; in brackets, the peak above "
-              "the RSS at that point. Hit rate, stall and bytes loaded: the pager's statistics over the timed "
+              "the RSS at that point. CPU / forward: CPU time of all the variant's threads from the start of a "
+              "forward until its loads are done. Hit rate, stall and bytes loaded: the pager's statistics over the timed "
               "forwards. Every variant's logits equal the resident model's (torch.equal) unless the row says "
               "otherwise (the JSON has the largest difference).",
             f"Bandwidth measured here: {bandwidth / 1e9:.2f} GB/s reading the file with pread from the page cache"
