@@ -5,7 +5,8 @@ Variants, each served the same stream of requests (batch sizes drawn uniformly f
   (b) torch.jit.freeze + torch.jit.optimize_for_inference of it (one generic module)
   (c) PlanCache, miss_mode="exact", cold (a new size builds its plan in the request)
   (d) PlanCache, exact, after preload(1..64)
-  (e) PlanCache, miss_mode="pad", background builds, after preload of the buckets 1,2,4,..,64
+  (d') (d)'s plans called directly, without the cache: the spikes this machine adds on its own
+  (e) PlanCache, miss_mode="pad", background builds, after preload of buckets 1.5x apart (1,2,3,4,6,..,48,64)
 With --device cuda (models and inputs on the GPU, every request synchronised), two more:
   (f) PlanCache exact + CUDA graphs, after preload(1..64)
   (g) PlanCache pad + background builds + CUDA graphs, after preload of the buckets
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import resource
 import statistics
 import sys
 import time
@@ -37,7 +39,9 @@ from torch_ext import PlanCache, memory  # noqa: E402
 from torch_ext.models import EncoderClassifier  # noqa: E402
 
 MAX_BATCH = 64
-BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+# A padded request costs about what its bucket's size costs: buckets at most 1.5x apart keep that
+# under 1.5x its own size's latency (powers of two let it reach 2x).
+BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 
 
 class CNN(torch.nn.Module):
@@ -66,14 +70,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def spikes(latencies: list[float], stream: list[int], skip_first_per_size: bool, start: int = 0) -> tuple[int, float]:
+def spike_indices(latencies: list[float], stream: list[int], skip_first_per_size: bool,
+                  start: int = 0) -> tuple[list[int], float]:
     """Requests from index `start` on slower than twice their size's median (and the worst ratio)."""
     by_size: dict[int, list[float]] = {}
     for n, t in zip(stream, latencies):
         by_size.setdefault(n, []).append(t)
     medians = {n: statistics.median(v) for n, v in by_size.items()}
     seen: set[int] = set()
-    count, worst = 0, 0.0
+    indices, worst = [], 0.0
     for index, (n, t) in enumerate(zip(stream, latencies)):
         first = n not in seen
         seen.add(n)
@@ -81,8 +86,23 @@ def spikes(latencies: list[float], stream: list[int], skip_first_per_size: bool,
             continue
         ratio = t / medians[n]
         worst = max(worst, ratio)
-        count += ratio > 2.0
-    return count, worst
+        if ratio > 2.0:
+            indices.append(index)
+    return indices, worst
+
+
+def spikes(latencies: list[float], stream: list[int], skip_first_per_size: bool, start: int = 0) -> tuple[int, float]:
+    indices, worst = spike_indices(latencies, stream, skip_first_per_size, start)
+    return len(indices), worst
+
+
+def spike_causes(indices: list[int], switches: list[tuple[int, int]]) -> str:
+    """What the request thread did during each spike, from its context switches: blocked (it
+    waited: a lock, the GIL, I/O), preempted (only involuntary switches: other work took its
+    core), or on CPU (no switch: it ran the whole time, slowed by its own work or the machine)."""
+    blocked = sum(1 for i in indices if switches[i][0] > 0)
+    preempted = sum(1 for i in indices if switches[i][0] == 0 and switches[i][1] > 0)
+    return f"{blocked} / {preempted} / {len(indices) - blocked - preempted}"
 
 
 def first_calls(latencies: list[float], stream: list[int]) -> list[float]:
@@ -128,6 +148,17 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
     variants["(d) PlanCache exact + preload 1..64"] = preloaded
 
+    def plans_directly():
+        cache = PlanCache(scripted)
+        cache.preload(range(1, MAX_BATCH + 1), example_inputs=(inputs[1],), progress=not quick)
+        plans = {n: cache.plan_module(n) for n in range(1, MAX_BATCH + 1)}
+        with torch.no_grad():
+            for n, plan in plans.items():  # a Python wrapper's first call sets it up
+                plan(inputs[n])
+        return (lambda x: plans[x.shape[0]](x)), None
+
+    variants["(d') (d)'s plans called directly, no cache"] = plans_directly
+
     def background_pad():
         cache = PlanCache(scripted, miss_mode="pad", background_builds=True)
         cache.preload(BUCKETS, example_inputs=(inputs[1],), progress=not quick)
@@ -163,7 +194,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
         synchronize(device)
         startup[label] = time.perf_counter() - t
         print(f"  {label}: start-up {startup[label]:.2f} s", file=sys.stderr)
-        latencies = []
+        latencies, switches = [], []  # switches: the request thread's (voluntary, involuntary) context switches
         phase_start = time.perf_counter()
         with torch.no_grad():
             iterator = stream
@@ -171,10 +202,13 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
                 from tqdm import tqdm
                 iterator = tqdm(stream, desc="    stream", file=sys.stderr, leave=False, mininterval=5)
             for index, n in enumerate(iterator):
+                before = resource.getrusage(resource.RUSAGE_THREAD)
                 t = time.perf_counter()
                 fn(inputs[n])
                 synchronize(device)
                 latencies.append(time.perf_counter() - t)
+                after = resource.getrusage(resource.RUSAGE_THREAD)
+                switches.append((after.ru_nvcsw - before.ru_nvcsw, after.ru_nivcsw - before.ru_nivcsw))
                 if "background" in label and label not in background_done \
                         and cache.stats()["pending_builds"] == 0 \
                         and len(cache.cached_sizes()) == len(set(stream[:index + 1]) | set(BUCKETS)):
@@ -184,7 +218,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             cache.wait_for_builds()
         # Peak memory of one request at each size, on top of what the variant holds.
         peak = peak_memory(lambda: [fn(inputs[n]) for n in range(1, MAX_BATCH + 1)], device)
-        results[label] = (latencies, sum(latencies), peak, cache.stats() if cache else None)
+        results[label] = (latencies, switches, sum(latencies), peak, cache.stats() if cache else None)
         del fn, cache
     report.data.setdefault("background_builds_done_at_request", {})[name] = background_done.get(
         "(e) PlanCache pad + background builds")
@@ -199,11 +233,12 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
         report.data.setdefault("background_spikes", {}).setdefault(name, {})[label] = dict(
             done_at=done, total=during, after=after, worst_after=after_worst)
 
-    best_ab = max(sum(stream) / results[k][1] for k in list(variants)[:2])
-    for label, (latencies, total, peak, stats) in results.items():
+    best_ab = max(sum(stream) / results[k][2] for k in list(variants)[:2])
+    for label, (latencies, switches, total, peak, stats) in results.items():
         firsts = first_calls(latencies, stream)
         after_startup = label[:3] in ("(d)", "(e)", "(f)", "(g)")
-        spike_count, worst = spikes(latencies, stream, skip_first_per_size=False)
+        spiked, worst = spike_indices(latencies, stream, skip_first_per_size=False)
+        spike_count = len(spiked)
         later_count, later_worst = spikes(latencies, stream, skip_first_per_size=True)
         throughput = sum(stream) / total
         plan_bytes = stats["plan_bytes"] if stats else 0
@@ -218,12 +253,13 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             "first call at a new size (median / max)": f"{format_seconds(statistics.median(firsts))} / {format_seconds(max(firsts))}",
             "requests > 2x their size's median": f"{spike_count} (worst {worst:.1f}x)",
             "same, after each size's first call": f"{later_count} (worst {later_worst:.1f}x)",
+            "spikes: blocked / preempted / on CPU": spike_causes(spiked, switches),
             "peak memory / plans": f"{format_bytes(peak)} / {format_bytes(plan_bytes)}",
         }, model=name, variant=label, startup_seconds=startup[label], throughput=throughput, total_seconds=total,
             p50_seconds=percentile(latencies, 0.5), p99_seconds=percentile(latencies, 0.99), max_seconds=max(latencies),
             first_call_median_seconds=statistics.median(firsts), first_call_max_seconds=max(firsts),
             spikes_over_2x_median=spike_count, worst_ratio_to_median=worst,
-            spikes_after_first_call=later_count, worst_ratio_after_first_call=later_worst, peak_bytes=peak, plan_bytes=plan_bytes,
+            spike_causes=spike_causes(spiked, switches), spikes_after_first_call=later_count, worst_ratio_after_first_call=later_worst, peak_bytes=peak, plan_bytes=plan_bytes,
             after_startup_target=after_startup,
             stats={k: v for k, v in stats.items() if k != "sizes"} if stats else None)
 
@@ -316,7 +352,8 @@ def main() -> None:
     report = Report(name, f"PlanCache: {requests} requests, batch sizes uniform in 1..{MAX_BATCH}",
                     ["model", "variant", "startup", "throughput (items/s)", "vs best of (a),(b)", "p50", "p99", "max",
                      "first call at a new size (median / max)", "requests > 2x their size's median",
-                     "same, after each size's first call", "peak memory / plans"], command)
+                     "same, after each size's first call", "spikes: blocked / preempted / on CPU",
+                     "peak memory / plans"], command)
     sizes = [1, 32] if args.quick else [1, 8, 32, 64]
     steps_report = Report(f"{name}_steps", "What each step of a plan buys: median latency per call at fixed sizes",
                           ["model", "variant", "build per size"] + [f"n={n}" for n in sizes], command)
@@ -335,7 +372,14 @@ def main() -> None:
     report.notes.append("\nThroughput counts items (sum of batch sizes) per second over the whole stream, builds "
                         "included; start-up (preload) is not in it. Each variant serves the whole stream in "
                         "its own phase (its start-up just before), one intra-op thread. Spikes count every request, first calls "
-                        "included. Peak memory: torch_ext.memory's peak (CPU, or torch.cuda's on the GPU) above the start during one request at "
+                        "included. Spikes' causes, from the request thread's context switches during the request "
+                        "(getrusage): blocked (it waited: a lock, the GIL), preempted (other work took its core), on "
+                        "CPU (no switch: it computed the whole time, slowed by its own work or by the machine: "
+                        "other tenants' use of shared caches, memory bandwidth and the hypervisor's time). "
+                        "(d') runs (d)'s plans without the cache (a dict by size, called from Python): "
+                        "the same work at every request, so its spikes are what this machine adds on its own. "
+                        "(e) preloads buckets 1.5x apart, so a padded request costs at most about 1.5x its size's. "
+                        "Peak memory: torch_ext.memory's peak (CPU, or torch.cuda's on the GPU) above the start during one request at "
                         "each size 1..64 after the stream; plans: the cache's plan_bytes (constants its plans "
                         "reference). (e)'s background builds overlap its first requests: done by "
                         f"request {report.data.get('background_builds_done_at_request')}.")
