@@ -299,6 +299,7 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
     victim->prefetched = false;
     resident_bytes_ -= victim->nbytes;
     ++stats_.evictions;
+    wake_prefetcher_locked();  // the victim may be one of the tensors it should load ahead
   }
   return true;
 }
