@@ -24,6 +24,7 @@ import functools
 import inspect
 import math
 import statistics
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _C, memory
 
@@ -137,6 +139,179 @@ def _runner():
     return _run_under_compile if torch.compiler.is_compiling() else _run_eager
 
 
+_DETACH = torch.ops.aten.detach.default
+# A tail is skipped only when its ops took longer than this, plus the dispatch mode's cost per op
+# (about 10 µs of Python each), in the replay that recorded them: tiny segments never pay for it.
+_TAIL_MIN_SECONDS = 100e-6
+_TAIL_SECONDS_PER_OP = 10e-6
+
+
+def _storage_key(t: torch.Tensor) -> Optional[int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else None
+
+
+def _tensor_metas(value: Any) -> list:
+    return [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+            for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class _RecordedOp:
+    func: Any
+    inputs: list          # metas of its tensor arguments
+    outputs: list         # metas of its outputs
+    alias: bool           # it returns views of its inputs: always run (cheap, and aliasing matters)
+    skippable: bool       # tensors out, no mutation, no randomness, shapes known without the data
+    seconds: float
+    storages: set         # storage keys of its outputs
+
+
+class _RecordOps(TorchDispatchMode):
+    """The replay's ops below autograd, as recorded by the first replay of a segment."""
+
+    def __init__(self, pack) -> None:
+        super().__init__()
+        self.pack, self.ops, self.foreign_hooks = pack, [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _DETACH:  # saving an output for backward detaches it unless hooks pack it
+            return func(*args, **kwargs)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] is not self.pack:
+            self.foreign_hooks = True  # other hooks would hide what backward saves from ours
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        schema = func._schema
+        returns_tensors = all(str(r.type) in ("Tensor", "Tensor[]") for r in schema.returns)
+        skippable = (returns_tensors and not schema.is_mutable and bool(schema.returns)
+                     and not {torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape,
+                              torch.Tag.data_dependent_output} & set(func.tags))
+        storages = {_storage_key(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)} - {None}
+        self.ops.append(_RecordedOp(func, _tensor_metas((args, kwargs)), _tensor_metas(out),
+                                    any(r.alias_info is not None for r in schema.returns), skippable, seconds,
+                                    storages))
+        return out
+
+
+class _TailDiverged(Exception):
+    pass
+
+
+class _SkipTail(TorchDispatchMode):
+    """Runs a replay whose ops match the recorded ones, except that the tail's ops (after `cut`)
+    return empty tensors of the recorded shapes: backward needs their nodes, not their values."""
+
+    def __init__(self, ops: list, cut: int) -> None:
+        super().__init__()
+        self.ops, self.cut, self.index, self.skipped, self.off = ops, cut, -1, 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _DETACH or self.off:
+            return func(*args, **kwargs)
+        self.index += 1
+        op = self.ops[self.index] if self.index < len(self.ops) else None
+        if self.index <= self.cut:
+            if op is None or op.func is not func:
+                self.off = True  # another path before anything was skipped: run it all
+            return func(*args, **kwargs)
+        if op is None or op.func is not func or _tensor_metas((args, kwargs)) != op.inputs:
+            raise _TailDiverged()  # ops already skipped may feed this one: the caller replays again
+        if op.alias:
+            return func(*args, **kwargs)
+        self.skipped += 1
+        outs = [torch.empty_strided(size, stride, dtype=dtype, device=device)
+                for size, stride, dtype, device in op.outputs]
+        returns = func._schema.returns
+        if len(returns) == 1:
+            return outs if str(returns[0].type) == "Tensor[]" else outs[0]
+        return tuple(outs)
+
+
+class _ReplayTail:
+    """Early stop for one checkpointed module's replays.
+
+    A replay must rebuild the segment's autograd graph, but backward reads only the tensors its
+    nodes saved: the ops after the last one whose output is saved (the tail: a block's output
+    projection and residual add) need their nodes, not their values. The first replay records
+    its ops and what backward saved (saved-tensor hooks); later replays, under a dispatch mode
+    below autograd, run the tail's ops as empty tensors of the recorded shapes. Only CPU
+    segments whose recorded tail took longer than the mode costs, without other saved-tensor
+    hooks, random, mutating or data-dependent ops in the tail. A replay whose ops differ from the
+    record after the tail began is run again in full, from the same RNG state. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.state = "record"  # then "skip" or "off"
+        self.ops: list = []
+        self.cut = -1
+        self.skipped_ops = 0
+
+    def __deepcopy__(self, memo) -> "_ReplayTail":
+        return _ReplayTail()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def replay(self, forward: Callable, module: nn.Module, tensors: list) -> Any:
+        state = self.state
+        if state == "off":
+            return forward(module, *tensors)
+        if state == "record":
+            return self._record(forward, module, tensors)
+        mode = _SkipTail(self.ops, self.cut)
+        rng = torch.get_rng_state()
+        try:
+            with mode:
+                out = forward(module, *tensors)
+        except _TailDiverged:
+            with self._lock:
+                self.state = "off"
+            torch.set_rng_state(rng)
+            return forward(module, *tensors)
+        with self._lock:
+            self.skipped_ops += mode.skipped
+        return out
+
+    def _record(self, forward: Callable, module: nn.Module, tensors: list) -> Any:
+        on_cpu = all(t.device.type == "cpu" for t in list(tensors) + list(module.parameters()))
+        if not on_cpu or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            with self._lock:
+                self.state = "off"
+            return forward(module, *tensors)
+        saved: set = set()
+
+        def pack(t):
+            key = _storage_key(t)
+            if key is not None:
+                saved.add(key)
+            return t
+
+        recorder = _RecordOps(pack)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+            out = forward(module, *tensors)
+        ops = recorder.ops
+        cut = -1
+        for i, op in enumerate(ops):
+            if not op.skippable or (not op.alias and op.storages & saved):
+                cut = i
+        gain = sum(op.seconds for op in ops[cut + 1:] if not op.alias)
+        with self._lock:
+            if self.state == "record":
+                worth_it = gain > _TAIL_MIN_SECONDS + _TAIL_SECONDS_PER_OP * len(ops)
+                if recorder.foreign_hooks or not worth_it:
+                    self.state = "off"
+                else:
+                    self.ops, self.cut, self.state = ops, cut, "skip"
+        return out
+
+
 class _CheckpointedForward:
     """An instance's checkpointed forward (picklable and deep-copyable with its module)."""
 
@@ -144,6 +319,7 @@ class _CheckpointedForward:
         self.module, self.forward = module, forward
         self.storage, self.preserve_rng_state = storage, preserve_rng_state
         self._torch_ext_checkpoint = (storage, preserve_rng_state)
+        self.tail = _ReplayTail()
 
     def __call__(self, *args, **kwargs):
         module = self.module
@@ -155,9 +331,11 @@ class _CheckpointedForward:
                              self.storage, self.preserve_rng_state, type(module).__name__)
         # The common case, kept short: tensors in, tensors out.
         box: list = [None]
+        tail = self.tail
 
         def segment(tensors):
-            out = forward(module, *tensors)
+            # The core runs the forward without grad and the replay with it.
+            out = tail.replay(forward, module, tensors) if torch.is_grad_enabled() else forward(module, *tensors)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, list(args), _trainable_parameters(module), self.storage, self.preserve_rng_state,

@@ -1,6 +1,7 @@
 import copy
 import itertools
 import os
+import sys
 import threading
 import weakref
 
@@ -80,6 +81,99 @@ def test_gpt_blocks_checkpointed_in_place_give_exact_gradients_with_dropout():
     # The replay restores the RNG afterwards: the random stream continues as without checkpointing.
     assert torch.equal(rng_plain, rng_ckpt)
     assert list(plain.state_dict()) == list(ckpt.state_dict())
+
+
+@pytest.fixture
+def skip_every_tail(monkeypatch):
+    """Skip replay tails however little they cost (the real threshold leaves tiny models alone)."""
+    module = sys.modules["torch_ext.checkpoint"]
+    monkeypatch.setattr(module, "_TAIL_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(module, "_TAIL_SECONDS_PER_OP", 0.0)
+
+
+def test_replay_skips_the_tail_that_backward_does_not_read(skip_every_tail):
+    plain = tiny_gpt(dropout=0.0)
+    ckpt = copy.deepcopy(plain)
+    for block in ckpt.blocks:
+        torch_ext.checkpoint(block)
+    idx = torch.randint(0, 64, (2, 16))
+    for step in range(3):  # the first replay records, the next two skip
+        plain.zero_grad(set_to_none=True)
+        ckpt.zero_grad(set_to_none=True)
+        assert torch.equal(gpt_step(plain, idx, seed=step), gpt_step(ckpt, idx, seed=step))
+        assert_same_grads(plain, ckpt)
+    tail = ckpt.blocks[0].forward.tail
+    assert tail.state == "skip"
+    # Each replay after the first skips the MLP's output projection and the residual add.
+    assert [str(op.func) for op in tail.ops[tail.cut + 1:] if not op.alias] == ["aten.addmm.default",
+                                                                              "aten.add.Tensor"]
+    assert tail.skipped_ops == 4
+
+
+class SwitchedTail(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+        self.double = False
+
+    def forward(self, x):
+        y = self.out(torch.tanh(self.fc(x)))
+        return y * 2 if self.double else y + 1
+
+
+def test_a_replay_whose_tail_differs_from_the_record_runs_in_full(skip_every_tail):
+    torch.manual_seed(0)
+    plain = SwitchedTail()
+    ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
+    assert_same_backward(plain, ckpt, seed=0)  # records: the tail is out's addmm and the add
+    assert ckpt.forward.tail.state == "skip"
+    plain.double = ckpt.double = True
+    for module in (plain, ckpt):
+        module.zero_grad(set_to_none=True)
+    assert_same_backward(plain, ckpt, seed=1)  # a mul where the record has an add: replayed in full
+    assert ckpt.forward.tail.state == "off"
+
+
+class NoisyTail(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y + 0.1 * torch.randn_like(y)
+
+
+def test_replay_tails_are_left_alone_when_cheap_or_under_other_saved_tensor_hooks_and_random_ops_run(monkeypatch):
+    torch.manual_seed(0)
+    cheap = torch_ext.checkpoint(nn.Linear(16, 16))
+    cheap(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert cheap.forward.tail.state == "off"  # its tail costs less than the dispatch mode would
+
+    module = sys.modules["torch_ext.checkpoint"]
+    monkeypatch.setattr(module, "_TAIL_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(module, "_TAIL_SECONDS_PER_OP", 0.0)
+    plain = NoisyTail()
+    noisy = torch_ext.checkpoint(copy.deepcopy(plain))
+    x = torch.randn(4, 16)
+    for seed in range(3):  # a random op always runs: the tail starts after it
+        states = []
+        for module in (plain, noisy):
+            module.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            module(x.requires_grad_()).sum().backward()
+            states.append(torch.get_rng_state())
+        assert_same_grads(plain, noisy)
+        assert torch.equal(*states)  # the random stream goes on as without checkpointing
+    tail = noisy.forward.tail
+    assert tail.state == "skip" and torch.Tag.nondeterministic_seeded in tail.ops[tail.cut].func.tags
+    assert [str(op.func) for op in tail.ops[tail.cut + 1:]] == ["aten.mul.Tensor", "aten.add.Tensor"]
+
+    hooked = torch_ext.checkpoint(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        hooked(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert hooked.forward.tail.state == "off"  # the replay's saved tensors go to the user's hooks
 
 
 def test_segment_runs_once_in_forward_and_once_more_in_backward():
