@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import statistics
 import threading
@@ -91,8 +92,9 @@ def _name_of(fn: Any) -> str:
 
 
 def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], storage: str,
-         preserve_rng_state: bool, name: str) -> Any:
-    """fn(*args, **kwargs) as one checkpointed segment whose other tensors requiring grad are params."""
+         preserve_rng_state: bool, name: str, tail: Optional["_ReplayTail"] = None) -> Any:
+    """fn(*args, **kwargs) as one checkpointed segment whose other tensors requiring grad are params;
+    tail: the call site's early stop for its replays."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     box: list = [None]  # the output's structure when it is not one tensor
@@ -100,7 +102,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
         # Fast path: positional plain tensors. The closure holds no input, so the storage policy
         # alone decides what stays alive.
         def segment(tensors):
-            out = fn(*tensors)
+            out = tail.replay(fn, tensors, params) if tail is not None and torch.is_grad_enabled() else fn(*tensors)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, list(args), params, storage, preserve_rng_state, name)
@@ -122,7 +124,10 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
             for i, t in zip(slots, replayed):
                 call_leaves[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(call_leaves, spec)
-            out = fn(*call_args, **call_kwargs)
+            if tail is not None and torch.is_grad_enabled():
+                out = tail.replay(lambda *_: fn(*call_args, **call_kwargs), replayed, params)
+            else:
+                out = fn(*call_args, **call_kwargs)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, tensors, params, storage, preserve_rng_state, name)
@@ -140,6 +145,7 @@ def _runner():
 
 
 _DETACH = torch.ops.aten.detach.default
+_TAIL_ATTRIBUTE = "_torch_ext_replay_tail"  # a class-decorated module's _ReplayTail
 # A tail is skipped only when its ops took longer than this, plus the dispatch mode's cost per op
 # (about 10 µs of Python each), in the replay that recorded them: tiny segments never pay for it.
 _TAIL_MIN_SECONDS = 100e-6
@@ -259,32 +265,33 @@ class _ReplayTail:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
-    def replay(self, forward: Callable, module: nn.Module, tensors: list) -> Any:
+    def replay(self, run: Callable, tensors: Sequence[torch.Tensor], params: Iterable[torch.Tensor]) -> Any:
+        """run(*tensors), the segment's replay; params: the other tensors it reads."""
         state = self.state
         if state == "off":
-            return forward(module, *tensors)
+            return run(*tensors)
         if state == "record":
-            return self._record(forward, module, tensors)
+            return self._record(run, tensors, params)
         mode = _SkipTail(self.ops, self.cut)
         rng = torch.get_rng_state()
         try:
             with mode:
-                out = forward(module, *tensors)
+                out = run(*tensors)
         except _TailDiverged:
             with self._lock:
                 self.state = "off"
             torch.set_rng_state(rng)
-            return forward(module, *tensors)
+            return run(*tensors)
         with self._lock:
             self.skipped_ops += mode.skipped
         return out
 
-    def _record(self, forward: Callable, module: nn.Module, tensors: list) -> Any:
-        on_cpu = all(t.device.type == "cpu" for t in list(tensors) + list(module.parameters()))
+    def _record(self, run: Callable, tensors: Sequence[torch.Tensor], params: Iterable[torch.Tensor]) -> Any:
+        on_cpu = all(t.device.type == "cpu" for t in itertools.chain(tensors, params))
         if not on_cpu or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             with self._lock:
                 self.state = "off"
-            return forward(module, *tensors)
+            return run(*tensors)
         saved: set = set()
 
         def pack(t):
@@ -295,7 +302,7 @@ class _ReplayTail:
 
         recorder = _RecordOps(pack)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
-            out = forward(module, *tensors)
+            out = run(*tensors)
         ops = recorder.ops
         cut = -1
         for i, op in enumerate(ops):
@@ -328,14 +335,17 @@ class _CheckpointedForward:
             return forward(module, *args, **kwargs)
         if kwargs or not _plain_tensors(args) or torch.compiler.is_compiling():
             return _runner()(functools.partial(forward, module), args, kwargs, _trainable_parameters(module),
-                             self.storage, self.preserve_rng_state, type(module).__name__)
+                             self.storage, self.preserve_rng_state, type(module).__name__, self.tail)
         # The common case, kept short: tensors in, tensors out.
         box: list = [None]
         tail = self.tail
 
         def segment(tensors):
             # The core runs the forward without grad and the replay with it.
-            out = tail.replay(forward, module, tensors) if torch.is_grad_enabled() else forward(module, *tensors)
+            if torch.is_grad_enabled():
+                out = tail.replay(functools.partial(forward, module), tensors, module.parameters())
+            else:
+                out = forward(module, *tensors)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, list(args), _trainable_parameters(module), self.storage, self.preserve_rng_state,
@@ -373,8 +383,9 @@ def checkpoint(target: Any = None, *, storage: str = "keep", preserve_rng_state:
         def forward(self, *args, **kwargs):
             if not torch.is_grad_enabled():
                 return original(self, *args, **kwargs)
+            tail = self.__dict__.get(_TAIL_ATTRIBUTE) or self.__dict__.setdefault(_TAIL_ATTRIBUTE, _ReplayTail())
             return _runner()(functools.partial(original, self), args, kwargs, _trainable_parameters(self), storage,
-                        preserve_rng_state, type(self).__name__)
+                             preserve_rng_state, type(self).__name__, tail)
 
         forward._torch_ext_checkpoint = (storage, preserve_rng_state)
         target.forward = forward
@@ -393,12 +404,14 @@ def checkpoint(target: Any = None, *, storage: str = "keep", preserve_rng_state:
         owner = fn.__self__ if inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module) else None
         name = _name_of(fn)
 
+        tail = _ReplayTail()
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if not torch.is_grad_enabled():
                 return fn(*args, **kwargs)
             params = _trainable_parameters(owner) if owner is not None else []
-            return _runner()(fn, args, kwargs, params, storage, preserve_rng_state, name)
+            return _runner()(fn, args, kwargs, params, storage, preserve_rng_state, name, tail)
 
         wrapper._torch_ext_checkpoint = (storage, preserve_rng_state)
         return wrapper
@@ -740,6 +753,7 @@ class CheckpointedSequential(nn.Sequential):
         self.preserve_rng_state = preserve_rng_state
         self.budget_bytes = budget_bytes
         self.plan: Optional[CheckpointPlan] = None
+        self._tails: dict[tuple[int, int], _ReplayTail] = {}  # early stop per segment (start, end)
         if budget_bytes is not None:
             if not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
                 raise ValueError(f"CheckpointedSequential: budget_bytes must be a positive number, got {budget_bytes!r}")
@@ -843,8 +857,9 @@ class CheckpointedSequential(nn.Sequential):
                 self._records.append((start, checkpointed, weak, nbytes, _rng_snapshot(leaves)))
             if checkpointed and grad:
                 params = [p for i in range(start, end) for p in _trainable_parameters(self[i])]
+                tail = self._tails.get((start, end)) or self._tails.setdefault((start, end), _ReplayTail())
                 value = _runner()(run, args, kw, params, self.storage, self.preserve_rng_state,
-                             f"CheckpointedSequential[{start}:{end}]")
+                                  f"CheckpointedSequential[{start}:{end}]", tail)
             else:
                 value = run(*args, **kw)
         return value

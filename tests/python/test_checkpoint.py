@@ -110,6 +110,24 @@ def test_replay_skips_the_tail_that_backward_does_not_read(skip_every_tail):
     assert tail.skipped_ops == 4
 
 
+def test_checkpointed_sequential_segments_skip_their_replay_tails(skip_every_tail):
+    plain = tiny_gpt(dropout=0.0)
+    model = copy.deepcopy(plain)
+    chain = torch_ext.CheckpointedSequential(list(model.blocks), every=1)
+    idx = torch.randint(0, 64, (2, 16))
+    for step in range(3):
+        plain.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        loss = language_model_loss(model.head(chain(model.embed(idx[:, :-1]))), idx[:, 1:])
+        loss.backward()
+        assert torch.equal(gpt_step(plain, idx, seed=step), loss)
+        assert_same_grads(plain, model)
+    tails = chain._tails
+    assert sorted(tails) == [(i, i + 1) for i in range(3)]
+    assert all(tail.state == "skip" and tail.skipped_ops == 4 for tail in tails.values())
+
+
 class SwitchedTail(nn.Module):
     def __init__(self):
         super().__init__()
