@@ -2,8 +2,8 @@
 
   (a) no checkpointing
   (b) torch.utils.checkpoint per block (use_reentrant=False)
-  (b') the same with early_stop=False: torch replays the whole block, as torch_ext does (reference
-       for how much of (b)'s step time its early stop saves)
+  (b') the same with early_stop=False: torch replays the whole block (reference for how much of
+       (b)'s step time its early stop saves; torch_ext's replays stop early too, on CPU)
   (c) torch_ext per block (CheckpointedSequential(every=1))
   (d) torch_ext planned (plan_checkpoints) at 50% and 25% of (a)'s activation memory
 
@@ -307,9 +307,16 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     bp = "(b') (b) with early_stop=False"
     if bp in timings and b in timings:
         report.notes.append("")
-        report.notes.append(f"(b') is (b) without torch's early stop (the replay runs the whole block, as torch_ext's does): "
+        report.notes.append(f"(b') is (b) without torch's early stop (the replay runs the whole block): "
                             f"{harness.format_seconds(timings[bp].median_seconds)}; early stop saves (b) "
                             f"{harness.format_seconds(timings[bp].median_seconds - tb)} per step.")
+    tails = chains[c]._tails.values()
+    skipping = [t for t in tails if t.state == "skip"]
+    if skipping:
+        tail_ops = sorted({str(op.func) for t in skipping for op in t.ops[t.cut + 1:] if not op.alias})
+        report.notes.append("")
+        report.notes.append(f"(c)'s early stop: {len(skipping)} of its {len(tails)} segments' replays skip their tail "
+                            f"({', '.join(tail_ops)}), {sum(t.skipped_ops for t in skipping)} ops in all over the run.")
     if device_mode and BF16 in timings and c in timings:
         report.notes.append("")
         report.notes.append(f"(c-bf16) stores the boundaries in bfloat16: blocks peak {harness.format_bytes(chain_peaks[BF16])} "

@@ -102,7 +102,10 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
         # Fast path: positional plain tensors. The closure holds no input, so the storage policy
         # alone decides what stays alive.
         def segment(tensors):
-            out = tail.replay(fn, tensors, params) if tail is not None and torch.is_grad_enabled() else fn(*tensors)
+            if tail is not None and tail.state != "off" and torch.is_grad_enabled():
+                out = tail.replay(fn, tensors, params)
+            else:
+                out = fn(*tensors)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, list(args), params, storage, preserve_rng_state, name)
@@ -124,7 +127,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
             for i, t in zip(slots, replayed):
                 call_leaves[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(call_leaves, spec)
-            if tail is not None and torch.is_grad_enabled():
+            if tail is not None and tail.state != "off" and torch.is_grad_enabled():
                 out = tail.replay(lambda *_: fn(*call_args, **call_kwargs), replayed, params)
             else:
                 out = fn(*call_args, **call_kwargs)
@@ -342,7 +345,7 @@ class _CheckpointedForward:
 
         def segment(tensors):
             # The core runs the forward without grad and the replay with it.
-            if torch.is_grad_enabled():
+            if tail.state != "off" and torch.is_grad_enabled():
                 out = tail.replay(functools.partial(forward, module), tensors, module.parameters())
             else:
                 out = forward(module, *tensors)
