@@ -5,6 +5,8 @@ segment without building a graph and stores only the boundary inputs; its backwa
 RNG, autocast and grad-mode state of the forward, replays the segment and back-propagates
 through the replay. Parameters are explicit inputs of the node, so torch.autograd.grad,
 backward(inputs=...), hooks and DistributedDataParallel behave as without checkpointing.
+On CPU, the replays of Python segments stop early: the ops after the last one whose output
+backward saves are not computed (see _ReplayTail).
 
     torch_ext.checkpoint            decorator for nn.Module subclasses, instances and functions
     torch_ext.CheckpointedSequential a chain with checkpointed boundaries and memory accounting
