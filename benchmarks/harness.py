@@ -8,7 +8,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -58,6 +58,7 @@ class Timing:
     p10_seconds: float
     p90_seconds: float
     repeat: int
+    samples: list = field(default_factory=list)  # in the order they were taken (rounds, when interleaved)
 
     @property
     def spread(self) -> float:
@@ -73,7 +74,8 @@ def timing_of(samples: Sequence[float]) -> Timing:
     def quantile(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
-    return Timing(statistics.median(ordered), ordered[0], ordered[-1], quantile(0.1), quantile(0.9), len(ordered))
+    return Timing(statistics.median(ordered), ordered[0], ordered[-1], quantile(0.1), quantile(0.9), len(ordered),
+                  list(samples))
 
 
 def _synchronize() -> None:

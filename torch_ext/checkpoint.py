@@ -104,7 +104,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
         # Fast path: positional plain tensors. The closure holds no input, so the storage policy
         # alone decides what stays alive.
         def segment(tensors):
-            if tail is not None and tail.state != "off" and torch.is_grad_enabled():
+            if tail is not None and not tail.off and torch.is_grad_enabled():
                 out = tail.replay(fn, tensors, params)
             else:
                 out = fn(*tensors)
@@ -129,7 +129,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
             for i, t in zip(slots, replayed):
                 call_leaves[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(call_leaves, spec)
-            if tail is not None and tail.state != "off" and torch.is_grad_enabled():
+            if tail is not None and not tail.off and torch.is_grad_enabled():
                 out = tail.replay(lambda *_: fn(*call_args, **call_kwargs), replayed, params)
             else:
                 out = fn(*call_args, **call_kwargs)
@@ -242,23 +242,31 @@ class _SkipTail(TorchDispatchMode):
         return tuple(outs)
 
 
+@dataclass
+class _TailRecord:
+    ops: list  # _RecordedOp of one replay
+    cut: int   # the last op whose output backward reads (or that must run); the tail follows it
+
+
 class _ReplayTail:
-    """Early stop for one checkpointed module's replays.
+    """Early stop for the replays of one checkpoint call site.
 
     A replay must rebuild the segment's autograd graph, but backward reads only the tensors its
     nodes saved: the ops after the last one whose output is saved (the tail: a block's output
-    projection and residual add) need their nodes, not their values. The first replay records
-    its ops and what backward saved (saved-tensor hooks); later replays, under a dispatch mode
-    below autograd, run the tail's ops as empty tensors of the recorded shapes. Only CPU
-    segments whose recorded tail took longer than the mode costs, without other saved-tensor
-    hooks, random, mutating or data-dependent ops in the tail. A replay whose ops differ from the
-    record after the tail began is run again in full, from the same RNG state. Thread-safe."""
+    projection and residual add) need their nodes, not their values. The first replay at given
+    input shapes records its ops and what backward saved (saved-tensor hooks); later replays at
+    those shapes, under a dispatch mode below autograd, run the tail's ops as empty tensors of the
+    recorded shapes. Off for segments on accelerators, under other saved-tensor hooks, or whose
+    tail took less time than the mode costs; random, mutating and data-dependent ops always run.
+    A replay whose ops depart from the record after the tail began runs again in full, from the
+    same RNG state, and its shapes are not skipped again. Thread-safe."""
+
+    MAX_SHAPES = 8  # records kept per site; replays at further shapes run in full
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.state = "record"  # then "skip" or "off"
-        self.ops: list = []
-        self.cut = -1
+        self.off = False
+        self.records: dict[tuple, Optional[_TailRecord]] = {}  # input shapes -> record (None: run in full)
         self.skipped_ops = 0
 
     def __deepcopy__(self, memo) -> "_ReplayTail":
@@ -272,30 +280,33 @@ class _ReplayTail:
 
     def replay(self, run: Callable, tensors: Sequence[torch.Tensor], params: Iterable[torch.Tensor]) -> Any:
         """run(*tensors), the segment's replay; params: the other tensors it reads."""
-        state = self.state
-        if state == "off":
+        shapes = tuple((t.shape, t.dtype) for t in tensors)
+        record = self.records.get(shapes, False)
+        if record is False:
+            if len(self.records) >= self.MAX_SHAPES:
+                return run(*tensors)
+            return self._record(shapes, run, tensors, params)
+        if record is None:
             return run(*tensors)
-        if state == "record":
-            return self._record(run, tensors, params)
-        mode = _SkipTail(self.ops, self.cut)
+        mode = _SkipTail(record.ops, record.cut)
         rng = torch.get_rng_state()
         try:
             with mode:
                 out = run(*tensors)
         except _TailDiverged:
             with self._lock:
-                self.state = "off"
+                self.records[shapes] = None
             torch.set_rng_state(rng)
             return run(*tensors)
         with self._lock:
             self.skipped_ops += mode.skipped
         return out
 
-    def _record(self, run: Callable, tensors: Sequence[torch.Tensor], params: Iterable[torch.Tensor]) -> Any:
+    def _record(self, shapes: tuple, run: Callable, tensors: Sequence[torch.Tensor],
+                params: Iterable[torch.Tensor]) -> Any:
         on_cpu = all(t.device.type == "cpu" for t in itertools.chain(tensors, params))
         if not on_cpu or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-            with self._lock:
-                self.state = "off"
+            self.off = True
             return run(*tensors)
         saved: set = set()
 
@@ -314,13 +325,11 @@ class _ReplayTail:
             if not op.skippable or (not op.alias and op.storages & saved):
                 cut = i
         gain = sum(op.seconds for op in ops[cut + 1:] if not op.alias)
-        with self._lock:
-            if self.state == "record":
-                worth_it = gain > _TAIL_MIN_SECONDS + _TAIL_SECONDS_PER_OP * len(ops)
-                if recorder.foreign_hooks or not worth_it:
-                    self.state = "off"
-                else:
-                    self.ops, self.cut, self.state = ops, cut, "skip"
+        if recorder.foreign_hooks or gain <= _TAIL_MIN_SECONDS + _TAIL_SECONDS_PER_OP * len(ops):
+            self.off = True  # no shape would pay: spare every later replay the lookup
+        else:
+            with self._lock:
+                self.records.setdefault(shapes, _TailRecord(ops, cut))
         return out
 
 
@@ -347,7 +356,7 @@ class _CheckpointedForward:
 
         def segment(tensors):
             # The core runs the forward without grad and the replay with it.
-            if tail.state != "off" and torch.is_grad_enabled():
+            if not tail.off and torch.is_grad_enabled():
                 out = tail.replay(functools.partial(forward, module), tensors, module.parameters())
             else:
                 out = forward(module, *tensors)

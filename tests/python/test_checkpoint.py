@@ -103,10 +103,10 @@ def test_replay_skips_the_tail_that_backward_does_not_read(skip_every_tail):
         assert torch.equal(gpt_step(plain, idx, seed=step), gpt_step(ckpt, idx, seed=step))
         assert_same_grads(plain, ckpt)
     tail = ckpt.blocks[0].forward.tail
-    assert tail.state == "skip"
+    (record,) = tail.records.values()
     # Each replay after the first skips the MLP's output projection and the residual add.
-    assert [str(op.func) for op in tail.ops[tail.cut + 1:] if not op.alias] == ["aten.addmm.default",
-                                                                              "aten.add.Tensor"]
+    assert [str(op.func) for op in record.ops[record.cut + 1:] if not op.alias] == ["aten.addmm.default",
+                                                                                  "aten.add.Tensor"]
     assert tail.skipped_ops == 4
 
 
@@ -125,7 +125,7 @@ def test_checkpointed_sequential_segments_skip_their_replay_tails(skip_every_tai
         assert_same_grads(plain, model)
     tails = chain._tails
     assert sorted(tails) == [(i, i + 1) for i in range(3)]
-    assert all(tail.state == "skip" and tail.skipped_ops == 4 for tail in tails.values())
+    assert all(len(tail.records) == 1 and tail.skipped_ops == 4 for tail in tails.values())
 
 
 class SwitchedTail(nn.Module):
@@ -144,13 +144,32 @@ def test_a_replay_whose_tail_differs_from_the_record_runs_in_full(skip_every_tai
     torch.manual_seed(0)
     plain = SwitchedTail()
     ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
+    tail = ckpt.forward.tail
     assert_same_backward(plain, ckpt, seed=0)  # records: the tail is out's addmm and the add
-    assert ckpt.forward.tail.state == "skip"
+    assert_same_backward(plain, ckpt, seed=1)
+    assert tail.skipped_ops == 2
     plain.double = ckpt.double = True
     for module in (plain, ckpt):
         module.zero_grad(set_to_none=True)
-    assert_same_backward(plain, ckpt, seed=1)  # a mul where the record has an add: replayed in full
-    assert ckpt.forward.tail.state == "off"
+    assert_same_backward(plain, ckpt, seed=2)  # a mul where the record has an add: replayed in full
+    assert list(tail.records.values()) == [None] and tail.skipped_ops == 2
+    assert_same_backward(plain, ckpt, seed=3)  # and these shapes are not skipped again
+    assert tail.skipped_ops == 2
+
+
+def test_each_input_shape_gets_its_own_record(skip_every_tail):
+    torch.manual_seed(0)
+    plain = SwitchedTail()
+    ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
+    for rows in (4, 8, 4, 8):
+        x = torch.randn(rows, 16)
+        for module in (plain, ckpt):
+            module.zero_grad(set_to_none=True)
+            module(x).sum().backward()
+        assert_same_grads(plain, ckpt)
+    tail = ckpt.forward.tail
+    assert sorted(shapes[0][0][0] for shapes in tail.records) == [4, 8]
+    assert tail.skipped_ops == 4  # the second call at each shape skips the addmm and the add
 
 
 class NoisyTail(nn.Module):
@@ -167,7 +186,7 @@ def test_replay_tails_are_left_alone_when_cheap_or_under_other_saved_tensor_hook
     torch.manual_seed(0)
     cheap = torch_ext.checkpoint(nn.Linear(16, 16))
     cheap(torch.randn(4, 16, requires_grad=True)).sum().backward()
-    assert cheap.forward.tail.state == "off"  # its tail costs less than the dispatch mode would
+    assert cheap.forward.tail.off  # its tail costs less than the dispatch mode would
 
     module = sys.modules["torch_ext.checkpoint"]
     monkeypatch.setattr(module, "_TAIL_MIN_SECONDS", 0.0)
@@ -184,14 +203,14 @@ def test_replay_tails_are_left_alone_when_cheap_or_under_other_saved_tensor_hook
             states.append(torch.get_rng_state())
         assert_same_grads(plain, noisy)
         assert torch.equal(*states)  # the random stream goes on as without checkpointing
-    tail = noisy.forward.tail
-    assert tail.state == "skip" and torch.Tag.nondeterministic_seeded in tail.ops[tail.cut].func.tags
-    assert [str(op.func) for op in tail.ops[tail.cut + 1:]] == ["aten.mul.Tensor", "aten.add.Tensor"]
+    (record,) = noisy.forward.tail.records.values()
+    assert torch.Tag.nondeterministic_seeded in record.ops[record.cut].func.tags
+    assert [str(op.func) for op in record.ops[record.cut + 1:]] == ["aten.mul.Tensor", "aten.add.Tensor"]
 
     hooked = torch_ext.checkpoint(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)))
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         hooked(torch.randn(4, 16, requires_grad=True)).sum().backward()
-    assert hooked.forward.tail.state == "off"  # the replay's saved tensors go to the user's hooks
+    assert hooked.forward.tail.off  # the replay's saved tensors go to the user's hooks
 
 
 def test_segment_runs_once_in_forward_and_once_more_in_backward():
