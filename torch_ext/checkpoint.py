@@ -104,10 +104,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
         # Fast path: positional plain tensors. The closure holds no input, so the storage policy
         # alone decides what stays alive.
         def segment(tensors):
-            if tail is not None and not tail.off and torch.is_grad_enabled():
-                out = tail.replay(fn, tensors, params)
-            else:
-                out = fn(*tensors)
+            out = tail.replay(fn, tensors, params) if tail is not None else fn(*tensors)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, list(args), params, storage, preserve_rng_state, name)
@@ -129,7 +126,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
             for i, t in zip(slots, replayed):
                 call_leaves[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(call_leaves, spec)
-            if tail is not None and not tail.off and torch.is_grad_enabled():
+            if tail is not None:
                 out = tail.replay(lambda *_: fn(*call_args, **call_kwargs), replayed, params)
             else:
                 out = fn(*call_args, **call_kwargs)
@@ -279,7 +276,10 @@ class _ReplayTail:
         self.__init__()
 
     def replay(self, run: Callable, tensors: Sequence[torch.Tensor], params: Iterable[torch.Tensor]) -> Any:
-        """run(*tensors), the segment's replay; params: the other tensors it reads."""
+        """run(*tensors): the segment's forward (the core runs it without grad: nothing to skip) or its
+        replay (with grad); params: the other tensors it reads."""
+        if self.off or not torch.is_grad_enabled():
+            return run(*tensors)
         shapes = tuple((t.shape, t.dtype) for t in tensors)
         record = self.records.get(shapes, False)
         if record is False:
@@ -353,16 +353,13 @@ class _CheckpointedForward:
         # The common case, kept short: tensors in, tensors out.
         box: list = [None]
         tail = self.tail
+        params = _trainable_parameters(module)
 
         def segment(tensors):
-            # The core runs the forward without grad and the replay with it.
-            if not tail.off and torch.is_grad_enabled():
-                out = tail.replay(functools.partial(forward, module), tensors, module.parameters())
-            else:
-                out = forward(module, *tensors)
+            out = tail.replay(functools.partial(forward, module), tensors, params)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
-        outputs = _apply(segment, list(args), _trainable_parameters(module), self.storage, self.preserve_rng_state,
+        outputs = _apply(segment, list(args), params, self.storage, self.preserve_rng_state,
                          type(module).__name__)
         return outputs[0] if box[0] is None else _unflatten_output(outputs, box)
 
