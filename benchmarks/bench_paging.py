@@ -13,6 +13,7 @@ Variants (each measured in its own subprocess, so peak RSS never mixes):
 
     python benchmarks/bench_paging.py            # full run (~1.2 GB model)
     python benchmarks/bench_paging.py --quick    # small model, a smoke test
+    python benchmarks/bench_paging.py --threads 2   # torch on every core: results/paging_threads2.{md,json}
     python benchmarks/bench_paging.py --device cuda   # the GPU run: results/paging_cuda.{md,json}
 
 --device DEVICE: the same variants computing on DEVICE, the budget being DEVICE memory for the
@@ -45,6 +46,9 @@ from torch_ext.models import GPT, GPTConfig  # noqa: E402
 FULL = dict(vocab_size=50257, block_size=1024, n_layer=20, n_head=16, n_embd=1024)
 QUICK = dict(vocab_size=8192, block_size=256, n_layer=6, n_head=8, n_embd=512)
 PREFETCH = 12  # tensors ahead: one transformer block's 12 tensors
+# Torch threads on the CPU benchmark: the prefetcher overlaps loads with compute only on a core the
+# forward leaves free, and torch's default takes every core (on this 2-core machine both).
+CPU_THREADS = 1
 CUDA_TOKENS = 1024  # tokens per forward on a GPU (capped at block_size): 1x16 leaves an H100 idle
 
 
@@ -85,6 +89,8 @@ def child(args) -> None:
     import psutil
 
     config = GPTConfig(**json.loads(args.config))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device or "cpu")
     on_gpu = device.type == "cuda"
     with torch.device("meta"):
@@ -224,6 +230,8 @@ class Child:
                    "--tokens", str(args.tokens), "--json", str(self.json), "--output", str(self.tensor)]
         if args.device is not None:
             command += ["--device", args.device]
+        if args.threads is not None:
+            command += ["--threads", str(args.threads)]
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
         # A fixed mmap threshold: glibc otherwise raises it after large frees and serves later
         # multi-MB allocations from the heap, whose RSS does not go back to the OS. Same for all variants.
@@ -267,6 +275,10 @@ def main() -> None:
                         help=f"tokens per forward (batch of 1; default 16, on cuda {CUDA_TOKENS} capped at block_size)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch intra-op threads in every variant (default: {CPU_THREADS} on the CPU benchmark, "
+                             f"leaving a core to the prefetcher; torch's default with --device; other counts write "
+                             f"results/paging_threads<N>.{{md,json}})")
     parser.add_argument("--all-direct", action="store_true", help="O_DIRECT rows at every budget, not only 25%%")
     parser.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -295,6 +307,10 @@ def main() -> None:
         args.tokens = min(CUDA_TOKENS, config["block_size"]) if on_gpu else 16
     if args.quick:
         args.repeat, args.warmup = min(args.repeat, 3), min(args.warmup, 2)
+    threads_given = args.threads is not None and not (device is None and args.threads == CPU_THREADS)
+    if args.threads is None and device is None:
+        args.threads = CPU_THREADS
+    threads = args.threads or torch.get_num_threads()  # what every variant's process runs with
     try:
         import accelerate  # noqa: F401
         have_accelerate = True
@@ -370,12 +386,15 @@ def main() -> None:
     if device is not None:
         command += f" --device {args.device}" + (f" --tokens {args.tokens}" if tokens_given else "")
     command += " --quick" if args.quick else ""
+    command += f" --threads {args.threads}" if threads_given else ""
     time_column = "time / forward: min (median)" if device is None else "time / forward: median (min)"
-    title = f"Weight paging: GPT ({weights / 1e9:.2f} GB fp32), 1x{args.tokens} tokens per forward"
+    title = (f"Weight paging: GPT ({weights / 1e9:.2f} GB fp32), 1x{args.tokens} tokens per forward, "
+             f"{threads} torch thread{'s' if threads > 1 else ''}")
     if device is not None:
         where = torch.cuda.get_device_name(device) if on_gpu else "the CPU"
         title = f"Weight paging on {where} ({args.device}): GPT ({weights / 1e9:.2f} GB fp32), 1x{args.tokens} tokens per forward"
-    report = Report("paging" + (f"_{args.device}" if device is not None else "") + ("_quick" if args.quick else ""),
+    report = Report("paging" + (f"_{args.device}" if device is not None else "")
+                    + (f"_threads{args.threads}" if threads_given else "") + ("_quick" if args.quick else ""),
                     title,
                     ["variant", "budget", time_column, "vs resident", "CPU / forward (median)"]
                     + (["peak GPU memory (above start)"] if on_gpu else [])
@@ -446,9 +465,12 @@ def main() -> None:
             f"Each variant lives in its own subprocess (all started up front) and the parent runs one "
             f"forward of each in turn, {args.repeat} rounds, so load from other work on the machine hits every variant "
             f"alike; after a forward a paged variant waits until its prefetcher is idle before the next variant runs. "
+            f"Every variant computes with {threads} torch thread{'s' if threads > 1 else ''} on this machine's "
+            f"{os.cpu_count()} cores: the prefetcher overlaps loads with compute only on a core the forward leaves "
+            f"free (--threads sets the count). "
             f"Peak RSS: VmHWM of the variant's process, reset after its model is set up; in brackets, the peak "
             f"above the RSS at that point. CPU / forward: CPU time of all the variant's threads (torch's "
-            f"{torch.get_num_threads()} compute threads, the prefetcher) from the start of a forward until its loads "
+            f"{threads} compute thread{'s' if threads > 1 else ''}, the prefetcher) from the start of a forward until its loads "
             f"are done, the work a forward costs whatever else runs on the machine. Hit rate, stall and bytes loaded: "
             f"the pager's statistics over the timed forwards. Every variant's logits equal the resident model's "
             f"(torch.equal) unless the row says otherwise.",
