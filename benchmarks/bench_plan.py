@@ -381,8 +381,7 @@ def main() -> None:
                         "(e) preloads buckets 1.5x apart, so a padded request costs at most about 1.5x its size's. "
                         "Peak memory: torch_ext.memory's peak (CPU, or torch.cuda's on the GPU) above the start during one request at "
                         "each size 1..64 after the stream; plans: the cache's plan_bytes (constants its plans "
-                        "reference). (e)'s background builds overlap its first requests: done by "
-                        f"request {report.data.get('background_builds_done_at_request')}.")
+                        "reference).")
     report.write()
     steps_report.notes.append("\nEach cell: median over interleaved rounds of one call at n, each preceded by an untimed "
                               "call of the same variant at another size (cycling 1..64), as a server sees them. The "
