@@ -26,7 +26,6 @@ results/checkpoint_cuda.{md,json} (checkpoint_cuda_quick with --quick).
 from __future__ import annotations
 
 import argparse
-import statistics
 import copy
 import sys
 from pathlib import Path
@@ -95,7 +94,7 @@ def run(device: torch.device, quick: bool, command: str) -> None:
         batch, warmup, repeat, regions, region_repeat = 2, 1, 3, 20, 20
     else:
         config = GPTConfig(n_layer=12, n_embd=192, n_head=6, vocab_size=1024, block_size=256)
-        batch, warmup, repeat, regions, region_repeat = 4, 1, 9, 50, 60
+        batch, warmup, repeat, regions, region_repeat = 4, 1, 15, 50, 60
     model = GPT(config).to(device)
     tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -262,16 +261,16 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     checks = []
     if all(k in timings for k in (a, b, c)):
         # Rounds interleave the variants: each round's (c) - (b) cancels the load that hits both.
-        differences = [tc_i - tb_i for tc_i, tb_i in zip(timings[c].samples, timings[b].samples)]
-        paired = statistics.median(differences)
-        faster = sum(d < 0 for d in differences)
+        paired, low, high, faster = harness.paired_difference(timings[c], timings[b])
+        verdict = "lower" if high < 0 else ("higher" if low > 0 else "a tie within this run's noise")
         checks.append(
             (f"(c) has (b)'s peak memory at lower step time: blocks peak {harness.format_bytes(chain_peaks[c])} vs "
              f"{harness.format_bytes(chain_peaks[b])}, step peak {harness.format_bytes(peaks[c])} vs "
              f"{harness.format_bytes(peaks[b])}; step {harness.format_seconds(tc)} vs {harness.format_seconds(tb)}; "
-             f"per round, (c) - (b) has median {paired * 1e3:+.2f} ms, (c) faster in {faster} of {len(differences)} "
-             f"rounds (judged on this paired median)",
-             chain_peaks[c] <= chain_peaks[b] * 1.02 and paired < 0))
+             f"per round, (c) - (b) has median {paired * 1e3:+.2f} ms, 95% interval [{low * 1e3:+.2f}, "
+             f"{high * 1e3:+.2f}] ms (sign test over {repeat} rounds), (c) faster in {faster} of {repeat} rounds: "
+             f"{verdict} (met only when the whole interval is below zero)",
+             chain_peaks[c] <= chain_peaks[b] * 1.02 and high < 0))
     checks.append(
         (f"per-region overhead at least 5x smaller: torch {harness.format_seconds(overhead['torch'])}, torch_ext "
          f"{harness.format_seconds(overhead['torch_ext'])} per region ({ratio:.1f}x); one plain forward of a region "

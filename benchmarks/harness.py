@@ -4,6 +4,7 @@ as a markdown table and as JSON under benchmarks/results/."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -76,6 +77,27 @@ def timing_of(samples: Sequence[float]) -> Timing:
 
     return Timing(statistics.median(ordered), ordered[0], ordered[-1], quantile(0.1), quantile(0.9), len(ordered),
                   list(samples))
+
+
+def paired_difference(first: Timing, second: Timing, coverage: float = 0.95) -> tuple[float, float, float, int]:
+    """(median, low, high, first_faster) of the per-round differences first - second of two
+    interleaved timings: [low, high] holds the true median difference with at least `coverage`
+    (the sign test's order statistics, no assumption about the noise's distribution; below 6
+    rounds, 95% needs more rounds than there are and the interval is the whole range);
+    first_faster counts the rounds where first took less time."""
+    differences = sorted(f - s for f, s in zip(first.samples, second.samples))
+    n = len(differences)
+    if n == 0:
+        raise ValueError("paired_difference: no rounds")
+    # The k-th smallest and k-th largest difference bound the median with probability
+    # 1 - 2 P(Binomial(n, 1/2) <= k - 1): take the largest k that keeps that at least `coverage`.
+    k, tail = 1, 0.0
+    while k < (n + 1) // 2:
+        tail += math.comb(n, k - 1) / 2 ** n
+        if 1 - 2 * (tail + math.comb(n, k) / 2 ** n) < coverage:
+            break
+        k += 1
+    return statistics.median(differences), differences[k - 1], differences[n - k], sum(d < 0 for d in differences)
 
 
 def _synchronize() -> None:
