@@ -307,9 +307,10 @@ def main() -> None:
         args.tokens = min(CUDA_TOKENS, config["block_size"]) if on_gpu else 16
     if args.quick:
         args.repeat, args.warmup = min(args.repeat, 3), min(args.warmup, 2)
-    threads_given = args.threads is not None and not (device is None and args.threads == CPU_THREADS)
-    if args.threads is None and device is None:
-        args.threads = CPU_THREADS
+    default_threads = CPU_THREADS if device is None else None  # None: torch's default
+    if args.threads is None:
+        args.threads = default_threads
+    threads_given = args.threads != default_threads
     threads = args.threads or torch.get_num_threads()  # what every variant's process runs with
     try:
         import accelerate  # noqa: F401

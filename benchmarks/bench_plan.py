@@ -243,7 +243,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
         firsts = first_calls(latencies, stream)
         after_startup = label[:3] in ("(d)", "(e)", "(f)", "(g)")
         spiked, worst = spike_indices(latencies, stream, skip_first_per_size=False)
-        spike_count = len(spiked)
+        spike_count, causes = len(spiked), spike_causes(spiked, switches)
         later_count, later_worst = spikes(latencies, stream, skip_first_per_size=True)
         throughput = sum(stream) / total
         plan_bytes = stats["plan_bytes"] if stats else 0
@@ -258,13 +258,13 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             "first call at a new size (median / max)": f"{format_seconds(statistics.median(firsts))} / {format_seconds(max(firsts))}",
             "requests > 2x their size's median": f"{spike_count} (worst {worst:.1f}x)",
             "same, after each size's first call": f"{later_count} (worst {later_worst:.1f}x)",
-            "spikes: blocked / preempted / on CPU": spike_causes(spiked, switches),
+            "spikes: blocked / preempted / on CPU": causes,
             "peak memory / plans": f"{format_bytes(peak)} / {format_bytes(plan_bytes)}",
         }, model=name, variant=label, startup_seconds=startup[label], throughput=throughput, total_seconds=total,
             p50_seconds=percentile(latencies, 0.5), p99_seconds=percentile(latencies, 0.99), max_seconds=max(latencies),
             first_call_median_seconds=statistics.median(firsts), first_call_max_seconds=max(firsts),
             spikes_over_2x_median=spike_count, worst_ratio_to_median=worst,
-            spike_causes=spike_causes(spiked, switches), spikes_after_first_call=later_count, worst_ratio_after_first_call=later_worst, peak_bytes=peak, plan_bytes=plan_bytes,
+            spike_causes=causes, spikes_after_first_call=later_count, worst_ratio_after_first_call=later_worst, peak_bytes=peak, plan_bytes=plan_bytes,
             after_startup_target=after_startup,
             stats={k: v for k, v in stats.items() if k != "sizes"} if stats else None)
 

@@ -91,11 +91,11 @@ def paired_difference(first: Timing, second: Timing, coverage: float = 0.95) -> 
         raise ValueError("paired_difference: no rounds")
     # The k-th smallest and k-th largest difference bound the median with probability
     # 1 - 2 P(Binomial(n, 1/2) <= k - 1): take the largest k that keeps that at least `coverage`.
-    k, tail = 1, 0.0
-    while k < (n + 1) // 2:
-        tail += math.comb(n, k - 1) / 2 ** n
-        if 1 - 2 * (tail + math.comb(n, k) / 2 ** n) < coverage:
-            break
+    def coverage_of(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    k = 1
+    while k < (n + 1) // 2 and coverage_of(k + 1) >= coverage:
         k += 1
     return statistics.median(differences), differences[k - 1], differences[n - k], sum(d < 0 for d in differences)
 

@@ -354,9 +354,10 @@ class _CheckpointedForward:
         box: list = [None]
         tail = self.tail
         params = _trainable_parameters(module)
+        run = functools.partial(forward, module)
 
         def segment(tensors):
-            out = tail.replay(functools.partial(forward, module), tensors, params)
+            out = tail.replay(run, tensors, params)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, list(args), params, self.storage, self.preserve_rng_state,

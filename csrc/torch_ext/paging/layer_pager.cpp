@@ -268,6 +268,8 @@ void LayerPager::advance_cursor_locked(const std::string& id) {
 
 bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled) {
   const bool use_order = !order_.empty() && (options_.policy == EvictionPolicy::ScanResistant || protect_within > 0);
+  bool evicted = false;
+  bool fits = true;
   while (resident_bytes_ + incoming > options_.budget_bytes) {
     Entry* victim = nullptr;
     int64_t victim_distance = -1;
@@ -288,7 +290,10 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
         victim_distance = distance;
       }
     }
-    if (victim == nullptr) return false;
+    if (victim == nullptr) {
+      fits = false;
+      break;
+    }
     if (recycled != nullptr && !recycled->defined() && victim->nbytes == incoming &&
         victim->tensor.storage().nbytes() == static_cast<size_t>(incoming)) {
       *recycled = std::move(victim->tensor);
@@ -299,9 +304,10 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
     victim->prefetched = false;
     resident_bytes_ -= victim->nbytes;
     ++stats_.evictions;
-    wake_prefetcher_locked();  // the victim may be one of the tensors it should load ahead
+    evicted = true;
   }
-  return true;
+  if (evicted) wake_prefetcher_locked();  // a victim may be one of the tensors it should load ahead
+  return fits;
 }
 
 void LayerPager::begin_pass() {
