@@ -94,9 +94,10 @@ def _name_of(fn: Any) -> str:
 
 
 def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], storage: str,
-         preserve_rng_state: bool, name: str, tail: Optional["_ReplayTail"] = None) -> Any:
+         preserve_rng_state: bool, name: str, tail: Optional["_ReplayTail"] = None,
+         modules: Sequence[nn.Module] = ()) -> Any:
     """fn(*args, **kwargs) as one checkpointed segment whose other tensors requiring grad are params;
-    tail: the call site's early stop for its replays."""
+    tail: the call site's early stop for its replays; modules: those fn calls or runs."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     box: list = [None]  # the output's structure when it is not one tensor
@@ -104,7 +105,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
         # Fast path: positional plain tensors. The closure holds no input, so the storage policy
         # alone decides what stays alive.
         def segment(tensors):
-            out = tail.replay(fn, tensors, params) if tail is not None else fn(*tensors)
+            out = tail.replay(fn, tensors, params, modules) if tail is not None else fn(*tensors)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, list(args), params, storage, preserve_rng_state, name)
@@ -127,7 +128,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
                 call_leaves[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(call_leaves, spec)
             if tail is not None:
-                out = tail.replay(lambda *_: fn(*call_args, **call_kwargs), replayed, params)
+                out = tail.replay(lambda *_: fn(*call_args, **call_kwargs), replayed, params, modules)
             else:
                 out = fn(*call_args, **call_kwargs)
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
@@ -159,9 +160,18 @@ def _storage_key(t: torch.Tensor) -> Optional[int]:
     return storage.data_ptr() if storage.nbytes() else None
 
 
-def _tensor_metas(value: Any) -> list:
-    return [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-            for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _tensor_metas(tensors: Sequence[torch.Tensor]) -> list:
+    # requires_grad decides which inputs an op's backward saves
+    return [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad) for t in tensors]
+
+
+def _sources(storages: Iterable[Optional[int]], producers: dict) -> tuple:
+    """For each storage key, the index of the tail op that produced it (producers), or -1."""
+    return tuple(producers.get(key, -1) for key in storages)
 
 
 @dataclass
@@ -173,6 +183,8 @@ class _RecordedOp:
     skippable: bool       # tensors out, no mutation, no randomness, shapes known without the data
     seconds: float
     storages: set         # storage keys of its outputs
+    input_storages: list  # storage key of each tensor argument
+    sources: tuple = ()   # in the tail: which tail op produced each tensor argument (-1: none)
 
 
 class _RecordOps(TorchDispatchMode):
@@ -197,10 +209,11 @@ class _RecordOps(TorchDispatchMode):
         skippable = (returns_tensors and not schema.is_mutable and bool(schema.returns)
                      and not {torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape,
                               torch.Tag.data_dependent_output} & set(func.tags))
-        storages = {_storage_key(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)} - {None}
-        self.ops.append(_RecordedOp(func, _tensor_metas((args, kwargs)), _tensor_metas(out),
+        inputs, outputs = _tensors_in((args, kwargs)), _tensors_in(out)
+        self.ops.append(_RecordedOp(func, _tensor_metas(inputs), _tensor_metas(outputs),
                                     any(r.alias_info is not None for r in schema.returns), skippable, seconds,
-                                    storages))
+                                    {_storage_key(t) for t in outputs} - {None},
+                                    [_storage_key(t) for t in inputs]))
         return out
 
 
@@ -209,12 +222,15 @@ class _TailDiverged(Exception):
 
 
 class _SkipTail(TorchDispatchMode):
-    """Runs a replay whose ops match the recorded ones, except that the tail's ops (after `cut`)
-    return empty tensors of the recorded shapes: backward needs their nodes, not their values."""
+    """Runs a replay whose ops match the recorded ones from op `first` on, except that the tail's
+    ops (after `cut`) return empty tensors of the recorded shapes: backward needs their nodes, not
+    their values. A tail op must match its record in function, input metadata and which tail ops
+    produced its inputs, so that its backward saves what the record's did: no skipped value."""
 
-    def __init__(self, ops: list, cut: int) -> None:
+    def __init__(self, ops: list, cut: int, first: int) -> None:
         super().__init__()
-        self.ops, self.cut, self.index, self.skipped, self.off = ops, cut, -1, 0, False
+        self.ops, self.cut, self.index, self.skipped, self.off = ops, cut, first - 1, 0, False
+        self.producers: dict = {}  # storage key -> index of the tail op that produced it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -226,23 +242,34 @@ class _SkipTail(TorchDispatchMode):
             if op is None or op.func is not func:
                 self.off = True  # another path before anything was skipped: run it all
             return func(*args, **kwargs)
-        if op is None or op.func is not func or _tensor_metas((args, kwargs)) != op.inputs:
+        inputs = _tensors_in((args, kwargs))
+        if (op is None or op.func is not func or _tensor_metas(inputs) != op.inputs
+                or _sources(map(_storage_key, inputs), self.producers) != op.sources):
             raise _TailDiverged()  # ops already skipped may feed this one: the caller replays again
         if op.alias:
-            return func(*args, **kwargs)
-        self.skipped += 1
-        outs = [torch.empty_strided(size, stride, dtype=dtype, device=device)
-                for size, stride, dtype, device in op.outputs]
-        returns = func._schema.returns
-        if len(returns) == 1:
-            return outs if str(returns[0].type) == "Tensor[]" else outs[0]
-        return tuple(outs)
+            out = func(*args, **kwargs)
+            outs = _tensors_in(out)
+        else:
+            self.skipped += 1
+            outs = [torch.empty_strided(size, stride, dtype=dtype, device=device)
+                    for size, stride, dtype, device, _ in op.outputs]
+            returns = func._schema.returns
+            if len(returns) == 1:
+                out = outs if str(returns[0].type) == "Tensor[]" else outs[0]
+            else:
+                out = tuple(outs)
+        self.producers.update(dict.fromkeys({_storage_key(t) for t in outs} - {None}, self.index))
+        return out
 
 
 @dataclass
 class _TailRecord:
     ops: list  # _RecordedOp of one replay
     cut: int   # the last op whose output backward reads (or that must run); the tail follows it
+    # Where the skipping mode is entered: (a module of the segment, which of its calls in one
+    # replay, the index of the first op that call dispatches), or None: from the start.
+    # Entering late spares the ops before it the mode's Python cost.
+    anchor: Optional[tuple] = None
 
 
 class _ReplayTail:
@@ -253,10 +280,12 @@ class _ReplayTail:
     projection and residual add) need their nodes, not their values. The first replay at given
     input shapes records its ops and what backward saved (saved-tensor hooks); later replays at
     those shapes, under a dispatch mode below autograd, run the tail's ops as empty tensors of the
-    recorded shapes. Off for segments on accelerators, under other saved-tensor hooks, or whose
-    tail took less time than the mode costs; random, mutating and data-dependent ops always run.
-    A replay whose ops depart from the record after the tail began runs again in full, from the
-    same RNG state, and its shapes are not skipped again. Thread-safe."""
+    recorded shapes. The mode is entered at the call of the segment's last submodule that starts
+    before the tail (its forward pre-hook), not for the whole replay. Off for segments on
+    accelerators, under other saved-tensor hooks, or whose tail took less time than the mode
+    costs; random, mutating and data-dependent ops always run. A replay whose tail departs from
+    the record runs again in full, from the same RNG state, and its shapes are not skipped again.
+    Thread-safe."""
 
     MAX_SHAPES = 8  # records kept per site; replays at further shapes run in full
 
@@ -275,9 +304,11 @@ class _ReplayTail:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
-    def replay(self, run: Callable, tensors: Sequence[torch.Tensor], params: Iterable[torch.Tensor]) -> Any:
+    def replay(self, run: Callable, tensors: Sequence[torch.Tensor], params: Iterable[torch.Tensor],
+               modules: Sequence[nn.Module] = ()) -> Any:
         """run(*tensors): the segment's forward (the core runs it without grad: nothing to skip) or its
-        replay (with grad); params: the other tensors it reads."""
+        replay (with grad); params: the other tensors it reads; modules: those whose calls it makes
+        (their submodules' forward pre-hooks place the mode)."""
         if self.off or not torch.is_grad_enabled():
             return run(*tensors)
         shapes = tuple((t.shape, t.dtype) for t in tensors)
@@ -285,25 +316,56 @@ class _ReplayTail:
         if record is False:
             if len(self.records) >= self.MAX_SHAPES:
                 return run(*tensors)
-            return self._record(shapes, run, tensors, params)
+            return self._record(shapes, run, tensors, params, modules)
         if record is None:
             return run(*tensors)
-        mode = _SkipTail(record.ops, record.cut)
         rng = torch.get_rng_state()
         try:
-            with mode:
-                out = run(*tensors)
+            out, skipped = self._skipping(record, run, tensors)
         except _TailDiverged:
             with self._lock:
                 self.records[shapes] = None
             torch.set_rng_state(rng)
             return run(*tensors)
         with self._lock:
-            self.skipped_ops += mode.skipped
+            self.skipped_ops += skipped
         return out
 
+    @staticmethod
+    def _skipping(record: _TailRecord, run: Callable, tensors: Sequence[torch.Tensor]) -> tuple[Any, int]:
+        """run(*tensors) with the tail skipped; the number of ops skipped."""
+        if record.anchor is None:
+            mode = _SkipTail(record.ops, record.cut, 0)
+            with mode:
+                return run(*tensors), mode.skipped
+        module_ref, call, first = record.anchor
+        module = module_ref()
+        if module is None:
+            return run(*tensors), 0
+        mode = _SkipTail(record.ops, record.cut, first)
+        thread, depth = threading.get_ident(), torch._C._len_torch_dispatch_stack()
+        calls, entered = 0, False
+
+        def enter(_module, _args):
+            nonlocal calls, entered
+            if threading.get_ident() != thread:
+                return  # another thread calls the module meanwhile
+            calls += 1
+            # Not inside a dispatch mode the segment entered: leaving it would pop ours.
+            if calls == call and torch._C._len_torch_dispatch_stack() == depth:
+                mode.__enter__()
+                entered = True
+
+        handle = module.register_forward_pre_hook(enter)
+        try:
+            return run(*tensors), mode.skipped
+        finally:
+            handle.remove()
+            if entered:
+                mode.__exit__(None, None, None)
+
     def _record(self, shapes: tuple, run: Callable, tensors: Sequence[torch.Tensor],
-                params: Iterable[torch.Tensor]) -> Any:
+                params: Iterable[torch.Tensor], modules: Sequence[nn.Module]) -> Any:
         on_cpu = all(t.device.type == "cpu" for t in itertools.chain(tensors, params))
         if not on_cpu or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             self.off = True
@@ -317,19 +379,43 @@ class _ReplayTail:
             return t
 
         recorder = _RecordOps(pack)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
-            out = run(*tensors)
+        calls: list = []  # (module, which of its calls, ops dispatched before it)
+        thread, counts = threading.get_ident(), {}
+
+        def note(module, _args):
+            if threading.get_ident() == thread:
+                counts[module] = counts.get(module, 0) + 1
+                calls.append((module, counts[module], len(recorder.ops)))
+
+        submodules = {id(m): m for root in modules for m in root.modules()}
+        handles = [m.register_forward_pre_hook(note) for m in submodules.values()]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+                out = run(*tensors)
+        finally:
+            for handle in handles:
+                handle.remove()
         ops = recorder.ops
         cut = -1
         for i, op in enumerate(ops):
             if not op.skippable or (not op.alias and op.storages & saved):
                 cut = i
+        producers: dict = {}
+        for i in range(cut + 1, len(ops)):
+            ops[i].sources = _sources(ops[i].input_storages, producers)
+            producers.update(dict.fromkeys(ops[i].storages, i))
+        # The mode starts at the last submodule call that dispatches no tail op before it.
+        anchor = None
+        for module, call, first in calls:
+            if 0 < first <= cut + 1:
+                anchor = (weakref.ref(module), call, first)
+        first = anchor[2] if anchor else 0
         gain = sum(op.seconds for op in ops[cut + 1:] if not op.alias)
-        if recorder.foreign_hooks or gain <= _TAIL_MIN_SECONDS + _TAIL_SECONDS_PER_OP * len(ops):
+        if recorder.foreign_hooks or gain <= _TAIL_MIN_SECONDS + _TAIL_SECONDS_PER_OP * (len(ops) - first):
             self.off = True  # no shape would pay: spare every later replay the lookup
         else:
             with self._lock:
-                self.records.setdefault(shapes, _TailRecord(ops, cut))
+                self.records.setdefault(shapes, _TailRecord(ops, cut, anchor))
         return out
 
 
@@ -349,7 +435,7 @@ class _CheckpointedForward:
             return forward(module, *args, **kwargs)
         if kwargs or not _plain_tensors(args) or torch.compiler.is_compiling():
             return _runner()(functools.partial(forward, module), args, kwargs, _trainable_parameters(module),
-                             self.storage, self.preserve_rng_state, type(module).__name__, self.tail)
+                             self.storage, self.preserve_rng_state, type(module).__name__, self.tail, (module,))
         # The common case, kept short: tensors in, tensors out.
         box: list = [None]
         tail = self.tail
@@ -357,7 +443,7 @@ class _CheckpointedForward:
         run = functools.partial(forward, module)
 
         def segment(tensors):
-            out = tail.replay(run, tensors, params)
+            out = tail.replay(run, tensors, params, (module,))
             return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
         outputs = _apply(segment, list(args), params, self.storage, self.preserve_rng_state,
@@ -397,7 +483,7 @@ def checkpoint(target: Any = None, *, storage: str = "keep", preserve_rng_state:
                 return original(self, *args, **kwargs)
             tail = self.__dict__.get(_TAIL_ATTRIBUTE) or self.__dict__.setdefault(_TAIL_ATTRIBUTE, _ReplayTail())
             return _runner()(functools.partial(original, self), args, kwargs, _trainable_parameters(self), storage,
-                             preserve_rng_state, type(self).__name__, tail)
+                             preserve_rng_state, type(self).__name__, tail, (self,))
 
         forward._torch_ext_checkpoint = (storage, preserve_rng_state)
         target.forward = forward
@@ -868,10 +954,11 @@ class CheckpointedSequential(nn.Sequential):
                 weak = pytree.tree_map_only(torch.Tensor, weakref.ref, (args, kw))
                 self._records.append((start, checkpointed, weak, nbytes, _rng_snapshot(leaves)))
             if checkpointed and grad:
-                params = [p for i in range(start, end) for p in _trainable_parameters(self[i])]
+                layers = [self[i] for i in range(start, end)]
+                params = [p for layer in layers for p in _trainable_parameters(layer)]
                 tail = self._tails.get((start, end)) or self._tails.setdefault((start, end), _ReplayTail())
                 value = _runner()(run, args, kw, params, self.storage, self.preserve_rng_state,
-                                  f"CheckpointedSequential[{start}:{end}]", tail)
+                                  f"CheckpointedSequential[{start}:{end}]", tail, layers)
             else:
                 value = run(*args, **kw)
         return value

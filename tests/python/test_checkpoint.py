@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 from torch.library import opcheck
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_ext
 from torch_ext import memory
@@ -108,6 +109,8 @@ def test_replay_skips_the_tail_that_backward_does_not_read(skip_every_tail):
     assert [str(op.func) for op in record.ops[record.cut + 1:] if not op.alias] == ["aten.addmm.default",
                                                                                   "aten.add.Tensor"]
     assert tail.skipped_ops == 4
+    module, call, _ = record.anchor  # the skipping mode starts at the output projection's call
+    assert module() is ckpt.blocks[0].mlp.proj and call == 1
 
 
 def test_checkpointed_sequential_segments_skip_their_replay_tails(skip_every_tail):
@@ -155,6 +158,91 @@ def test_a_replay_whose_tail_differs_from_the_record_runs_in_full(skip_every_tai
     assert list(tail.records.values()) == [None] and tail.skipped_ops == 2
     assert_same_backward(plain, ckpt, seed=3)  # and these shapes are not skipped again
     assert tail.skipped_ops == 2
+
+
+class RoutedTail(nn.Module):
+    """The same ops on the same shapes either way; only which tensor `out` reads changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+        self.chain = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        a = self.mid(h)
+        return self.out(a if self.chain else h)
+
+
+def test_a_replay_whose_tail_reads_other_tensors_than_the_record_runs_in_full(skip_every_tail):
+    torch.manual_seed(0)
+    plain = RoutedTail()
+    ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
+    tail = ckpt.forward.tail
+    assert_same_backward(plain, ckpt, seed=0)  # records: mid's output is read by nothing, a tail
+    assert_same_backward(plain, ckpt, seed=1)
+    assert tail.skipped_ops == 2  # mid's addmm and out's addmm
+    plain.chain = ckpt.chain = True  # now out reads (and its backward saves) mid's output
+    for module in (plain, ckpt):
+        module.zero_grad(set_to_none=True)
+    assert_same_backward(plain, ckpt, seed=2)
+    assert list(tail.records.values()) == [None] and tail.skipped_ops == 2
+
+
+class Reused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.fc(x))) + x
+
+
+def test_the_skipping_mode_starts_at_the_right_call_of_a_module_called_twice(skip_every_tail):
+    torch.manual_seed(0)
+    plain = Reused()
+    ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
+    for seed in range(3):
+        for module in (plain, ckpt):
+            module.zero_grad(set_to_none=True)
+        assert_same_backward(plain, ckpt, seed=seed)
+    (record,) = ckpt.forward.tail.records.values()
+    module, call, _ = record.anchor
+    assert module() is ckpt.fc and call == 2  # the tail is the second call's addmm and the add
+    assert ckpt.forward.tail.skipped_ops == 4
+
+
+class PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class ModeInside(nn.Module):
+    """Opens a dispatch mode that is still open where its tail's module is called, closed before it ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        with PassThrough():
+            y = self.out(torch.tanh(self.fc(x)))
+        return y + 1
+
+
+def test_a_replay_inside_a_dispatch_mode_of_the_segment_skips_nothing(skip_every_tail):
+    torch.manual_seed(0)
+    plain = ModeInside()
+    ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
+    for seed in range(3):
+        for module in (plain, ckpt):
+            module.zero_grad(set_to_none=True)
+        assert_same_backward(plain, ckpt, seed=seed)
+    assert ckpt.forward.tail.skipped_ops == 0  # entering the mode there would let the segment's exit pop it
+    assert torch._C._len_torch_dispatch_stack() == 0
 
 
 def test_each_input_shape_gets_its_own_record(skip_every_tail):
