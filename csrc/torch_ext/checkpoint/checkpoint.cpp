@@ -12,6 +12,7 @@
 #include <ATen/Context.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/empty_strided.h>
@@ -204,10 +205,22 @@ struct SegmentState : torch::CustomClassHolder {
               "would be lost. Pass it as an input");
 }
 
+// Whether the sum of two gradients may be written into t, as the engine's InputBuffer decides: a
+// plain dense tensor that nothing else references.
+bool can_accumulate_in_place(const at::Tensor& t, const at::Tensor& other) {
+  return !at::isTensorSubclassLike(t) && !t._is_zerotensor() && !t.is_nested() && !t.is_sparse() &&
+         t.is_non_overlapping_and_dense() && t.use_count() == 1 && t.has_storage() && t.storage().use_count() == 1 &&
+         t.sizes() == other.sizes() && t.scalar_type() == other.scalar_type() && t.device() == other.device();
+}
+
 void accumulate(at::Tensor& buffer, at::Tensor&& grad) {
   if (!grad.defined()) return;
   if (!buffer.defined()) {
     buffer = std::move(grad);
+  } else if (can_accumulate_in_place(buffer, grad)) {
+    buffer.add_(grad);
+  } else if (can_accumulate_in_place(grad, buffer)) {
+    buffer = std::move(grad.add_(buffer));
   } else {
     buffer = buffer + grad;  // the engine's InputBuffer order: the earlier gradient first
   }
