@@ -121,15 +121,19 @@ def measure(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 10) -> Timi
 
 def measure_interleaved(variants: dict[str, Callable[[], Any]], *, warmup: int = 2, repeat: int = 10,
                         before_each: dict[str, Callable[[], Any]] | None = None,
-                        clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
+                        clock: Callable[[], float] = time.perf_counter, alternate: bool = False) -> dict[str, Timing]:
     """Time several variants in rounds (A B C, A B C, ...), so drift on a shared machine hits
     each alike; before_each[name] runs untimed before each of that variant's calls.
     clock=time.thread_time measures single-threaded work without the time spent waiting for a
-    core on a busy machine."""
+    core on a busy machine. alternate=True reverses every other round (A B, B A, ...), so that
+    what a variant leaves behind (memory, caches) does not always fall on the same one."""
     before_each = before_each or {}
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(warmup + repeat):
-        for name, fn in variants.items():
+        order = list(variants.items())
+        if alternate and round_index % 2:
+            order.reverse()
+        for name, fn in order:
             if name in before_each:
                 before_each[name]()
             _synchronize()
