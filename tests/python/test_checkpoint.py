@@ -484,6 +484,41 @@ def test_threads_checkpoint_concurrently():
             assert torch.equal(a, b)
 
 
+def test_threads_replay_with_early_stop_concurrently(skip_every_tail):
+    model = tiny_gpt(dropout=0.0, n_layer=2)
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        torch_ext.checkpoint(block)
+    idx = torch.randint(0, 64, (2, 16))
+    ref_grads = torch.autograd.grad(language_model_loss(reference(idx[:, :-1]), idx[:, 1:]), list(reference.parameters()))
+
+    def grads():
+        return torch.autograd.grad(language_model_loss(model(idx[:, :-1]), idx[:, 1:]), list(model.parameters()))
+
+    grads()  # records each block's tail
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(5):
+                results.append(grads())
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 15
+    for result in results:
+        for a, b in zip(result, ref_grads):
+            assert torch.equal(a, b)
+    # every replay after the record skipped its tail: no thread entered another's mode
+    assert all(block.forward.tail.skipped_ops == 15 * 2 for block in model.blocks)
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 
