@@ -1,4 +1,5 @@
 import copy
+import gc
 import itertools
 import os
 import sys
@@ -592,11 +593,18 @@ def test_compressed_storage_holds_fewer_bytes_and_bounds_the_gradient_error(stor
     assert torch.ops.torch_ext.checkpoint_boundary_bytes([x], storage) == x.numel() * dtype.itemsize
 
     def held_after_forward(wrapped_layer):
-        before = memory.stats()["current_bytes"]
-        h = x * 1.5  # a boundary that only the checkpoint would keep alive
-        out = wrapped_layer(h)
-        del h
-        return out, memory.stats()["current_bytes"] - before
+        # Earlier tests' checkpointed modules (a module and its forward refer to each other) are
+        # freed by the garbage collector: not inside the window measured here.
+        gc.collect()
+        gc.disable()
+        try:
+            before = memory.stats()["current_bytes"]
+            h = x * 1.5  # a boundary that only the checkpoint would keep alive
+            out = wrapped_layer(h)
+            del h
+            return out, memory.stats()["current_bytes"] - before
+        finally:
+            gc.enable()
 
     _, held_keep = held_after_forward(keep)
     out, held = held_after_forward(wrapped)
