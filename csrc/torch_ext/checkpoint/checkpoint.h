@@ -37,7 +37,8 @@ std::string_view storage_policy_name(StoragePolicy policy);
 struct CheckpointOptions {
   StoragePolicy storage = StoragePolicy::kKeep;
   // Save and restore the RNG state of the CPU and of every device the inputs and params live
-  // on, so that the replay draws the same random numbers (dropout masks) as the forward.
+  // on, so that the replay draws the same random numbers (dropout masks) as the forward. When
+  // the forward drew none (on the CPU generator alone), the replay leaves the RNG alone.
   bool preserve_rng_state = true;
   std::string name = "segment";  // names the segment in error messages
 };
