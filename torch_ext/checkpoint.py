@@ -93,6 +93,14 @@ def _name_of(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def _call_segment(box: list, tail: Optional["_ReplayTail"], params: list[torch.Tensor], modules: Sequence[nn.Module],
+                  fn: Callable, tensors: list[torch.Tensor]) -> Any:
+    """What the core calls as the segment: fn(*tensors), through the call site's early stop unless
+    it has none or it is off; an output other than one tensor is flattened, its structure kept in box."""
+    out = fn(*tensors) if tail is None or tail.off else tail.replay(fn, tensors, params, modules)
+    return out if type(out) is torch.Tensor else _flatten_output(out, box)
+
+
 def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], storage: str,
          preserve_rng_state: bool, name: str, tail: Optional["_ReplayTail"] = None,
          modules: Sequence[nn.Module] = ()) -> Any:
@@ -102,12 +110,9 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
         return fn(*args, **kwargs)
     box: list = [None]  # the output's structure when it is not one tensor
     if not kwargs and _plain_tensors(args):
-        # Fast path: positional plain tensors. The closure holds no input, so the storage policy
+        # Fast path: positional plain tensors. The segment holds no input, so the storage policy
         # alone decides what stays alive.
-        def segment(tensors):
-            out = tail.replay(fn, tensors, params, modules) if tail is not None else fn(*tensors)
-            return out if type(out) is torch.Tensor else _flatten_output(out, box)
-
+        segment = functools.partial(_call_segment, box, tail, params, modules, fn)
         outputs = _apply(segment, list(args), params, storage, preserve_rng_state, name)
     else:
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -127,11 +132,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
             for i, t in zip(slots, replayed):
                 call_leaves[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(call_leaves, spec)
-            if tail is not None:
-                out = tail.replay(lambda *_: fn(*call_args, **call_kwargs), replayed, params, modules)
-            else:
-                out = fn(*call_args, **call_kwargs)
-            return out if type(out) is torch.Tensor else _flatten_output(out, box)
+            return _call_segment(box, tail, params, modules, lambda *_: fn(*call_args, **call_kwargs), replayed)
 
         outputs = _apply(segment, tensors, params, storage, preserve_rng_state, name)
     return outputs[0] if box[0] is None else _unflatten_output(outputs, box)
@@ -438,14 +439,9 @@ class _CheckpointedForward:
                              self.storage, self.preserve_rng_state, type(module).__name__, self.tail, (module,))
         # The common case, kept short: tensors in, tensors out.
         box: list = [None]
-        tail = self.tail
         params = _trainable_parameters(module)
-        run = functools.partial(forward, module)
-
-        def segment(tensors):
-            out = tail.replay(run, tensors, params, (module,))
-            return out if type(out) is torch.Tensor else _flatten_output(out, box)
-
+        segment = functools.partial(_call_segment, box, self.tail, params, (module,),
+                                    functools.partial(forward, module))
         outputs = _apply(segment, list(args), params, self.storage, self.preserve_rng_state,
                          type(module).__name__)
         return outputs[0] if box[0] is None else _unflatten_output(outputs, box)
