@@ -201,14 +201,21 @@ class Reused(nn.Module):
         return self.fc(torch.tanh(self.fc(x))) + x
 
 
-def test_the_skipping_mode_starts_at_the_right_call_of_a_module_called_twice(skip_every_tail):
+def checkpointed_after_steps(module_type, steps=3):
+    """A checkpointed instance of module_type after `steps` backward passes, each with the gradients
+    of a plain instance."""
     torch.manual_seed(0)
-    plain = Reused()
+    plain = module_type()
     ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
-    for seed in range(3):
+    for seed in range(steps):
         for module in (plain, ckpt):
             module.zero_grad(set_to_none=True)
         assert_same_backward(plain, ckpt, seed=seed)
+    return ckpt
+
+
+def test_the_skipping_mode_starts_at_the_right_call_of_a_module_called_twice(skip_every_tail):
+    ckpt = checkpointed_after_steps(Reused)
     (record,) = ckpt.forward.tail.records.values()
     module, call, _ = record.anchor
     assert module() is ckpt.fc and call == 2  # the tail is the second call's addmm and the add
@@ -235,13 +242,7 @@ class ModeInside(nn.Module):
 
 
 def test_a_replay_inside_a_dispatch_mode_of_the_segment_skips_nothing(skip_every_tail):
-    torch.manual_seed(0)
-    plain = ModeInside()
-    ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
-    for seed in range(3):
-        for module in (plain, ckpt):
-            module.zero_grad(set_to_none=True)
-        assert_same_backward(plain, ckpt, seed=seed)
+    ckpt = checkpointed_after_steps(ModeInside)
     assert ckpt.forward.tail.skipped_ops == 0  # entering the mode there would let the segment's exit pop it
     assert torch._C._len_torch_dispatch_stack() == 0
 
@@ -458,34 +459,10 @@ def test_autocast_state_is_restored_for_the_replay():
     assert_same_grads(plain, ckpt)
 
 
-def test_threads_checkpoint_concurrently():
-    model = tiny_gpt(dropout=0.0, n_layer=2)
-    reference = copy.deepcopy(model)
-    for block in model.blocks:
-        torch_ext.checkpoint(block)
-    idx = torch.randint(0, 64, (2, 16))
-    ref_grads = torch.autograd.grad(language_model_loss(reference(idx[:, :-1]), idx[:, 1:]), list(reference.parameters()))
-    results, errors = [], []
-
-    def work():
-        try:
-            loss = language_model_loss(model(idx[:, :-1]), idx[:, 1:])
-            results.append(torch.autograd.grad(loss, list(model.parameters())))
-        except Exception as error:  # pragma: no cover - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=work) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    for grads in results:
-        for a, b in zip(grads, ref_grads):
-            assert torch.equal(a, b)
-
-
-def test_threads_replay_with_early_stop_concurrently(skip_every_tail):
+@pytest.mark.parametrize("skip_tails", [False, True], ids=["replays_in_full", "replays_skip_tails"])
+def test_threads_checkpoint_concurrently(skip_tails, request):
+    if skip_tails:
+        request.getfixturevalue("skip_every_tail")
     model = tiny_gpt(dropout=0.0, n_layer=2)
     reference = copy.deepcopy(model)
     for block in model.blocks:
@@ -515,8 +492,8 @@ def test_threads_replay_with_early_stop_concurrently(skip_every_tail):
     for result in results:
         for a, b in zip(result, ref_grads):
             assert torch.equal(a, b)
-    # every replay after the record skipped its tail: no thread entered another's mode
-    assert all(block.forward.tail.skipped_ops == 15 * 2 for block in model.blocks)
+    # With skipping, every replay after the record skipped its tail: no thread entered another's mode.
+    assert all(block.forward.tail.skipped_ops == (15 * 2 if skip_tails else 0) for block in model.blocks)
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
