@@ -421,16 +421,31 @@ class _ReplayTail:
 
 
 class _CheckpointedForward:
-    """An instance's checkpointed forward (picklable and deep-copyable with its module)."""
+    """An instance's checkpointed forward. It refers to its module weakly: the module holds it, and
+    a strong reference back would leave the module (and its parameters) to the cycle collector.
+    Deep-copies and pickles with its module."""
 
     def __init__(self, module: nn.Module, forward: Callable, storage: str, preserve_rng_state: bool) -> None:
-        self.module, self.forward = module, forward
+        self._module = weakref.ref(module)
+        self.forward = forward
         self.storage, self.preserve_rng_state = storage, preserve_rng_state
         self._torch_ext_checkpoint = (storage, preserve_rng_state)
         self.tail = _ReplayTail()
 
+    @property
+    def module(self) -> nn.Module:
+        return self._module()
+
+    def __deepcopy__(self, memo) -> "_CheckpointedForward":
+        module = self._module()
+        # Deep-copied with its module (from the module's __dict__), the copy belongs to the module's copy.
+        return _CheckpointedForward(memo.get(id(module), module), self.forward, self.storage, self.preserve_rng_state)
+
+    def __reduce__(self):
+        return _CheckpointedForward, (self._module(), self.forward, self.storage, self.preserve_rng_state)
+
     def __call__(self, *args, **kwargs):
-        module = self.module
+        module = self._module()
         forward = self.forward
         if not torch.is_grad_enabled():
             return forward(module, *args, **kwargs)

@@ -2,6 +2,7 @@ import copy
 import gc
 import itertools
 import os
+import pickle
 import sys
 import threading
 import weakref
@@ -83,6 +84,32 @@ def test_gpt_blocks_checkpointed_in_place_give_exact_gradients_with_dropout():
     # The replay restores the RNG afterwards: the random stream continues as without checkpointing.
     assert torch.equal(rng_plain, rng_ckpt)
     assert list(plain.state_dict()) == list(ckpt.state_dict())
+
+
+def test_a_module_checkpointed_in_place_is_freed_without_the_cycle_collector():
+    gc.collect()
+    gc.disable()
+    try:
+        layer = torch_ext.checkpoint(nn.Linear(4, 4))
+        weight = weakref.ref(layer.weight)
+        layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        del layer
+        assert weight() is None
+    finally:
+        gc.enable()
+
+
+def test_a_module_checkpointed_in_place_deep_copies_and_pickles_with_its_forward():
+    torch.manual_seed(0)
+    plain = Counted()
+    ckpt = torch_ext.checkpoint(copy.deepcopy(plain))
+    for twin in (copy.deepcopy(ckpt), pickle.loads(pickle.dumps(ckpt))):
+        assert twin.forward.module is twin  # not the module it was copied from
+        twin.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        assert_same_backward(plain, twin, seed=0)
+        assert twin.calls == 2 and ckpt.calls == 0  # forward and replay ran on the twin
+        twin.calls = 0
 
 
 @pytest.fixture
