@@ -13,7 +13,8 @@ gradients are preallocated and accumulate in place, so the peak is activations a
 Step time: harness.measure_interleaved (rounds of a b c d, median), one torch thread by default;
 (c) against (b): further rounds of (b) and (c) alone in alternating order, judged by a 95% sign-test
 interval on the per-round difference. Per-region overhead: a chain of tiny regions (Linear 32x32
-on 8 rows) timed forward + backward with and without checkpointing; (time - plain time) / regions.
+on 8 rows) timed forward + backward with and without checkpointing, in rounds of alternating order;
+(time - plain time) / regions.
 
 --device cuda runs the same code on the GPU (torch.cuda peak memory through
 torch_ext.memory.track("cuda"), steps synchronised) with a GPT-2-small-width model, adds
@@ -221,9 +222,10 @@ def run(device: torch.device, quick: bool, command: str) -> None:
             for layer in tiny:
                 x = layer(x)
 
+    # Alternating order: in a fixed one, torch_ext's chain always ran right after torch's.
     region_timings = harness.measure_interleaved(
         {"plain": region_chain("plain"), "torch": region_chain("torch"), "torch_ext": region_chain("ours"),
-         "forward only": region_forward}, warmup=3, repeat=region_repeat)
+         "forward only": region_forward}, warmup=3, repeat=region_repeat, alternate=True)
     plain_region = region_timings["plain"].median_seconds
     overhead = {kind: (region_timings[kind].median_seconds - plain_region) / regions for kind in ("torch", "torch_ext")}
     replay_seconds = region_timings["forward only"].median_seconds / regions
