@@ -1,8 +1,8 @@
 """Dynamic-batch plan cache for TorchScript modules (torch.classes.torch_ext.PlanCache).
 
-A plan is the module frozen, optimised for inference and warmed at one batch size, so
-TorchScript's profiling executor specialises it for that size once instead of re-profiling
-whenever the batch size changes. PlanCache keeps one plan per size, bounded and LRU-evicted,
+A plan is the module frozen, optimised for inference and warmed at one batch size, with an
+executor of its own that never re-profiles when the batch size changes: it specialises to its
+size once where TorchScript fuses on the device, and runs the frozen graph as it is elsewhere. PlanCache keeps one plan per size, bounded and LRU-evicted,
 and serves a miss by building the plan, by padding or splitting onto cached sizes, or by the
 plain module while the plan builds in the background. Thread-safe: many threads may call
 infer() at once; hits take a reader lock only.
@@ -57,7 +57,11 @@ class PlanCache:
     has been seen this many times. max_plans / max_bytes (0: unbounded) bound the cache, evicting
     the least recently used plan; max_bytes counts the distinct constants of the plans, which
     share the frozen weights (a budget below those keeps one plan) and their CUDA graphs' memory.
-    static_runtime: run plans with TorchScript's static runtime. cuda_graphs: on CUDA inputs, capture
+    specialize_shapes: run each plan with TorchScript's profiling executor, which compiles a graph
+    specialised to the shapes of its warm-up calls (True), or with the simple executor, which runs
+    the frozen graph as it is and builds several times faster (False); None (default): True where
+    TorchScript fuses on the inputs' device (the fusion groups are what the shapes feed), else
+    False. static_runtime: run plans with TorchScript's static runtime. cuda_graphs: on CUDA inputs, capture
     each plan as a CUDA graph at its size (static buffers, one launch per call, outputs copied
     out); a plan that cannot be captured (host synchronisation, CPU tensors) runs without one,
     with a warning, and stats()["graph_capture_failures"] counts it. Ignored on CPU.
@@ -67,7 +71,7 @@ class PlanCache:
                  batch_dims: Optional[Sequence[int]] = None, output_batch_dims: Optional[Sequence[int]] = None,
                  miss_mode: str = "exact", background_builds: bool = False, admit_after: int = 1,
                  max_plans: int = 0, max_bytes: int = 0, max_batch_size: int = 0, warmup_calls: int = 3,
-                 optimize_for_inference: bool = True, static_runtime: bool = False, cuda_graphs: bool = False,
+                 optimize_for_inference: bool = True, specialize_shapes: Optional[bool] = None, static_runtime: bool = False, cuda_graphs: bool = False,
                  method: str = "forward") -> None:
         if isinstance(module, (str, os.PathLike)):
             path = os.fspath(module)
@@ -85,7 +89,7 @@ class PlanCache:
         self._cache = torch.classes.torch_ext.PlanCache(
             source, [int(d) for d in (batch_dims or [])], [int(d) for d in (output_batch_dims or [])], miss_mode,
             bool(background_builds), int(admit_after), int(max_plans), int(max_bytes), int(max_batch_size),
-            int(warmup_calls), bool(optimize_for_inference), bool(static_runtime), bool(cuda_graphs), method)
+            int(warmup_calls), bool(optimize_for_inference), None if specialize_shapes is None else bool(specialize_shapes), bool(static_runtime), bool(cuda_graphs), method)
 
     @property
     def script_object(self) -> torch.ScriptObject:

@@ -96,7 +96,7 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
       .def(torch::init([](c10::IValue module, std::vector<int64_t> batch_dims, std::vector<int64_t> output_batch_dims,
                           std::string miss_mode, bool background_builds, int64_t admit_after, int64_t max_plans,
                           int64_t max_bytes, int64_t max_batch_size, int64_t warmup_calls, bool optimize_for_inference,
-                          bool static_runtime, bool cuda_graphs, std::string method) {
+                          std::optional<bool> specialize_shapes, bool static_runtime, bool cuda_graphs, std::string method) {
         PlanCacheOptions options;
         options.batch_dims = std::move(batch_dims);
         options.output_batch_dims = std::move(output_batch_dims);
@@ -108,6 +108,7 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
         options.max_batch_size = max_batch_size;
         options.warmup_calls = warmup_calls;
         options.optimize_for_inference = optimize_for_inference;
+        options.specialize_shapes = specialize_shapes;
         options.static_runtime = static_runtime;
         options.cuda_graphs = cuda_graphs;
         options.method = std::move(method);

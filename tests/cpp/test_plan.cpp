@@ -131,6 +131,20 @@ TEST(Plan, ExactModeEqualsTheModuleAtEverySize) {
   EXPECT_GT(s.hit_lookup_seconds, 0);
 }
 
+TEST(Plan, PlansWithAndWithoutShapeSpecialisationEqualTheModule) {
+  auto m = rowwise();
+  for (bool specialize : {true, false}) {
+    PlanCacheOptions o = options();
+    o.specialize_shapes = specialize;
+    PlanCache cache(m, o);
+    for (int64_t n : {2, 5, 2}) {
+      auto x = input(n);
+      EXPECT_TRUE(at::equal(run(cache, x), reference(m, x))) << "specialize " << specialize << ", batch size " << n;
+    }
+    EXPECT_EQ(cache.stats().hits, 1);
+  }
+}
+
 TEST(Plan, TupleOutputsOfAMatmulModelAgree) {
   auto m = linear();
   PlanCache cache(m, options());

@@ -60,9 +60,10 @@ def reference(module, *inputs):
         return module(*inputs)
 
 
+@pytest.mark.parametrize("specialize", [False, True], ids=["simple_executor", "shapes_specialised"])
 @pytest.mark.parametrize("mode", ["exact", "pad", "split", "auto"])
-def test_every_mode_equals_the_module_at_every_size(rowwise, mode):
-    cache = PlanCache(rowwise, miss_mode=mode, warmup_calls=2)
+def test_every_mode_equals_the_module_at_every_size(rowwise, mode, specialize):
+    cache = PlanCache(rowwise, miss_mode=mode, warmup_calls=2, specialize_shapes=specialize)
     cache.preload([1, 4, 8], example_inputs=(x(2),), progress=False)
     for n in [1, 3, 5, 8, 11, 2, 3]:
         inputs = x(n)
@@ -307,6 +308,33 @@ def test_static_runtime_plans_equal_the_module(rowwise):
         inputs = x(n)
         assert torch.equal(cache(inputs), reference(rowwise, inputs))
     assert cache.stats()["hits"] == 1
+
+
+def executed_graph_is_shape_profiled(cache: PlanCache, n: int) -> bool:
+    """Whether the graph the plan at n executes carries the profiling executor's complete tensor
+    types (the simple executor runs the frozen graph with its generic ones)."""
+    with torch.no_grad():
+        graph = cache.plan_module(n).graph_for(x(n))
+    return any(isinstance(v.type(), torch._C.TensorType) and v.type().sizes() is not None
+               for node in graph.nodes() for v in node.outputs())
+
+
+@pytest.mark.parametrize("specialize", [None, True, False])
+def test_plans_specialise_shapes_only_where_torchscript_fuses_unless_told(rowwise, specialize):
+    fuses_on_cpu, needs_llvm = torch._C._jit_can_fuse_on_cpu(), torch._C._jit_get_te_must_use_llvm_cpu()
+    torch._C._jit_set_te_must_use_llvm_cpu(False)  # the CPU wheel has no LLVM: NNC interprets
+    try:
+        for cpu_fusion in (False, True):
+            torch._C._jit_override_can_fuse_on_cpu(cpu_fusion)
+            cache = PlanCache(rowwise, specialize_shapes=specialize)
+            for n in (3, 3, 6):
+                inputs = x(n)
+                assert torch.equal(cache(inputs), reference(rowwise, inputs)), (cpu_fusion, n)
+            expected = cpu_fusion if specialize is None else specialize
+            assert executed_graph_is_shape_profiled(cache, 3) == expected, cpu_fusion
+    finally:
+        torch._C._jit_override_can_fuse_on_cpu(fuses_on_cpu)
+        torch._C._jit_set_te_must_use_llvm_cpu(needs_llvm)
 
 
 def test_exported_from_the_package():

@@ -14,7 +14,10 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/sum.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/codegen/fuser/interface.h>
 #include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/tensorexpr_fuser.h>
 #include <torch/csrc/jit/runtime/static/impl.h>
 #include <torch/csrc/jit/serialization/import.h>
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -403,6 +406,12 @@ void PlanCache::capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs
   plan.capture_pending.store(false, std::memory_order_release);
 }
 
+bool PlanCache::specializes_shapes(const std::vector<c10::IValue>& example) const {
+  if (options_.specialize_shapes) return *options_.specialize_shapes;
+  return torch::jit::tensorExprFuserEnabled() &&
+         (on_cuda(example) ? torch::jit::canFuseOnGPU() : torch::jit::canFuseOnCPU());
+}
+
 std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const std::vector<c10::IValue>& example) {
   const auto start = Clock::now();
   auto plan = std::make_shared<Plan>();
@@ -428,6 +437,11 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
       }
     }
     plan->method = plan->module.get_method(options_.method);
+    // Before the first call: the executor is created then, in the mode it finds.
+    if (!specializes_shapes(example)) {
+      torch::jit::toGraphFunction(plan->method->function())
+          ._set_initial_executor_execution_mode(torch::jit::ExecutorExecutionMode::SIMPLE);
+    }
     plan->constants = module_constants(plan->module);
     for (const auto& [storage, bytes] : plan->constants) plan->bytes += bytes;
     c10::AutoGradMode no_grad(false);

@@ -3,7 +3,8 @@
 //
 // A plan is the source module frozen (torch::jit::freeze), optimised for inference
 // (torch::jit::optimize_for_inference) or run by TorchScript's static runtime, and warmed
-// at one batch size so its executor specialises for that size and never re-profiles.
+// at one batch size, with an executor of its own that never re-profiles: it either specialises
+// to that size once (profiling executor, where TorchScript fuses) or runs the graph as it is.
 // infer() picks the plan for the batch's size; a miss is served by building the exact plan,
 // by padding to a larger cached size, by splitting into cached sizes, or by the source module
 // while the plan builds in the background.
@@ -63,10 +64,17 @@ struct PlanCacheOptions {
   int64_t max_plans = 0;       // 0: unbounded
   int64_t max_bytes = 0;       // byte budget over the plans' distinct constants; 0: unbounded
   int64_t max_batch_size = 0;  // largest batch infer() accepts; 0: unbounded
-  // Runs at the plan's size before it serves: the profiling executor profiles the 1st and
+  // Runs at the plan's size before it serves: a profiling executor profiles the 1st and
   // optimises on the 2nd; the 3rd gives a clean latency estimate for auto mode.
   int64_t warmup_calls = 3;
   bool optimize_for_inference = true;
+  // Run each plan with TorchScript's profiling executor, which profiles the first warm-up call
+  // and compiles a graph specialised to the shapes it saw on the second. Off: the simple
+  // executor runs the frozen, optimised graph as it is, and a build is a clone and its warm-ups.
+  // Unset: on where TorchScript fuses on the inputs' device (its fusion groups are what the
+  // profiled shapes feed), off elsewhere, where specialising bought nothing in bench_plan and
+  // cost three quarters of the encoder's build.
+  std::optional<bool> specialize_shapes;
   // Run plans with TorchScript's static runtime (memory planning for the size) instead of
   // the graph executor; the frozen graph is then not passed through optimize_for_inference.
   // CPU modules only.
@@ -182,6 +190,7 @@ class PlanCache {
   std::vector<c10::IValue> example_at(int64_t batch_size) const;
 
   std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example);
+  bool specializes_shapes(const std::vector<c10::IValue>& example) const;
   // Captures a plan whose capture is pending (once, on this thread, from inputs at its size).
   void capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs);
   std::shared_ptr<Plan> get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs);
