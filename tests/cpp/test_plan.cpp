@@ -131,7 +131,7 @@ TEST(Plan, ExactModeEqualsTheModuleAtEverySize) {
   EXPECT_GT(s.hit_lookup_seconds, 0);
 }
 
-TEST(Plan, PlansWithAndWithoutShapeSpecialisationEqualTheModule) {
+TEST(Plan, PlansWithAndWithoutShapeSpecialisationEqualTheModuleAndOnlySpecialisedOnesAreClones) {
   auto m = rowwise();
   for (bool specialize : {true, false}) {
     PlanCacheOptions o = options();
@@ -142,6 +142,8 @@ TEST(Plan, PlansWithAndWithoutShapeSpecialisationEqualTheModule) {
       EXPECT_TRUE(at::equal(run(cache, x), reference(m, x))) << "specialize " << specialize << ", batch size " << n;
     }
     EXPECT_EQ(cache.stats().hits, 1);
+    // Specialised plans are clones, a type each; the others share the optimised module.
+    EXPECT_EQ(cache.plan_module(2)->type() == cache.plan_module(5)->type(), !specialize);
   }
 }
 

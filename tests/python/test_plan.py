@@ -320,7 +320,7 @@ def executed_graph_is_shape_profiled(cache: PlanCache, n: int) -> bool:
 
 
 @pytest.mark.parametrize("specialize", [None, True, False])
-def test_plans_specialise_shapes_only_where_torchscript_fuses_unless_told(rowwise, specialize):
+def test_plans_specialise_shapes_in_clones_only_where_torchscript_fuses_unless_told(rowwise, specialize):
     fuses_on_cpu, needs_llvm = torch._C._jit_can_fuse_on_cpu(), torch._C._jit_get_te_must_use_llvm_cpu()
     torch._C._jit_set_te_must_use_llvm_cpu(False)  # the CPU wheel has no LLVM: NNC interprets
     try:
@@ -332,6 +332,9 @@ def test_plans_specialise_shapes_only_where_torchscript_fuses_unless_told(rowwis
                 assert torch.equal(cache(inputs), reference(rowwise, inputs)), (cpu_fusion, n)
             expected = cpu_fusion if specialize is None else specialize
             assert executed_graph_is_shape_profiled(cache, 3) == expected, cpu_fusion
+            # Specialised plans are clones (a type each); the others share the optimised module.
+            types = {cache.plan_module(n)._c._type().qualified_name() for n in (3, 6)}
+            assert len(types) == (2 if expected else 1), cpu_fusion
     finally:
         torch._C._jit_override_can_fuse_on_cpu(fuses_on_cpu)
         torch._C._jit_set_te_must_use_llvm_cpu(needs_llvm)

@@ -427,21 +427,30 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
         TORCH_CHECK(false, "PlanCache: freezing the module (", source_.type()->name()->qualifiedName(),
                     ") failed while building the plan for batch size ", batch_size, ": ", message_of(e));
       }
-      // A clone has its own graph executor, which specialises at this size; it shares the
-      // base's constants and (inplace) its attributes: every plan references the same weights.
       const bool optimize = options_.optimize_for_inference && !options_.static_runtime;
-      plan->module = (optimize ? optimized_locked() : frozen).clone(/*inplace=*/true);
+      torch::jit::Module base = optimize ? optimized_locked() : frozen;
+      if (options_.static_runtime || specializes_shapes(example)) {
+        // A clone has its own graph executor, which specialises at this size (or a graph of its
+        // own for the static runtime to rewrite); it shares the base's constants and (inplace)
+        // its attributes: every plan references the same weights.
+        plan->module = base.clone(/*inplace=*/true);
+      } else {
+        // Without specialisation a plan's graph would be the base's, compiled again: the plans
+        // share the base and its simple executor, compiled once, and a build is its warm-ups.
+        // The mode is set before the base's first run (executors are created then), once.
+        if (!base_runs_simple_) {
+          torch::jit::toGraphFunction(base.get_method(options_.method).function())
+              ._set_initial_executor_execution_mode(torch::jit::ExecutorExecutionMode::SIMPLE);
+          base_runs_simple_ = true;
+        }
+        plan->module = base;
+      }
       if (options_.static_runtime) {
         TORCH_CHECK(!on_cuda(example), "the static runtime runs CPU modules only; these inputs are on CUDA");
         plan->static_module = std::make_unique<torch::jit::StaticModule>(plan->module, /*is_frozen=*/true);
       }
     }
     plan->method = plan->module.get_method(options_.method);
-    // Before the first call: the executor is created then, in the mode it finds.
-    if (!specializes_shapes(example)) {
-      torch::jit::toGraphFunction(plan->method->function())
-          ._set_initial_executor_execution_mode(torch::jit::ExecutorExecutionMode::SIMPLE);
-    }
     plan->constants = module_constants(plan->module);
     for (const auto& [storage, bytes] : plan->constants) plan->bytes += bytes;
     c10::AutoGradMode no_grad(false);

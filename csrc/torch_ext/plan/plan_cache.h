@@ -3,15 +3,16 @@
 //
 // A plan is the source module frozen (torch::jit::freeze), optimised for inference
 // (torch::jit::optimize_for_inference) or run by TorchScript's static runtime, and warmed
-// at one batch size, with an executor of its own that never re-profiles: it either specialises
-// to that size once (profiling executor, where TorchScript fuses) or runs the graph as it is.
+// at one batch size; nothing re-profiles when the size changes. Where TorchScript fuses on the
+// device, each plan is a clone whose profiling executor specialises to its size once; elsewhere
+// the plans share one simple executor that runs the optimised graph as it is.
 // infer() picks the plan for the batch's size; a miss is served by building the exact plan,
 // by padding to a larger cached size, by splitting into cached sizes, or by the source module
 // while the plan builds in the background.
 //
 // Thread safety: every public method may be called from many threads at once. Hits take a
 // shared (reader) lock only and never wait for a build. A build's warm-up runs outside every
-// lock; only its clone step (milliseconds) is serialised with other builds, since
+// lock; only its clone step (milliseconds, if any) is serialised with other builds, since
 // TorchScript's CompilationUnit is not thread-safe. Concurrent misses of one size build once
 // and wait for that build; other sizes do not. Evicted plans stay alive until the calls
 // running them finish.
@@ -68,12 +69,12 @@ struct PlanCacheOptions {
   // optimises on the 2nd; the 3rd gives a clean latency estimate for auto mode.
   int64_t warmup_calls = 3;
   bool optimize_for_inference = true;
-  // Run each plan with TorchScript's profiling executor, which profiles the first warm-up call
-  // and compiles a graph specialised to the shapes it saw on the second. Off: the simple
-  // executor runs the frozen, optimised graph as it is, and a build is a clone and its warm-ups.
-  // Unset: on where TorchScript fuses on the inputs' device (its fusion groups are what the
-  // profiled shapes feed), off elsewhere, where specialising bought nothing in bench_plan and
-  // cost three quarters of the encoder's build.
+  // Give each plan a clone of its own, run by TorchScript's profiling executor, which profiles
+  // the first warm-up call and compiles a graph specialised to the shapes it saw on the second.
+  // Off: the plans share the optimised module, run by the simple executor as it is (compiled
+  // once), and a build is its warm-ups. Unset: on where TorchScript fuses on the inputs'
+  // device (its fusion groups are what the profiled shapes feed), off elsewhere, where
+  // specialising bought no speed in bench_plan and cost most of each build.
   std::optional<bool> specialize_shapes;
   // Run plans with TorchScript's static runtime (memory planning for the size) instead of
   // the graph executor; the frozen graph is then not passed through optimize_for_inference.
@@ -217,8 +218,8 @@ class PlanCache {
   torch::jit::Module source_;
   PlanCacheOptions options_;
   // Freezing and optimize_for_inference are independent of the batch size: the module is
-  // frozen (or loaded frozen by load()) and optimised once, and each plan is a clone of that,
-  // sharing its constants, warmed at its size. clone(),
+  // frozen (or loaded frozen by load()) and optimised once, and each plan is that or a clone of
+  // it, sharing its constants, warmed at its size. clone(),
   // freeze() and optimize_for_inference() register types in the module's CompilationUnit,
   // which is not thread-safe, so they run under source_mutex_; warm-ups, the bulk of a
   // build, run outside it.
@@ -228,6 +229,7 @@ class PlanCache {
   // frozen_ through optimize_for_inference, once: no pass of it depends on the batch size.
   mutable torch::jit::Module optimized_;  // guarded by source_mutex_
   mutable bool optimized_ready_ = false;  // guarded by source_mutex_
+  bool base_runs_simple_ = false;  // plans share the base's simple executor; guarded by source_mutex_
   torch::jit::Module frozen_locked() const;
   torch::jit::Module optimized_locked() const;
 
