@@ -11,7 +11,8 @@ With --device cuda (models and inputs on the GPU, every request synchronised), t
   (f) PlanCache exact + CUDA graphs, after preload(1..64)
   (g) PlanCache pad + background builds + CUDA graphs, after preload of the buckets
 Each variant serves the whole stream in its own phase (a background build of (e) would otherwise
-slow the others' requests). A second table measures what each step of a plan buys, interleaved, at fixed
+slow the others' requests), in four passes over the variants: forward, reversed, rotated by half,
+and that reversed, so every variant's phases sit at the same mean position in time. A second table measures what each step of a plan buys, interleaved, at fixed
 sizes, and the cost of a hit's lookup.
 
     python benchmarks/bench_plan.py                  # 2000 requests per variant and model, CPU
@@ -22,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import random
 import resource
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -71,28 +74,32 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def spike_indices(latencies: list[float], stream: list[int], skip_first_per_size: bool,
-                  start: int = 0) -> tuple[list[int], float]:
-    """Requests from index `start` on slower than twice their size's median (and the worst ratio)."""
+                  starts: Optional[list[int]] = None) -> tuple[list[int], float]:
+    """Requests slower than twice their size's median (and the worst ratio). latencies holds one
+    or more passes over stream, back to back; medians are over all of them, a size's first call is
+    its first in each pass, and starts[p] skips pass p's requests before that index."""
     by_size: dict[int, list[float]] = {}
-    for n, t in zip(stream, latencies):
-        by_size.setdefault(n, []).append(t)
+    for index, t in enumerate(latencies):
+        by_size.setdefault(stream[index % len(stream)], []).append(t)
     medians = {n: statistics.median(v) for n, v in by_size.items()}
-    seen: set[int] = set()
     indices, worst = [], 0.0
-    for index, (n, t) in enumerate(zip(stream, latencies)):
-        first = n not in seen
-        seen.add(n)
-        if (first and skip_first_per_size) or index < start:
-            continue
-        ratio = t / medians[n]
-        worst = max(worst, ratio)
-        if ratio > 2.0:
-            indices.append(index)
+    for p in range(len(latencies) // len(stream)):
+        seen: set[int] = set()
+        for i, n in enumerate(stream):
+            first = n not in seen
+            seen.add(n)
+            if (first and skip_first_per_size) or (starts is not None and i < starts[p]):
+                continue
+            ratio = latencies[p * len(stream) + i] / medians[n]
+            worst = max(worst, ratio)
+            if ratio > 2.0:
+                indices.append(p * len(stream) + i)
     return indices, worst
 
 
-def spikes(latencies: list[float], stream: list[int], skip_first_per_size: bool, start: int = 0) -> tuple[int, float]:
-    indices, worst = spike_indices(latencies, stream, skip_first_per_size, start)
+def spikes(latencies: list[float], stream: list[int], skip_first_per_size: bool,
+           starts: Optional[list[int]] = None) -> tuple[int, float]:
+    indices, worst = spike_indices(latencies, stream, skip_first_per_size, starts)
     return len(indices), worst
 
 
@@ -106,12 +113,14 @@ def spike_causes(indices: list[int], switches: list[tuple[int, int]]) -> str:
 
 
 def first_calls(latencies: list[float], stream: list[int]) -> list[float]:
-    seen: set[int] = set()
+    """Each size's first call in each pass over stream."""
     out = []
-    for n, t in zip(stream, latencies):
-        if n not in seen:
-            seen.add(n)
-            out.append(t)
+    for p in range(len(latencies) // len(stream)):
+        seen: set[int] = set()
+        for n, t in zip(stream, latencies[p * len(stream):]):
+            if n not in seen:
+                seen.add(n)
+                out.append(t)
     return out
 
 
@@ -128,7 +137,10 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
     variants = {}
     startup = {}
 
-    variants["(a) scripted as is"] = lambda: (scripted, None)
+    # (a) is loaded afresh for each phase: a cold executor, as a restarted server has.
+    saved = io.BytesIO()
+    torch.jit.save(scripted, saved)
+    variants["(a) scripted as is"] = lambda: (torch.jit.load(io.BytesIO(saved.getvalue()), map_location=device), None)
 
     def frozen():
         return torch.jit.optimize_for_inference(torch.jit.freeze(scripted)), None
@@ -184,72 +196,96 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
     # Each variant in its own phase: start-up (preloads), the whole stream, then one request at
     # every size for the peak memory. Phases keep one variant's builds (the cold cache's in its
     # requests, (e)'s on a background thread) and its memory churn out of the others' latencies.
+    # Four passes over the variants (forward, reversed, rotated by half, that reversed), each
+    # phase set up afresh: a machine that drifts (this shared VM does, by 10% within a minute)
+    # then weighs on every variant alike rather than on those that run in its slow stretch.
     results = {}
-    background_done = {}  # variant -> the request by which its background builds were done
-    for label, setup in variants.items():
-        gc.collect()
-        synchronize(device)
-        t = time.perf_counter()
-        fn, cache = setup()
-        synchronize(device)
-        startup[label] = time.perf_counter() - t
-        print(f"  {label}: start-up {startup[label]:.2f} s", file=sys.stderr)
-        latencies, switches = [], []  # switches: the request thread's (voluntary, involuntary) context switches
-        phase_start = time.perf_counter()
-        with torch.no_grad():
-            iterator = stream
-            if not quick:
-                from tqdm import tqdm
-                iterator = tqdm(stream, desc="    stream", file=sys.stderr, leave=False, mininterval=5)
-            for index, n in enumerate(iterator):
-                before = resource.getrusage(resource.RUSAGE_THREAD)
-                t = time.perf_counter()
-                fn(inputs[n])
-                synchronize(device)
-                latencies.append(time.perf_counter() - t)
-                after = resource.getrusage(resource.RUSAGE_THREAD)
-                switches.append((after.ru_nvcsw - before.ru_nvcsw, after.ru_nivcsw - before.ru_nivcsw))
-                if "background" in label and label not in background_done \
-                        and cache.stats()["pending_builds"] == 0 \
-                        and len(cache.cached_sizes()) == len(set(stream[:index + 1]) | set(BUCKETS)):
-                    background_done[label] = index
-        print(f"    stream: {time.perf_counter() - phase_start:.1f} s", file=sys.stderr)
-        if cache:
-            cache.wait_for_builds()
-        # Peak memory of one request at each size, on top of what the variant holds.
-        peak = peak_memory(lambda: [fn(inputs[n]) for n in range(1, MAX_BATCH + 1)], device)
-        results[label] = (latencies, switches, sum(latencies), peak, cache.stats() if cache else None)
-        del fn, cache
-    report.data.setdefault("background_builds_done_at_request", {})[name] = background_done.get(
-        "(e) PlanCache pad + background builds")
-    for label, done in background_done.items():
-        latencies_bg = results[label][0]
-        during, during_worst = spikes(latencies_bg, stream, skip_first_per_size=False, start=0)
-        after, after_worst = spikes(latencies_bg, stream, skip_first_per_size=False, start=done + 1)
-        report.notes.append(f"\n{name}, {label[:3]}: its background builds ran until request {done}; "
-                            f"{during - after} of its {during} requests over twice their size's median came "
-                            f"before then (padded while the exact plan built on another core), {after} after "
-                            f"(worst {after_worst:.1f}x).")
+    forward = list(variants)
+    rotated = forward[len(forward) // 2:] + forward[:len(forward) // 2]
+    for order in (forward, forward[::-1], rotated, rotated[::-1]):
+        for label in order:
+            gc.collect()
+            synchronize(device)
+            t = time.perf_counter()
+            fn, cache = variants[label]()
+            synchronize(device)
+            startup.setdefault(label, []).append(time.perf_counter() - t)
+            print(f"  {label}: start-up {startup[label][-1]:.2f} s", file=sys.stderr)
+            latencies, switches = [], []  # switches: the request thread's (voluntary, involuntary) context switches
+            done = None  # the request by which its background builds were done
+            phase_start = time.perf_counter()
+            with torch.no_grad():
+                iterator = stream
+                if not quick:
+                    from tqdm import tqdm
+                    iterator = tqdm(stream, desc="    stream", file=sys.stderr, leave=False, mininterval=5)
+                for index, n in enumerate(iterator):
+                    before = resource.getrusage(resource.RUSAGE_THREAD)
+                    t = time.perf_counter()
+                    fn(inputs[n])
+                    synchronize(device)
+                    latencies.append(time.perf_counter() - t)
+                    after = resource.getrusage(resource.RUSAGE_THREAD)
+                    switches.append((after.ru_nvcsw - before.ru_nvcsw, after.ru_nivcsw - before.ru_nivcsw))
+                    if "background" in label and done is None and cache.stats()["pending_builds"] == 0 \
+                            and len(cache.cached_sizes()) == len(set(stream[:index + 1]) | set(BUCKETS)):
+                        done = index
+            print(f"    stream: {time.perf_counter() - phase_start:.1f} s", file=sys.stderr)
+            if cache:
+                cache.wait_for_builds()
+            # Peak memory of one request at each size, on top of what the variant holds.
+            peak = peak_memory(lambda: [fn(inputs[n]) for n in range(1, MAX_BATCH + 1)], device)
+            r = results.setdefault(label, dict(latencies=[], switches=[], pass_totals=[], peak=0, stats=None, done=[]))
+            r["latencies"] += latencies
+            r["switches"] += switches
+            r["pass_totals"].append(sum(latencies))
+            r["peak"] = max(r["peak"], peak)
+            r["stats"] = cache.stats() if cache else None
+            r["done"].append(done)
+            del fn, cache
+    report.data.setdefault("background_builds_done_at_request", {})[name] = {
+        label: r["done"] for label, r in results.items() if "background" in label}
+    for label, r in results.items():
+        if "background" not in label:
+            continue
+        if None in r["done"]:
+            report.notes.append(f"\n{name}, {label[:3]}: its background builds were still running when the stream "
+                                f"ended in {r['done'].count(None)} of its passes (misses padded to a bucket meanwhile).")
+            continue
+        during, _ = spikes(r["latencies"], stream, skip_first_per_size=False)
+        after, after_worst = spikes(r["latencies"], stream, skip_first_per_size=False,
+                                    starts=[done + 1 for done in r["done"]])
+        report.notes.append(f"\n{name}, {label[:3]}: its background builds ran until request "
+                            f"{', '.join(str(done) for done in r['done'])} in its {len(r['done'])} passes; {during - after} of "
+                            f"its {during} requests over twice their size's median came before then (padded while "
+                            f"the exact plan built on another core), {after} after (worst {after_worst:.1f}x).")
         report.data.setdefault("background_spikes", {}).setdefault(name, {})[label] = dict(
-            done_at=done, total=during, after=after, worst_after=after_worst)
-    for label in results:
-        if "background" in label and label not in background_done:
-            report.notes.append(f"\n{name}, {label[:3]}: its background builds were still running when the "
-                                f"stream ended: all {len(stream)} requests were served while exact plans built "
-                                f"on another core (misses padded to a bucket).")
+            done_at=r["done"], total=during, after=after, worst_after=after_worst)
 
-    best_ab = max(sum(stream) / results[k][2] for k in list(variants)[:2])
-    for label, (latencies, switches, total, peak, stats) in results.items():
+    def throughput_of(label):
+        return len(results[label]["done"]) * sum(stream) / sum(results[label]["pass_totals"])
+
+    best_ab = max(throughput_of(k) for k in list(variants)[:2])
+    # Each pass on its own: how far this machine moves the ratios between passes.
+    per_pass = {label: [min(results[k]["pass_totals"][p] for k in list(variants)[:2]) / total
+                        for p, total in enumerate(r["pass_totals"])]
+                for label, r in results.items() if label[:3] in ("(d)", "(e)", "(f)", "(g)")}
+    report.notes.append(f"\n{name}, throughput over the best of (a),(b) in each pass: " + "; ".join(
+        f"{label[:3]} {', '.join(f'{ratio:.2f}x' for ratio in ratios)}" for label, ratios in per_pass.items()) + ".")
+    report.data.setdefault("throughput_vs_best_ab_per_pass", {})[name] = per_pass
+    for label, r in results.items():
+        latencies, switches, peak, stats = r["latencies"], r["switches"], r["peak"], r["stats"]
         firsts = first_calls(latencies, stream)
         after_startup = label[:3] in ("(d)", "(e)", "(f)", "(g)")
         spiked, worst = spike_indices(latencies, stream, skip_first_per_size=False)
         spike_count, causes = len(spiked), spike_causes(spiked, switches)
         later_count, later_worst = spikes(latencies, stream, skip_first_per_size=True)
-        throughput = sum(stream) / total
+        throughput = throughput_of(label)
         plan_bytes = stats["plan_bytes"] if stats else 0
+        start_up = statistics.mean(startup[label])
         report.add_row({
             "model": name, "variant": label,
-            "startup": format_seconds(startup[label]),
+            "startup": format_seconds(start_up),
             "throughput (items/s)": f"{throughput:,.0f}",
             "vs best of (a),(b)": f"{throughput / best_ab:.2f}x",
             "p50": format_seconds(percentile(latencies, 0.5)),
@@ -260,7 +296,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             "same, after each size's first call": f"{later_count} (worst {later_worst:.1f}x)",
             "spikes: blocked / preempted / on CPU": causes,
             "peak memory / plans": f"{format_bytes(peak)} / {format_bytes(plan_bytes)}",
-        }, model=name, variant=label, startup_seconds=startup[label], throughput=throughput, total_seconds=total,
+        }, model=name, variant=label, startup_seconds=startup[label], throughput=throughput, total_seconds=sum(r["pass_totals"]),
             p50_seconds=percentile(latencies, 0.5), p99_seconds=percentile(latencies, 0.99), max_seconds=max(latencies),
             first_call_median_seconds=statistics.median(firsts), first_call_max_seconds=max(firsts),
             spikes_over_2x_median=spike_count, worst_ratio_to_median=worst,
@@ -270,9 +306,13 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
     # What each step of a plan buys, at fixed sizes, interleaved; the build cost of each.
     sizes = [1, 8, 32, 64] if not quick else [1, 32]
+    # The graph-executor rows name their executor: by default (specialize_shapes unset) a
+    # PlanCache clones and specialises plans only where TorchScript fuses on the device.
     steps = {
-        "freeze only": dict(optimize_for_inference=False),
-        "freeze + optimize_for_inference": dict(),
+        "freeze only, shared (simple executor)": dict(optimize_for_inference=False, specialize_shapes=False),
+        "freeze + optimize_for_inference, shared (simple executor)": dict(specialize_shapes=False),
+        "freeze + optimize_for_inference, a clone per size specialised to it (profiling executor)":
+            dict(specialize_shapes=True),
     }
     if cuda:  # the static runtime runs CPU modules only
         steps["freeze + optimize_for_inference + CUDA graph"] = dict(cuda_graphs=True)
@@ -290,7 +330,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             steps_report.notes.append(f"\n{name}, {label}: not supported by this module ({reason[:160]}).")
             continue
         caches[label] = cache
-        build[label] = cache.stats()["build_seconds"] / len(sizes)
+        build[label] = statistics.median(z["build_seconds"] for z in cache.stats()["sizes"].values() if z["builds"])
     generic = torch.jit.optimize_for_inference(torch.jit.freeze(scripted))
     graph_bytes = {label: sum(z["graph_bytes"] for z in cache.stats()["sizes"].values())
                    for label, cache in caches.items() if cache.stats()["cuda_graphs"]}
@@ -324,7 +364,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
                              **{f"n{n}_seconds": timings[n][label].median_seconds for n in sizes})
 
     # A hit's lookup: the C++ clock around it, and infer() against the plan module called directly.
-    cache = caches["freeze + optimize_for_inference"]
+    cache = caches["freeze + optimize_for_inference, shared (simple executor)"]
     cache.reset_stats()
     plan = cache.plan_module(1)
     with torch.no_grad():
@@ -354,7 +394,7 @@ def main() -> None:
     command = "python benchmarks/bench_plan.py" + (" --quick" if args.quick else "") + (
         f" --device {args.device}" if device.type != "cpu" else "")
     name = "plan" + ("_cuda" if device.type == "cuda" else "") + ("_quick" if args.quick else "")
-    report = Report(name, f"PlanCache: {requests} requests, batch sizes uniform in 1..{MAX_BATCH}",
+    report = Report(name, f"PlanCache: {requests} requests, batch sizes uniform in 1..{MAX_BATCH}, served 4 times by each variant",
                     ["model", "variant", "startup", "throughput (items/s)", "vs best of (a),(b)", "p50", "p99", "max",
                      "first call at a new size (median / max)", "requests > 2x their size's median",
                      "same, after each size's first call", "spikes: blocked / preempted / on CPU",
@@ -375,9 +415,12 @@ def main() -> None:
                              for m, c, o, i, d in lookup_rows]
     report.data["stream_sizes"] = stream
     report.notes.append("\nThroughput counts items (sum of batch sizes) per second over the whole stream, builds "
-                        "included; start-up (preload) is not in it. Each variant serves the whole stream in "
-                        "its own phase (its start-up just before), one intra-op thread. Spikes count every request, first calls "
-                        "included. Spikes' causes, from the request thread's context switches during the request "
+                        "included; start-up (preload, the mean over passes) is not in it. Each variant serves the whole stream "
+                        "in a phase of its own (its start-up just before), one intra-op thread, 4 times: in four passes "
+                        "over the variants (forward, reversed, rotated by half, that reversed), each phase set up afresh ((a) loaded from a "
+                        "saved copy, cold). Every column counts all passes: percentiles, spikes (against each "
+                        "size's median over all), first calls (each size's first in each pass). Spikes count "
+                        "every request, first calls included. Spikes' causes, from the request thread's context switches during the request "
                         "(getrusage): blocked (it waited: a lock, the GIL), preempted (other work took its core), on "
                         "CPU (no switch: it computed the whole time, slowed by its own work or by the machine: "
                         "other tenants' use of shared caches, memory bandwidth and the hypervisor's time). "
@@ -391,7 +434,7 @@ def main() -> None:
     steps_report.notes.append("\nEach cell: median over interleaved rounds of one call at n, each preceded by an untimed "
                               "call of the same variant at another size (cycling 1..64), as a server sees them. The "
                               "plan variants are PlanCache.infer() with plans preloaded at the sizes shown (the other "
-                              "sizes are served by the source module, untimed). Build per size: mean build_seconds.")
+                              "sizes are served by the source module, untimed). Build per size: the median of the sizes' build_seconds (the first build also freezes and optimises the module).")
     steps_report.write()
 
 
