@@ -12,8 +12,9 @@ With --device cuda (models and inputs on the GPU, every request synchronised), t
   (g) PlanCache pad + background builds + CUDA graphs, after preload of the buckets
 Each variant serves the whole stream in its own phase (a background build of (e) would otherwise
 slow the others' requests), in four passes over the variants: forward, reversed, rotated by half,
-and that reversed, so every variant's phases sit at the same mean position in time. A second table measures what each step of a plan buys, interleaved, at fixed
-sizes, and the cost of a hit's lookup.
+and that reversed, so every variant's phases sit at the same mean position in time. A second
+table measures what each step of a plan buys, interleaved, at fixed sizes, and the cost of a
+hit's lookup.
 
     python benchmarks/bench_plan.py                  # 2000 requests per variant and model, CPU
     python benchmarks/bench_plan.py --quick          # 300 requests, a smoke run
@@ -416,11 +417,12 @@ def main() -> None:
     report.data["stream_sizes"] = stream
     report.notes.append("\nThroughput counts items (sum of batch sizes) per second over the whole stream, builds "
                         "included; start-up (preload, the mean over passes) is not in it. Each variant serves the whole stream "
-                        "in a phase of its own (its start-up just before), one intra-op thread, 4 times: in four passes "
-                        "over the variants (forward, reversed, rotated by half, that reversed), each phase set up afresh ((a) loaded from a "
-                        "saved copy, cold). Every column counts all passes: percentiles, spikes (against each "
-                        "size's median over all), first calls (each size's first in each pass). Spikes count "
-                        "every request, first calls included. Spikes' causes, from the request thread's context switches during the request "
+                        "in a phase of its own (its start-up just before), one intra-op thread, 4 times: in four "
+                        "passes over the variants (forward, reversed, rotated by half, that reversed), each phase "
+                        "set up afresh ((a) loaded from a saved copy, cold). Every column counts all passes: "
+                        "percentiles, spikes (against each size's median over all), first calls (each size's first "
+                        "in each pass). Spikes count every request, first calls included. Spikes' causes, from the "
+                        "request thread's context switches during the request "
                         "(getrusage): blocked (it waited: a lock, the GIL), preempted (other work took its core), on "
                         "CPU (no switch: it computed the whole time, slowed by its own work or by the machine: "
                         "other tenants' use of shared caches, memory bandwidth and the hypervisor's time). "
@@ -434,7 +436,8 @@ def main() -> None:
     steps_report.notes.append("\nEach cell: median over interleaved rounds of one call at n, each preceded by an untimed "
                               "call of the same variant at another size (cycling 1..64), as a server sees them. The "
                               "plan variants are PlanCache.infer() with plans preloaded at the sizes shown (the other "
-                              "sizes are served by the source module, untimed). Build per size: the median of the sizes' build_seconds (the first build also freezes and optimises the module).")
+                              "sizes are served by the source module, untimed). Build per size: the median of the "
+                              "sizes' build_seconds (the first build also freezes and optimises the module).")
     steps_report.write()
 
 
