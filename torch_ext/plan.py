@@ -3,7 +3,7 @@
 A plan is the module frozen, optimised for inference and warmed at one batch size; nothing
 re-profiles when the batch size changes. Where TorchScript fuses on the device, each plan is a
 clone that its profiling executor specialises to its size once; elsewhere the plans share the
-optimised module, run as it is. PlanCache keeps one plan per size, bounded and LRU-evicted,
+optimised module, compiled once for every size. PlanCache keeps one plan per size, bounded and LRU-evicted,
 and serves a miss by building the plan, by padding or splitting onto cached sizes, or by the
 plain module while the plan builds in the background. Thread-safe: many threads may call
 infer() at once; hits take a reader lock only.
@@ -60,9 +60,9 @@ class PlanCache:
     share the frozen weights (a budget below those keeps one plan) and their CUDA graphs' memory.
     specialize_shapes: give each plan a clone of its own, whose profiling executor compiles a graph
     specialised to the shapes of its warm-up calls (True), or let the plans share the optimised
-    module, run as it is by the simple executor, so that a build is only its warm-ups (False);
-    None (default): True where TorchScript fuses on the inputs' device (the fusion groups are
-    what the shapes feed), else False. static_runtime: run plans with TorchScript's static runtime. cuda_graphs: on CUDA inputs, capture
+    module, compiled once for every size, so that a build is only its warm-ups (False); None
+    (default): True where TorchScript fuses on the inputs' device (the fusion groups are what
+    the shapes feed), else False. static_runtime: run plans with TorchScript's static runtime. cuda_graphs: on CUDA inputs, capture
     each plan as a CUDA graph at its size (static buffers, one launch per call, outputs copied
     out); a plan that cannot be captured (host synchronisation, CPU tensors) runs without one,
     with a warning, and stats()["graph_capture_failures"] counts it. Ignored on CPU.

@@ -310,31 +310,40 @@ def test_static_runtime_plans_equal_the_module(rowwise):
     assert cache.stats()["hits"] == 1
 
 
-def executed_graph_is_shape_profiled(cache: PlanCache, n: int) -> bool:
-    """Whether the graph the plan at n executes carries the profiling executor's complete tensor
-    types (the simple executor runs the frozen graph with its generic ones)."""
+def executed_graph(cache: PlanCache, n: int) -> torch._C.Graph:
     with torch.no_grad():
-        graph = cache.plan_module(n).graph_for(x(n))
+        return cache.plan_module(n).graph_for(x(n))
+
+
+def is_profiled(graph: torch._C.Graph) -> bool:
+    """Whether the profiling executor compiled the graph: it carries complete tensor types (the
+    simple executor runs the frozen graph with its generic ones)."""
     return any(isinstance(v.type(), torch._C.TensorType) and v.type().sizes() is not None
                for node in graph.nodes() for v in node.outputs())
 
 
 @pytest.mark.parametrize("specialize", [None, True, False])
-def test_plans_specialise_shapes_in_clones_only_where_torchscript_fuses_unless_told(rowwise, specialize):
+def test_plans_are_clones_specialised_to_their_size_only_where_torchscript_fuses_unless_told(rowwise, specialize):
     fuses_on_cpu, needs_llvm = torch._C._jit_can_fuse_on_cpu(), torch._C._jit_get_te_must_use_llvm_cpu()
     torch._C._jit_set_te_must_use_llvm_cpu(False)  # the CPU wheel has no LLVM: NNC interprets
     try:
         for cpu_fusion in (False, True):
             torch._C._jit_override_can_fuse_on_cpu(cpu_fusion)
             cache = PlanCache(rowwise, specialize_shapes=specialize)
-            for n in (3, 3, 6):
+            for n in (3, 3, 6, 6):
                 inputs = x(n)
                 assert torch.equal(cache(inputs), reference(rowwise, inputs)), (cpu_fusion, n)
-            expected = cpu_fusion if specialize is None else specialize
-            assert executed_graph_is_shape_profiled(cache, 3) == expected, cpu_fusion
-            # Specialised plans are clones (a type each); the others share the optimised module.
+            clones = cpu_fusion if specialize is None else specialize
             types = {cache.plan_module(n)._c._type().qualified_name() for n in (3, 6)}
-            assert len(types) == (2 if expected else 1), cpu_fusion
+            assert len(types) == (2 if clones else 1), cpu_fusion
+            graphs = [executed_graph(cache, n) for n in (3, 6)]
+            if clones:
+                assert all(is_profiled(graph) for graph in graphs), cpu_fusion
+            else:
+                # One graph for every size: profiled once where nothing fuses (no shape guards),
+                # else run by the simple executor (a fusion group would guard on the first size).
+                assert str(graphs[0]) == str(graphs[1]), cpu_fusion
+                assert is_profiled(graphs[0]) == (not cpu_fusion), cpu_fusion
     finally:
         torch._C._jit_override_can_fuse_on_cpu(fuses_on_cpu)
         torch._C._jit_set_te_must_use_llvm_cpu(needs_llvm)

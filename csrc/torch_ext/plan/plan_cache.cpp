@@ -406,8 +406,7 @@ void PlanCache::capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs
   plan.capture_pending.store(false, std::memory_order_release);
 }
 
-bool PlanCache::specializes_shapes(const std::vector<c10::IValue>& example) const {
-  if (options_.specialize_shapes) return *options_.specialize_shapes;
+bool PlanCache::fuses(const std::vector<c10::IValue>& example) const {
   return torch::jit::tensorExprFuserEnabled() &&
          (on_cuda(example) ? torch::jit::canFuseOnGPU() : torch::jit::canFuseOnCPU());
 }
@@ -429,19 +428,24 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
       }
       const bool optimize = options_.optimize_for_inference && !options_.static_runtime;
       torch::jit::Module base = optimize ? optimized_locked() : frozen;
-      if (options_.static_runtime || specializes_shapes(example)) {
+      if (options_.static_runtime || options_.specialize_shapes.value_or(fuses(example))) {
         // A clone has its own graph executor, which specialises at this size (or a graph of its
         // own for the static runtime to rewrite); it shares the base's constants and (inplace)
         // its attributes: every plan references the same weights.
         plan->module = base.clone(/*inplace=*/true);
       } else {
         // Without specialisation a plan's graph would be the base's, compiled again: the plans
-        // share the base and its simple executor, compiled once, and a build is its warm-ups.
-        // The mode is set before the base's first run (executors are created then), once.
-        if (!base_runs_simple_) {
-          torch::jit::toGraphFunction(base.get_method(options_.method).function())
-              ._set_initial_executor_execution_mode(torch::jit::ExecutorExecutionMode::SIMPLE);
-          base_runs_simple_ = true;
+        // share the base, compiled once for every size, and a build is its warm-ups. Where
+        // TorchScript does not fuse, its profiling executor guards nothing by shape and never
+        // re-profiles; where it fuses, it would guard its fusion groups with the first size's
+        // shapes and re-profile at the others, so the simple executor runs the base there. The
+        // mode is chosen before the base's first run (its executor is created then), once.
+        if (!base_executor_chosen_) {
+          if (fuses(example)) {
+            torch::jit::toGraphFunction(base.get_method(options_.method).function())
+                ._set_initial_executor_execution_mode(torch::jit::ExecutorExecutionMode::SIMPLE);
+          }
+          base_executor_chosen_ = true;
         }
         plan->module = base;
       }

@@ -5,7 +5,7 @@
 // (torch::jit::optimize_for_inference) or run by TorchScript's static runtime, and warmed
 // at one batch size; nothing re-profiles when the size changes. Where TorchScript fuses on the
 // device, each plan is a clone whose profiling executor specialises to its size once; elsewhere
-// the plans share one simple executor that runs the optimised graph as it is.
+// the plans share the optimised module, compiled once for every size.
 // infer() picks the plan for the batch's size; a miss is served by building the exact plan,
 // by padding to a larger cached size, by splitting into cached sizes, or by the source module
 // while the plan builds in the background.
@@ -71,10 +71,11 @@ struct PlanCacheOptions {
   bool optimize_for_inference = true;
   // Give each plan a clone of its own, run by TorchScript's profiling executor, which profiles
   // the first warm-up call and compiles a graph specialised to the shapes it saw on the second.
-  // Off: the plans share the optimised module, run by the simple executor as it is (compiled
-  // once), and a build is its warm-ups. Unset: on where TorchScript fuses on the inputs'
-  // device (its fusion groups are what the profiled shapes feed), off elsewhere, where
-  // specialising bought no speed in bench_plan and cost most of each build.
+  // Off: the plans share the optimised module, compiled once for every size (by the profiling
+  // executor where TorchScript does not fuse, since nothing is then guarded by shape; else by
+  // the simple executor), and a build is its warm-ups. Unset: on where TorchScript fuses on the
+  // inputs' device (its fusion groups are what the profiled shapes feed), off elsewhere, where
+  // a clone per size bought no speed in bench_plan and cost most of each build.
   std::optional<bool> specialize_shapes;
   // Run plans with TorchScript's static runtime (memory planning for the size) instead of
   // the graph executor; the frozen graph is then not passed through optimize_for_inference.
@@ -191,7 +192,8 @@ class PlanCache {
   std::vector<c10::IValue> example_at(int64_t batch_size) const;
 
   std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example);
-  bool specializes_shapes(const std::vector<c10::IValue>& example) const;
+  // Whether TorchScript fuses on the device of these inputs (its fusion groups are guarded by shape).
+  bool fuses(const std::vector<c10::IValue>& example) const;
   // Captures a plan whose capture is pending (once, on this thread, from inputs at its size).
   void capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs);
   std::shared_ptr<Plan> get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs);
@@ -229,7 +231,7 @@ class PlanCache {
   // frozen_ through optimize_for_inference, once: no pass of it depends on the batch size.
   mutable torch::jit::Module optimized_;  // guarded by source_mutex_
   mutable bool optimized_ready_ = false;  // guarded by source_mutex_
-  bool base_runs_simple_ = false;  // plans share the base's simple executor; guarded by source_mutex_
+  bool base_executor_chosen_ = false;  // for plans that share the base; guarded by source_mutex_
   torch::jit::Module frozen_locked() const;
   torch::jit::Module optimized_locked() const;
 
