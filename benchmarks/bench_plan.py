@@ -306,15 +306,17 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             stats={k: v for k, v in stats.items() if k != "sizes"} if stats else None)
 
     # The variants the throughput target names, serving the stream once more, request by request
-    # in rotation, so that the machine's drift cancels out of their ratios (phases cannot do
-    # that). (e)'s background builds then overlap the others' requests as well as its own.
+    # in a shuffled order (a rotation would always run one variant right after the same other
+    # one), so that the machine's drift cancels out of their ratios (phases cannot do that).
+    # (e)'s background builds then overlap the others' requests as well as its own.
     rotation = [label for label in variants if label[:3] in ("(a)", "(b)", "(d)", "(e)")]
     served = {label: variants[label]()[0] for label in rotation}  # a bound infer keeps its cache alive
     times = {label: [] for label in rotation}
+    order_rng = random.Random(1)
     gc.collect()
     with torch.no_grad():
-        for index, n in enumerate(stream):
-            for label in rotation[index % len(rotation):] + rotation[:index % len(rotation)]:
+        for n in stream:
+            for label in order_rng.sample(rotation, len(rotation)):
                 t = time.perf_counter()
                 served[label](inputs[n])
                 synchronize(device)
@@ -328,8 +330,8 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
     interleaved = {label: dict(ratio=ratio(label), blocks=[ratio(label, b * size, (b + 1) * size) for b in range(blocks)])
                    for label in rotation[2:]}
-    report.notes.append(f"\n{name}, the stream served once more by {', '.join(k[:3] for k in rotation)} in rotation, "
-                        f"request by request: throughput over the best of (a),(b): " + "; ".join(
+    report.notes.append(f"\n{name}, the stream served once more by {', '.join(k[:3] for k in rotation)}, request by "
+                        f"request in a shuffled order: throughput over the best of (a),(b): " + "; ".join(
                             f"{label[:3]} {r['ratio']:.2f}x (in {blocks} blocks of {size} requests: median "
                             f"{statistics.median(r['blocks']):.2f}x, {min(r['blocks']):.2f}x to {max(r['blocks']):.2f}x)"
                             for label, r in interleaved.items()) + ".")
@@ -384,7 +386,8 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             for label, cache in caches.items():
                 fns[f"plan: {label}"] = lambda cache=cache, n=n: cache.infer(inputs[n])
                 before[f"plan: {label}"] = lambda cache=cache: other(cache.infer)
-            timings[n] = measure_interleaved(fns, warmup=2, repeat=5 if quick else 15, before_each=before)
+            timings[n] = measure_interleaved(fns, warmup=2, repeat=5 if quick else 30, before_each=before,
+                                             alternate=True)
     for label in timings[sizes[0]]:
         cells = {"model": name, "variant": label,
                  "build per size": format_seconds(build[label[6:]]) if label.startswith("plan: ") else "-"}
@@ -462,7 +465,8 @@ def main() -> None:
                         "each size 1..64 after the stream; plans: the cache's plan_bytes (constants its plans "
                         "reference).")
     report.write()
-    steps_report.notes.append("\nEach cell: median over interleaved rounds of one call at n, each preceded by an untimed "
+    steps_report.notes.append("\nEach cell: median over 30 interleaved rounds (the order reversed every other round) of "
+                              "one call at n, each preceded by an untimed "
                               "call of the same variant at another size (cycling 1..64), as a server sees them. The "
                               "plan variants are PlanCache.infer() with plans preloaded at the sizes shown (the other "
                               "sizes are served by the source module, untimed). Build per size: the median of the "
