@@ -3,9 +3,9 @@
 A plan is the module frozen, optimised for inference and warmed at one batch size; nothing
 re-profiles when the batch size changes. Where TorchScript fuses on the device, each plan is a
 clone that its profiling executor specialises to its size once; elsewhere the plans share the
-optimised module, compiled once for every size. PlanCache keeps one plan per size, bounded and LRU-evicted,
-and serves a miss by building the plan, by padding or splitting onto cached sizes, or by the
-plain module while the plan builds in the background. Thread-safe: many threads may call
+optimised module, compiled once for every size. PlanCache keeps one plan per size, bounded and
+LRU-evicted, and serves a miss by building the plan, by padding or splitting onto cached sizes,
+or by the plain module while the plan builds in the background. Thread-safe: many threads may call
 infer() at once; hits take a reader lock only.
 """
 from __future__ import annotations
@@ -62,18 +62,19 @@ class PlanCache:
     specialised to the shapes of its warm-up calls (True), or let the plans share the optimised
     module, compiled once for every size, so that a build is only its warm-ups (False); None
     (default): True where TorchScript fuses on the inputs' device (the fusion groups are what
-    the shapes feed), else False. static_runtime: run plans with TorchScript's static runtime. cuda_graphs: on CUDA inputs, capture
-    each plan as a CUDA graph at its size (static buffers, one launch per call, outputs copied
-    out); a plan that cannot be captured (host synchronisation, CPU tensors) runs without one,
-    with a warning, and stats()["graph_capture_failures"] counts it. Ignored on CPU.
+    the shapes feed), else False. static_runtime: run plans with TorchScript's static runtime.
+    cuda_graphs: on CUDA inputs, capture each plan as a CUDA graph at its size (static buffers,
+    one launch per call, outputs copied out); a plan that cannot be captured (host
+    synchronisation, CPU tensors) runs without one, with a warning, and
+    stats()["graph_capture_failures"] counts it. Ignored on CPU.
     """
 
     def __init__(self, module: Union[torch.jit.ScriptModule, str, os.PathLike], *,
                  batch_dims: Optional[Sequence[int]] = None, output_batch_dims: Optional[Sequence[int]] = None,
                  miss_mode: str = "exact", background_builds: bool = False, admit_after: int = 1,
                  max_plans: int = 0, max_bytes: int = 0, max_batch_size: int = 0, warmup_calls: int = 3,
-                 optimize_for_inference: bool = True, specialize_shapes: Optional[bool] = None, static_runtime: bool = False, cuda_graphs: bool = False,
-                 method: str = "forward") -> None:
+                 optimize_for_inference: bool = True, specialize_shapes: Optional[bool] = None,
+                 static_runtime: bool = False, cuda_graphs: bool = False, method: str = "forward") -> None:
         if isinstance(module, (str, os.PathLike)):
             path = os.fspath(module)
             if not os.path.isfile(path):

@@ -60,7 +60,7 @@ def reference(module, *inputs):
         return module(*inputs)
 
 
-@pytest.mark.parametrize("specialize", [False, True], ids=["simple_executor", "shapes_specialised"])
+@pytest.mark.parametrize("specialize", [False, True], ids=["one_module", "clone_per_size"])
 @pytest.mark.parametrize("mode", ["exact", "pad", "split", "auto"])
 def test_every_mode_equals_the_module_at_every_size(rowwise, mode, specialize):
     cache = PlanCache(rowwise, miss_mode=mode, warmup_calls=2, specialize_shapes=specialize)
