@@ -343,7 +343,8 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     for text, ok in checks:
         report.notes.append(f"- {'met' if ok else 'NOT met'}: {text}")
     report.data = {"pair_timings": pair, "overhead_seconds_per_region": overhead,
-                   "replay_seconds_per_region": replay_seconds, "overhead_ratio": ratio, "region_timings": region_timings, "activation_bytes": activation_bytes,
+                   "replay_seconds_per_region": replay_seconds, "overhead_ratio": ratio,
+                   "region_timings": region_timings, "activation_bytes": activation_bytes,
                    "checks": [{"target": text, "met": ok} for text, ok in checks]}
     if device_mode:
         report.data.update({"device": str(device), "failed": failed,

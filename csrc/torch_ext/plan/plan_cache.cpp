@@ -428,7 +428,8 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
       }
       const bool optimize = options_.optimize_for_inference && !options_.static_runtime;
       torch::jit::Module base = optimize ? optimized_locked() : frozen;
-      if (options_.static_runtime || options_.specialize_shapes.value_or(fuses(example))) {
+      const bool fusing = fuses(example);
+      if (options_.static_runtime || options_.specialize_shapes.value_or(fusing)) {
         // A clone has its own graph executor, which specialises at this size (or a graph of its
         // own for the static runtime to rewrite); it shares the base's constants and (inplace)
         // its attributes: every plan references the same weights.
@@ -441,7 +442,7 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const
         // shapes and re-profile at the others, so the simple executor runs the base there. The
         // mode is chosen before the base's first run (its executor is created then), once.
         if (!base_executor_chosen_) {
-          if (fuses(example)) {
+          if (fusing) {
             torch::jit::toGraphFunction(base.get_method(options_.method).function())
                 ._set_initial_executor_execution_mode(torch::jit::ExecutorExecutionMode::SIMPLE);
           }
