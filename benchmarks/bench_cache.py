@@ -3,12 +3,12 @@
     python benchmarks/bench_cache.py [--quick]
 
 1. diffusion loop: a conditioning encoder + denoiser called for N steps with the same
-   conditioning (torch_ext.cache.ConditionedDenoiser); time per step of the plain module, of the
+   conditioning (torch_ext.demos.ConditionedDenoiser); time per step of the plain module, of the
    LazyExecutor, and of the denoiser alone (conditioning computed once by hand). Target: the
    LazyExecutor's step at most 1.1x the denoiser's alone.
 2. preprocessed weights: inference through layers whose weights are rebuilt at every forward
    (weight normalisation and int8 dequantisation written out in forward), a new batch per call.
-3. full miss: GPT-2 small (torch_ext.models.GPTConfig.gpt2_small()), a new token batch at every
+3. full miss: GPT-2 small (torch_ext.demos.GPTConfig.gpt2_small()), a new token batch at every
    call, so nothing but position embeddings can be reused: the executor's overhead. Target: at
    most 5% over the plain module.
 
@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Report, format_bytes, format_seconds, measure_interleaved  # noqa: E402
 
 import torch_ext  # noqa: E402
-from torch_ext.cache import ConditionedDenoiser, LazyExecutor, sample  # noqa: E402
-from torch_ext.models import GPT, GPTConfig  # noqa: E402
+from torch_ext.cache import LazyExecutor  # noqa: E402
+from torch_ext.demos import ConditionedDenoiser, sample  # noqa: E402
+from torch_ext.demos import GPT, GPTConfig  # noqa: E402
 
 
 class WeightNormLinear(nn.Module):

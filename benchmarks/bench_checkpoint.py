@@ -41,7 +41,7 @@ import harness  # noqa: E402
 
 import torch_ext  # noqa: E402
 from torch_ext import memory  # noqa: E402
-from torch_ext.models import GPT, GPTConfig, language_model_loss  # noqa: E402
+from torch_ext.demos import GPT, GPTConfig, language_model_loss  # noqa: E402
 
 OFFLOAD = "(c-offload) torch_ext per block, offload storage"
 BF16 = "(c-bf16) torch_ext per block, bf16 storage"

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Report, format_bytes, format_seconds, timing_of  # noqa: E402
 import torch_ext  # noqa: E402
-from torch_ext.models import GPT, GPTConfig  # noqa: E402
+from torch_ext.demos import GPT, GPTConfig  # noqa: E402
 
 FULL = dict(vocab_size=50257, block_size=1024, n_layer=20, n_head=16, n_embd=1024)
 QUICK = dict(vocab_size=8192, block_size=256, n_layer=6, n_head=8, n_embd=512)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Report, format_bytes, format_seconds, measure_interleaved, peak_memory  # noqa: E402
 import torch_ext  # noqa: E402
 from torch_ext import PlanCache, memory  # noqa: E402
-from torch_ext.models import EncoderClassifier  # noqa: E402
+from torch_ext.demos import EncoderClassifier  # noqa: E402
 
 MAX_BATCH = 64
 # A padded request costs about what its bucket's size costs: buckets at most 1.5x apart keep that

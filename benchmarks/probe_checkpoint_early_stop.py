@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-# torch_ext/models.py is plain PyTorch; load it by path so the probe needs no built torch_ext.
-_spec = importlib.util.spec_from_file_location("torch_ext_models", ROOT / "torch_ext" / "models.py")
+# torch_ext/demos.py imports only PyTorch at the top; load it by path so the probe needs no built torch_ext.
+_spec = importlib.util.spec_from_file_location("torch_ext_models", ROOT / "torch_ext" / "demos.py")
 models = importlib.util.module_from_spec(_spec)
 sys.modules["torch_ext_models"] = models
 _spec.loader.exec_module(models)

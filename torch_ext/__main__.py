@@ -10,13 +10,6 @@ import time
 import torch
 
 import torch_ext
-from torch_ext import cache, memory, paging, plan
-from torch_ext.checkpoint import demo as demo_checkpoint
-from torch_ext.models import GPT, GPTConfig, language_model_loss
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def registered_ops() -> list[str]:
@@ -58,47 +51,10 @@ def info() -> None:
         print(f"  torch.classes.torch_ext.{name}")
 
 
-def demo_memory(progress) -> None:
-    """A training step of the built-in decoder: peak CPU memory and bytes saved for backward."""
-    torch.manual_seed(0)
-    config = GPTConfig(n_layer=6, n_embd=256, n_head=8, vocab_size=1024, block_size=256)
-    model = GPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = torch.randint(0, config.vocab_size, (8, config.block_size))
-    parameter_bytes = sum(p.nbytes for p in model.parameters())
-    steps = 3
-    results = []
-    for _ in progress(range(steps), desc="training steps"):
-        start = time.perf_counter()
-        with memory.track() as tracked:
-            loss = language_model_loss(model(batch[:, :-1]), batch[:, 1:])
-            saved = tracked.saved_bytes
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        results.append((time.perf_counter() - start, tracked.peak_delta_bytes, saved, loss.item()))
-    seconds, peak, saved, loss = results[-1]
-    print(f"model: GPT, {config.n_layer} blocks, width {config.n_embd}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({_mib(parameter_bytes)})")
-    print(f"batch: {tuple(batch[:, :-1].shape)} tokens")
-    print(f"step time:             {seconds * 1e3:.0f} ms (last of {steps}; the first also creates optimizer state)")
-    print(f"peak CPU memory above the step's start: {_mib(peak)}")
-    print(f"saved for backward:    {_mib(saved)} (each storage once, parameters included)")
-    print(f"loss:                  {loss:.4f}")
-
-
-# Each capability adds its section here, in the order of the README.
-DEMO_SECTIONS = [
-    ("CPU memory accounting", demo_memory),
-    ("Segment checkpointing", demo_checkpoint),
-    ("Weight paging", paging.demo),
-    ("Lazy node cache", cache.demo),
-    ("Dynamic-batch plan cache", plan.demo),
-]
-
-
 def demo() -> None:
     from tqdm import tqdm
+
+    from torch_ext.demos import DEMO_SECTIONS
 
     def progress(iterable, desc):
         return tqdm(iterable, desc=desc, leave=False, file=sys.stderr, disable=None)

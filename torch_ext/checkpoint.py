@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _C, memory
 
 __all__ = ["checkpoint", "CheckpointedSequential", "checkpoint_sequential", "plan_checkpoints",
-           "CheckpointPlan", "STORAGE_POLICIES", "demo"]
+           "CheckpointPlan", "STORAGE_POLICIES"]
 
 STORAGE_POLICIES = ("keep", "offload", "bf16", "fp16")
 
@@ -1060,60 +1060,3 @@ def checkpoint_sequential(functions: Any, segments: int, *inputs: Any, **kwargs:
         value = _runner()(run, args, kw, params, storage, preserve, f"checkpoint_sequential[{start}:{end}]")
         start = end
     return value
-
-
-# ---------------------------------------------------------------------------------------------
-# Demo (python -m torch_ext demo)
-
-
-def demo(progress, quick: bool = False) -> None:
-    """A training step of the built-in decoder without checkpointing, with every block
-    checkpointed, and with a plan for half of the blocks' activation memory."""
-    from .models import GPT, GPTConfig, language_model_loss
-
-    torch.manual_seed(0)
-    config = (GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=64) if quick else
-              GPTConfig(n_layer=8, n_embd=128, n_head=4, vocab_size=1024, block_size=128))
-    batch = torch.randint(0, config.vocab_size, (2 if quick else 4, config.block_size))
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    base = GPT(config)
-    for p in base.parameters():
-        p.grad = torch.zeros_like(p)  # gradients accumulate in place: the peak is activations
-    embedded = base.embed(inputs).detach()
-
-    def step(model_blocks):
-        def run():
-            x = base.embed(inputs)
-            x = model_blocks(x)
-            language_model_loss(base.head(x), targets).backward()
-        return run
-
-    plain = nn.Sequential(*base.blocks)
-    every = CheckpointedSequential(base.blocks, every=1)
-    with memory.track() as tracked:
-        step(plain)()
-    activation_bytes = tracked.peak_delta_bytes
-    plan = plan_checkpoints(list(base.blocks), embedded, budget_bytes=activation_bytes // 2,
-                            repeat=1 if quick else 2, progress=progress)
-    planned = CheckpointedSequential(base.blocks, boundaries=plan)
-    rows = []
-    for name, blocks in progress([("no checkpointing", plain), ("every block", every),
-                                  ("planned, 50% budget", planned)], desc="training steps"):
-        run = step(blocks)
-        run()  # warm-up
-        seconds = []
-        for _ in range(1 if quick else 3):
-            with memory.track() as tracked:
-                start = time.perf_counter()
-                run()
-                seconds.append(time.perf_counter() - start)
-        rows.append((name, tracked.peak_delta_bytes, statistics.median(seconds)))
-    mib = 2.0 ** 20
-    print(f"model: GPT, {config.n_layer} blocks, width {config.n_embd}, batch {tuple(inputs.shape)}")
-    print(f"{'variant':<22} {'step peak CPU memory':>21} {'step time':>10}")
-    for name, peak, seconds in rows:
-        print(f"{name:<22} {peak / mib:>17.1f} MiB {seconds * 1e3:>7.0f} ms")
-    print(f"plan for {plan.budget_bytes / mib:.1f} MiB (half the unplanned step's peak) of block activations: "
-          f"boundaries {plan.boundaries}, predicted blocks peak {plan.predicted_peak_bytes / mib:.1f} MiB, predicted "
-          f"overhead {plan.predicted_overhead:.0%} (minimum feasible budget {plan.min_budget_bytes / mib:.1f} MiB); "
-          "the step's peak also holds the embedding, head and logits")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Iterator, Union
 from contextlib import contextmanager
 
 import torch

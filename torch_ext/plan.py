@@ -11,16 +11,11 @@ infer() at once; hits take a reader lock only.
 from __future__ import annotations
 
 import os
-import random
-import tempfile
-import time
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from .models import EncoderClassifier
-
-__all__ = ["PlanCache", "MISS_MODES", "demo"]
+__all__ = ["PlanCache", "MISS_MODES"]
 
 MISS_MODES = ("exact", "pad", "split", "auto")
 
@@ -178,67 +173,3 @@ class PlanCache:
         s = self._cache.stats()
         return (f"PlanCache(miss_mode={self._cache.miss_mode()!r}, plans={int(s['plans'])}, "
                 f"sizes={self.cached_sizes()})")
-
-
-def stats_line(stats: dict) -> str:
-    """One line of the figures a server operator looks at first."""
-    calls = max(1, stats["calls"])
-    return (f"calls {stats['calls']}, hits {stats['hits']} ({100 * stats['hits'] / calls:.0f}%), "
-            f"misses {stats['misses']}, builds {stats['builds']} ({stats['build_seconds']:.2f} s), "
-            f"padded {stats['padded_calls']} (+{stats['padded_elements']} rows), split {stats['split_calls']}, "
-            f"fallback {stats['fallback_calls']}, evictions {stats['evictions']}, plans {stats['plans']} "
-            f"({stats['plan_bytes'] / 2**20:.1f} MiB), mean hit lookup "
-            f"{1e6 * stats['hit_lookup_seconds'] / max(1, stats['hits']):.2f} µs")
-
-
-def demo(progress) -> None:
-    """A scripted transformer encoder served a stream of random batch sizes, with and without the
-    plan cache (preloaded for sizes 1..32), requests interleaved so machine noise hits both alike."""
-    torch.manual_seed(0)
-    rng = random.Random(0)
-    requests = [rng.randint(1, 32) for _ in range(300)]
-    inputs = {n: torch.randn(n, 16, 64) for n in range(1, 33)}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a second OpenMP thread on a busy machine adds its own spikes
-    try:
-        scripted = torch.jit.script(EncoderClassifier().eval())
-        cache = PlanCache(scripted)
-        start = time.perf_counter()
-        cache.preload(progress(range(1, 33), desc="preload"), example_inputs=(inputs[1],), progress=False)
-        preload_seconds = time.perf_counter() - start
-        latencies: dict[str, list[float]] = {"scripted module": [], "PlanCache (preloaded 1..32)": []}
-        runs = {"scripted module": scripted, "PlanCache (preloaded 1..32)": cache.infer}
-        with torch.no_grad():
-            for n in progress(requests, desc="requests"):
-                for name, run in runs.items():
-                    t = time.perf_counter()
-                    run(inputs[n])
-                    latencies[name].append(time.perf_counter() - t)
-    finally:
-        torch.set_num_threads(threads)
-    print(f"stream: {len(requests)} requests, batch sizes 1..32; preload of 32 plans took {preload_seconds:.1f} s")
-    for name, values in latencies.items():
-        ordered = sorted(values)
-        print(f"{name:<28} total {sum(values):.2f} s, p50 {1e3 * ordered[len(ordered) // 2]:.2f} ms, "
-              f"p99 {1e3 * ordered[int(0.99 * (len(ordered) - 1))]:.1f} ms, max {1e3 * ordered[-1]:.1f} ms")
-    print("cache:", stats_line(cache.stats()))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib is not installed: no plot; pip install matplotlib for one)")
-        return
-    path = os.path.join(os.environ.get("TORCH_EXT_DEMO_DIR", tempfile.gettempdir()), "plan_cache_latency.png")
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for name, values in latencies.items():
-        ax.plot([1e3 * v for v in values], label=name, linewidth=0.8)
-    ax.set_yscale("log")
-    ax.set_xlabel("request index")
-    ax.set_ylabel("latency (ms)")
-    ax.set_title("Random batch sizes 1..32: latency by request")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"plot: {path}")

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 import torch_ext
 from torch_ext import LazyExecutor, NodeCache, lazy
-from torch_ext.models import GPT, GPTConfig
+from torch_ext.demos import GPT, GPTConfig
 
 
 # ---- models ----

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_ext
 from torch_ext import memory
-from torch_ext.models import GPT, GPTConfig, language_model_loss
+from torch_ext.demos import GPT, GPTConfig, language_model_loss
 
 MiB = 1 << 20
 
@@ -1003,7 +1003,7 @@ def test_distributed_data_parallel_on_two_cpu_processes_gives_equal_gradients():
 
 
 def test_demo_section_runs(capsys):
-    from torch_ext.checkpoint import demo
+    from torch_ext.demos import demo_checkpoint as demo
 
     demo(lambda iterable, desc: iterable, quick=True)
     out = capsys.readouterr().out

@@ -20,7 +20,7 @@ def test_info_names_library_ops_and_versions():
 
 
 def test_demo_runs_every_section():
-    from torch_ext.__main__ import DEMO_SECTIONS
+    from torch_ext.demos import DEMO_SECTIONS
 
     text = run_cli("demo")
     for title, _ in DEMO_SECTIONS:

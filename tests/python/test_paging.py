@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import torch_ext
-from torch_ext.models import GPT, GPTConfig
+from torch_ext.demos import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=256, block_size=32)
 
