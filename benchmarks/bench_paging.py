@@ -116,8 +116,9 @@ def child(args) -> None:
             "scan+prefetch": ("scan_resistant", PREFETCH, False, False),
             "scan+prefetch+mmap": ("scan_resistant", PREFETCH, False, True),
             "scan+prefetch+O_DIRECT": ("scan_resistant", PREFETCH, True, False)}[variant]
-        pager = torch_ext.page_weights(model, args.path, args.budget, policy=policy, prefetch=prefetch,
-                                       direct_io=direct, zero_copy=zero_copy, device=device)
+        source = torch_ext.SafetensorsSource(args.path, direct_io=direct)
+        pager = torch_ext.page_weights(model, source, args.budget, policy=policy, prefetch=prefetch,
+                                       zero_copy=zero_copy, device=device)
     if on_gpu:
         torch.cuda.synchronize(device)
         baseline_gpu = torch.cuda.memory_allocated(device)
@@ -163,8 +164,7 @@ def child(args) -> None:
         result.update(baseline_gpu=baseline_gpu, peak_gpu=torch.cuda.max_memory_allocated(device))
         result["peak_gpu_above_baseline"] = result["peak_gpu"] - baseline_gpu
     if pager is not None:
-        s = pager.stats()
-        result["stats"] = {k: (float(v) if isinstance(v, bool) else v) for k, v in s.items()}
+        result["stats"] = {k: (float(v) if isinstance(v, bool) else v) for k, v in pager.stats().as_dict().items()}
         result["forwards"] = forwards
     torch.save(out.cpu(), args.output)
     Path(args.json).write_text(json.dumps(result))
@@ -175,7 +175,7 @@ def _wait_until_quiet(pager) -> None:
     last = None
     while True:
         s = pager.stats()
-        now = (s["prefetches"], s["bytes_loaded"])
+        now = (s.prefetches, s.bytes_loaded)
         if now == last:
             return
         last = now

@@ -337,14 +337,13 @@ def demo_paging(progress) -> None:
             seconds = (time.perf_counter() - start) / passes
         s = pager.stats()
         print(f"model: GPT, {config.n_layer} blocks, {weight_bytes / 2**20:.1f} MiB of weights in {path.name}; "
-              f"budget {pager.budget_bytes() / 2**20:.1f} MiB ({pager.policy}, prefetch {pager.prefetch})")
+              f"budget {pager.budget_bytes / 2**20:.1f} MiB ({pager.policy}, prefetch {pager.prefetch})")
         print(f"paged outputs equal resident outputs: {torch.equal(out, expected)}; {seconds * 1e3:.0f} ms per "
               f"forward (resident: {resident_seconds * 1e3:.0f} ms)")
-        total = s["hits"] + s["misses"]
-        print(f"stats: hit rate {s['hits'] / max(total, 1):.0%}, {s['misses']} misses, {s['evictions']} evictions, "
-              f"{s['bytes_loaded'] / 2**20:.0f} MiB loaded in {s['load_seconds']:.2f} s, "
-              f"stall {s['stall_seconds']:.2f} s, "
-              f"{s['prefetch_hits']} prefetch hits, resident {pager.resident_bytes() / 2**20:.1f} MiB")
+        total = s.hits + s.misses
+        print(f"stats: hit rate {s.hits / max(total, 1):.0%}, {s.misses} misses, {s.evictions} evictions, "
+              f"{s.bytes_loaded / 2**20:.0f} MiB loaded in {s.load_seconds:.2f} s, stall {s.stall_seconds:.2f} s, "
+              f"{s.prefetch_hits} prefetch hits, resident {pager.resident_bytes() / 2**20:.1f} MiB")
         del paged, pager
 
 

@@ -20,178 +20,53 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from ._script import ScriptObjectFace
+
 __all__ = ["SafetensorsSource", "LayerPager", "page_weights", "unpage", "save_pageable", "is_paged"]
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64,
-}
-_POLICIES = ("auto", "lru", "scan_resistant")
 _STATE = "_torch_ext_paging"
-_INT_STATS = ("hits", "misses", "evictions", "bytes_loaded", "prefetches", "prefetch_hits", "over_budget_loads")
 
 
-def _check_int(value: Any, what: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return value
-
-
-class SafetensorsSource:
+class SafetensorsSource(ScriptObjectFace):
     """A .safetensors file, a sharded checkpoint's model.safetensors.index.json, or a folder holding
     either; validated completely when opened (errors name the file and the tensor).
 
-    direct_io=True reads with O_DIRECT, bypassing the page cache (for files larger than it)."""
+    The object is torch.classes.torch_ext.SafetensorsSource: names(), meta(name) (a meta tensor
+    with the stored dtype and shape), nbytes(name), view(name) (zero-copy), load(name) (a copy),
+    files(), metadata(), total_bytes(), path(), len() and `in`. Keyword options are those of the
+    C++ SourceOptions (direct_io: read with O_DIRECT, bypassing the page cache)."""
 
-    def __init__(self, path: str | os.PathLike, *, direct_io: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, **options: Any) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"SafetensorsSource: path must be a str or os.PathLike, got {type(path).__name__}")
-        self.script_object = torch.classes.torch_ext.SafetensorsSource(os.fspath(path), bool(direct_io))
-
-    @property
-    def path(self) -> str:
-        return self.script_object.path()
-
-    @property
-    def direct_io(self) -> bool:
-        return self.script_object.direct_io()
-
-    def names(self) -> list[str]:
-        return self.script_object.names()
-
-    def __contains__(self, name: str) -> bool:
-        return self.script_object.contains(name)
-
-    def __len__(self) -> int:
-        return len(self.names())
+        self.script_object = torch.classes.torch_ext.SafetensorsSource(os.fspath(path), **options)
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self.script_object.dtype(name)]
+        return self.script_object.meta(name).dtype
 
     def shape(self, name: str) -> torch.Size:
-        return torch.Size(self.script_object.shape(name))
+        return self.script_object.meta(name).shape
 
-    def nbytes(self, name: str) -> int:
-        return self.script_object.nbytes(name)
+    def __len__(self) -> int:
+        return len(self.script_object)
 
-    def view(self, name: str) -> torch.Tensor:
-        """Zero-copy view of the mapped file (writes stay private to this process)."""
-        return self.script_object.view(name)
-
-    def load(self, name: str) -> torch.Tensor:
-        """A copy in memory the caller owns."""
-        return self.script_object.load(name)
-
-    def files(self) -> list[str]:
-        return self.script_object.files()
-
-    def metadata(self) -> dict[str, str]:
-        return dict(self.script_object.metadata())
-
-    def total_bytes(self) -> int:
-        return self.script_object.total_bytes()
-
-    def __repr__(self) -> str:
-        return f"SafetensorsSource({self.path!r}, {len(self)} tensors, {self.total_bytes()} bytes)"
+    def __contains__(self, name: str) -> bool:
+        return name in self.script_object
 
 
-class LayerPager:
-    """Keeps a source's tensors resident within budget_bytes (see torch_ext/paging/layer_pager.h).
+class LayerPager(ScriptObjectFace):
+    """Keeps a source's tensors resident within a byte budget (csrc/torch_ext/paging/layer_pager.h).
 
-    acquire(id) returns the tensor; it stays valid while you hold it, and the pager never evicts a
-    tensor someone holds, a pinned one, or one being loaded. policy: "lru" or "scan_resistant"
-    (Belady's choice on the order recorded between the first two begin_pass() calls). prefetch: how
-    many tensors of that order a background thread loads ahead. device: where tensors live ("cpu",
-    or an accelerator, loaded through pinned staging buffers on a side stream). zero_copy (CPU only):
-    serve views of the mapped file instead of copies; loads map its pages in, evictions give them
-    back. Thread-safe."""
+    The object is torch.classes.torch_ext.LayerPager: acquire(id) returns the tensor (valid while
+    you hold it; the pager never evicts a tensor someone holds, a pinned one, or one being loaded),
+    acquire_many(ids), begin_pass(), set_order(ids), order(), resident_bytes(), resident_count(),
+    is_resident(id), is_pinned(id), evict_all(), stats() (a PagerStats), reset_stats(), and each
+    option as a property. source: a SafetensorsSource or the path of one. Keyword options are those
+    of the C++ PagerOptions: budget_bytes, pinned, policy, prefetch, device, zero_copy. Thread-safe."""
 
-    def __init__(self, source: SafetensorsSource | str | os.PathLike, budget_bytes: int, *,
-                 pinned: Iterable[str] = (), policy: str = "lru", prefetch: int = 0,
-                 device: torch.device | str | None = None, zero_copy: bool = False) -> None:
-        if not isinstance(source, SafetensorsSource):
-            source = SafetensorsSource(source)
-        _check_int(budget_bytes, "LayerPager: budget_bytes")
-        _check_int(prefetch, "LayerPager: prefetch")
-        if policy not in ("lru", "scan_resistant"):
-            raise ValueError(f"LayerPager: policy must be 'lru' or 'scan_resistant', got {policy!r}")
-        if isinstance(pinned, str):
-            raise TypeError("LayerPager: pinned must be an iterable of tensor names, not a str")
-        self.source = source
-        self.script_object = torch.classes.torch_ext.LayerPager(
-            source.script_object, budget_bytes, [str(p) for p in pinned], policy, prefetch,
-            str(torch.device(device if device is not None else "cpu")), bool(zero_copy))
-
-    def acquire(self, id: str) -> torch.Tensor:
-        return self.script_object.acquire(id)
-
-    def acquire_many(self, ids: list[str]) -> list[torch.Tensor]:
-        """acquire() of each id in turn, in one call."""
-        return self.script_object.acquire_many(list(ids))
-
-    def begin_pass(self) -> None:
-        self.script_object.begin_pass()
-
-    def set_order(self, ids: Iterable[str]) -> None:
-        self.script_object.set_order(list(ids))
-
-    def order(self) -> list[str]:
-        return self.script_object.order()
-
-    def resident_bytes(self) -> int:
-        return self.script_object.resident_bytes()
-
-    def resident_count(self) -> int:
-        return self.script_object.resident_count()
-
-    def budget_bytes(self) -> int:
-        return self.script_object.budget_bytes()
-
-    def is_resident(self, id: str) -> bool:
-        return self.script_object.is_resident(id)
-
-    def is_pinned(self, id: str) -> bool:
-        return self.script_object.is_pinned(id)
-
-    def evict_all(self) -> None:
-        self.script_object.evict_all()
-
-    def reset_stats(self) -> None:
-        self.script_object.reset_stats()
-
-    @property
-    def policy(self) -> str:
-        return self.script_object.policy()
-
-    @property
-    def prefetch(self) -> int:
-        return self.script_object.prefetch()
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device(self.script_object.device())
-
-    @property
-    def zero_copy(self) -> bool:
-        return self.script_object.zero_copy()
-
-    def stats(self) -> dict[str, int | float | bool]:
-        """hits, misses, evictions, bytes_loaded, load_seconds, stall_seconds, prefetches,
-        prefetch_hits, over_budget_loads, pinned_over_budget (the C++ PagerStats fields)."""
-        raw = self.script_object.stats()
-        out: dict[str, int | float | bool] = {}
-        for key, value in raw.items():
-            out[key] = int(value) if key in _INT_STATS else bool(value) if key == "pinned_over_budget" else value
-        return out
-
-    def __repr__(self) -> str:
-        return (f"LayerPager({self.source.path!r}, budget_bytes={self.budget_bytes()}, policy={self.policy!r}, "
-                f"prefetch={self.prefetch}, device={str(self.device)!r}, resident_bytes={self.resident_bytes()})")
+    def __init__(self, source: SafetensorsSource | str | os.PathLike, **options: Any) -> None:
+        self.source = source if isinstance(source, SafetensorsSource) else SafetensorsSource(source)
+        self.script_object = torch.classes.torch_ext.LayerPager(self.source.script_object, **options)
 
 
 @dataclass
@@ -228,12 +103,10 @@ def is_paged(model: nn.Module) -> bool:
     return _STATE in model.__dict__
 
 
-def page_weights(model: nn.Module, path_or_source: SafetensorsSource | str | os.PathLike, budget_bytes: int, *,
-                 pinned: Iterable[str] = (), policy: str = "auto", prefetch: int = 1,
-                 device: torch.device | str | None = None, buffers: bool = False,
+def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike, budget_bytes: int, *,
+                 pinned: Iterable[str] = (), buffers: bool = False,
                  key_map: Callable[[str], str] | Mapping[str, str] | None = None,
-                 strip_prefix: str = "", add_prefix: str = "", direct_io: bool = False,
-                 zero_copy: bool = False) -> LayerPager:
+                 strip_prefix: str = "", add_prefix: str = "", **options: Any) -> LayerPager:
     """Page `model`'s parameters (and persistent buffers, with buffers=True) from a safetensors
     checkpoint within budget_bytes; returns the pager.
 
@@ -241,26 +114,30 @@ def page_weights(model: nn.Module, path_or_source: SafetensorsSource | str | os.
     on its module acquires it from the pager and a forward hook puts the placeholder back. Tied
     weights are one pager entry. The checkpoint key of a tensor named `name` in the model is
     key_map(name) (a callable or mapping), else add_prefix + name with strip_prefix removed.
-    pinned: parameter or module names whose tensors are never evicted. policy "auto" is
-    "scan_resistant" when the paged bytes exceed the budget, else "lru". prefetch: tensors to load
-    ahead of the forward pass. direct_io: read with O_DIRECT; zero_copy: map the file instead of
-    copying (CPU; see LayerPager). Everything is validated before the model is changed.
-    Paged weights are for inference: they are acquired with requires_grad=False."""
+    pinned: parameter or module names whose tensors are never evicted. Other keyword options are
+    the pager's (LayerPager: policy, prefetch, device, zero_copy). Everything is validated before
+    the model is changed. Paged weights are for inference: they are acquired with
+    requires_grad=False."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"page_weights: model must be an nn.Module, got {type(model).__name__}")
     if is_paged(model):
         raise RuntimeError(f"page_weights: {type(model).__name__} is already paged; call torch_ext.unpage first")
-    _check_int(budget_bytes, "page_weights: budget_bytes")
-    _check_int(prefetch, "page_weights: prefetch")
-    if policy not in _POLICIES:
-        raise ValueError(f"page_weights: policy must be one of {_POLICIES}, got {policy!r}")
     if isinstance(pinned, str):
         raise TypeError("page_weights: pinned must be an iterable of names, not a str")
     to_key = _key_function(key_map, strip_prefix, add_prefix)
-    source = path_or_source if isinstance(path_or_source, SafetensorsSource) else \
-        SafetensorsSource(path_or_source, direct_io=direct_io)
+    source = source if isinstance(source, SafetensorsSource) else SafetensorsSource(source)
+    names_of, tensors = _named_tensors(model, buffers)
+    key_of = _checkpoint_keys(model, source, names_of, tensors, to_key)
+    pinned_keys = _pinned_keys(model, pinned, {n: key_of[tid] for tid, names in names_of.items() for n in names})
+    pager = LayerPager(source, budget_bytes=budget_bytes, pinned=pinned_keys, **options)
+    # Validation is over: from here on nothing raises, so the model is never left half-paged.
+    _install(model, pager, key_of, buffers)
+    return pager
 
-    # Every name of every tensor, tied ones included.
+
+def _named_tensors(model: nn.Module, buffers: bool) -> tuple[dict[int, list[str]], dict[int, tuple]]:
+    """Every name of every parameter (and persistent buffer), tied ones included, by tensor id;
+    and each tensor with its kind."""
     names_of: dict[int, list[str]] = {}
     tensors: dict[int, tuple[torch.Tensor, str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -273,7 +150,13 @@ def page_weights(model: nn.Module, path_or_source: SafetensorsSource | str | os.
                     continue
                 names_of.setdefault(id(b), []).append(f"{module_name}.{attr}" if module_name else attr)
                 tensors[id(b)] = (b, "buffer")
+    return names_of, tensors
 
+
+def _checkpoint_keys(model: nn.Module, source: SafetensorsSource, names_of: dict, tensors: dict,
+                     to_key: Callable[[str], str]) -> dict[int, str]:
+    """The checkpoint key of each tensor; raises naming every tensor that is missing from the
+    source or stored with another dtype or shape."""
     key_of: dict[int, str] = {}
     problems: list[str] = []
     for tid, names in names_of.items():
@@ -285,33 +168,34 @@ def page_weights(model: nn.Module, path_or_source: SafetensorsSource | str | os.
         if key is None:
             problems.append(f"{kind} {names[0]!r} (checkpoint key {keys[0]!r}) is missing")
             continue
-        if source.dtype(key) != tensor.dtype:
-            problems.append(f"tensor {key!r} is {source.dtype(key)} in the file, {tensor.dtype} in the model "
-                            f"({names[0]})")
-        if source.shape(key) != tensor.shape:
-            problems.append(f"tensor {key!r} has shape {tuple(source.shape(key))} in the file, "
+        stored = source.meta(key)
+        if stored.dtype != tensor.dtype:
+            problems.append(f"tensor {key!r} is {stored.dtype} in the file, {tensor.dtype} in the model ({names[0]})")
+        if stored.shape != tensor.shape:
+            problems.append(f"tensor {key!r} has shape {tuple(stored.shape)} in the file, "
                             f"{tuple(tensor.shape)} in the model ({names[0]})")
         key_of[tid] = key
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise ValueError(f"page_weights: {source.path} does not match {type(model).__name__}: {shown}")
+        raise ValueError(f"page_weights: {source.path()} does not match {type(model).__name__}: {shown}")
     if not key_of:
         raise ValueError(f"page_weights: {type(model).__name__} has no parameters to page")
+    return key_of
 
-    name_to_key = {n: key_of[tid] for tid, names in names_of.items() for n in names}
-    pinned_keys: list[str] = []
+
+def _pinned_keys(model: nn.Module, pinned: Iterable[str], name_to_key: dict[str, str]) -> list[str]:
+    """The checkpoint keys of the tensors a pinned parameter or module name covers."""
+    keys: set[str] = set()
     for p in pinned:
         matched = [k for n, k in name_to_key.items() if n == p or n.startswith(p + ".")]
         if not matched:
             raise ValueError(f"page_weights: pinned name {p!r} matches no parameter of {type(model).__name__}")
-        pinned_keys.extend(matched)
-    paged_bytes = sum(source.nbytes(k) for k in set(key_of.values()))
-    if policy == "auto":
-        policy = "scan_resistant" if paged_bytes > budget_bytes else "lru"
-    pager = LayerPager(source, budget_bytes, pinned=sorted(set(pinned_keys)), policy=policy, prefetch=prefetch,
-                       device=device, zero_copy=zero_copy)
+        keys.update(matched)
+    return sorted(keys)
 
-    # Validation is over: from here on nothing raises, so the model is never left half-paged.
+
+def _install(model: nn.Module, pager: LayerPager, key_of: dict[int, str], buffers: bool) -> None:
+    """Replace the paged tensors by meta placeholders and hook each module that holds some."""
     slots: dict[nn.Module, list[_Slot]] = {}
     placeholders: dict[str, torch.Tensor] = {}
     requires_grad: dict[str, bool] = {}
@@ -351,7 +235,6 @@ def page_weights(model: nn.Module, path_or_source: SafetensorsSource | str | os.
         state.handles.append(module.register_forward_pre_hook(pre_hook))
         state.handles.append(module.register_forward_hook(post_hook, always_call=True))
     model.__dict__[_STATE] = state
-    return pager
 
 
 def unpage(model: nn.Module) -> nn.Module:
@@ -380,7 +263,7 @@ def save_pageable(model: nn.Module, path: str | os.PathLike, *, metadata: Mappin
         raise TypeError(f"save_pageable: model must be an nn.Module, got {type(model).__name__}")
     if is_paged(model):
         raise ValueError(f"save_pageable: {type(model).__name__} is paged; its weights are already in "
-                         f"{model.__dict__[_STATE].pager.source.path} (torch_ext.unpage it to save elsewhere)")
+                         f"{model.__dict__[_STATE].pager.source.path()} (torch_ext.unpage it to save elsewhere)")
     try:
         from safetensors.torch import save_model
     except ImportError as error:  # pragma: no cover - a pinned requirement

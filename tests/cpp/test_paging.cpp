@@ -160,7 +160,7 @@ TEST(PagingSource, DirectIoReadsTheSameBytes) {
   write_bytes(path, safetensors_bytes(layers(3, 3001)));
   c10::intrusive_ptr<pg::SafetensorsSource> source;
   try {
-    source = c10::make_intrusive<pg::SafetensorsSource>(path, /*direct_io=*/true);
+    source = c10::make_intrusive<pg::SafetensorsSource>(path, pg::SourceOptions{.direct_io = true});
   } catch (const c10::Error& e) {
     GTEST_SKIP() << "O_DIRECT unsupported on " << path << ": " << e.what_without_backtrace();
   }
@@ -231,7 +231,7 @@ TEST(Paging, AcquireLoadsExactDataAndKeepsTheBudget) {
   const auto path = dir.file("m.safetensors");
   write_bytes(path, safetensors_bytes(layers(6, 256)));
   auto pager = make_pager(open(path), 3 * 1024);
-  EXPECT_EQ(pager->budget_bytes(), 3 * 1024);
+  EXPECT_EQ(pager->options().budget_bytes, 3 * 1024);
   for (int pass = 0; pass < 2; ++pass) {
     for (int i = 0; i < 6; ++i) {
       EXPECT_TRUE(at::equal(pager->acquire("t" + std::to_string(i)), values(256, 1000.0f * i)));

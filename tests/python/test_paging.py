@@ -170,7 +170,7 @@ def _layers(tmp_path, n=8, floats=256):
 
 
 def test_pager_keeps_budget_and_held_tensors_stay_valid(tmp_path):
-    pager = torch_ext.LayerPager(_layers(tmp_path), 3 * 1024)
+    pager = torch_ext.LayerPager(_layers(tmp_path), budget_bytes=3 * 1024)
     held = pager.acquire("t0")
     for i in range(1, 8):
         assert torch.equal(pager.acquire(f"t{i}"), torch.full((256,), float(i)))
@@ -181,35 +181,35 @@ def test_pager_keeps_budget_and_held_tensors_stay_valid(tmp_path):
     pager.acquire("t1")
     assert not pager.is_resident("t0")
     stats = pager.stats()
-    assert stats["misses"] == 9 and stats["bytes_loaded"] == 9 * 1024 and stats["over_budget_loads"] == 0
-    assert pager.resident_count() == 3 and pager.budget_bytes() == 3 * 1024
+    assert stats.misses == 9 and stats.bytes_loaded == 9 * 1024 and stats.over_budget_loads == 0
+    assert pager.resident_count() == 3 and pager.budget_bytes == 3 * 1024
     with pytest.raises(RuntimeError, match=r"layers\.safetensors.*\"nope\""):
         pager.acquire("nope")
 
 
 def test_pinned_tensors_are_never_evicted_and_over_budget_is_flagged(tmp_path):
     path = _layers(tmp_path)
-    pager = torch_ext.LayerPager(path, 2048, pinned=["t0"])
+    pager = torch_ext.LayerPager(path, budget_bytes=2048, pinned=["t0"])
     for _ in range(2):
         for i in range(8):
             pager.acquire(f"t{i}")
     pager.evict_all()
     assert pager.is_pinned("t0") and pager.is_resident("t0") and not pager.is_pinned("t1")
-    assert not pager.stats()["pinned_over_budget"]
-    over = torch_ext.LayerPager(path, 1500, pinned=["t0", "t1"])
+    assert not pager.stats().pinned_over_budget
+    over = torch_ext.LayerPager(path, budget_bytes=1500, pinned=["t0", "t1"])
     for i in range(8):
         over.acquire(f"t{i}")
-    assert over.stats()["pinned_over_budget"] is True
+    assert over.stats().pinned_over_budget is True
     assert over.is_resident("t0") and over.is_resident("t1")
     with pytest.raises(RuntimeError, match='pinned tensor "zz"'):
-        torch_ext.LayerPager(path, 1, pinned=["zz"])
+        torch_ext.LayerPager(path, budget_bytes=1, pinned=["zz"])
 
 
 def test_scan_resistant_policy_hits_on_cyclic_sweeps_where_lru_does_not(tmp_path):
     path = _layers(tmp_path)
     rates = {}
     for policy in ("lru", "scan_resistant"):
-        pager = torch_ext.LayerPager(path, 4 * 1024, policy=policy)
+        pager = torch_ext.LayerPager(path, budget_bytes=4 * 1024, policy=policy, prefetch=0)
         for sweep in range(5):
             pager.begin_pass()
             if sweep == 2:
@@ -217,7 +217,7 @@ def test_scan_resistant_policy_hits_on_cyclic_sweeps_where_lru_does_not(tmp_path
             for i in range(8):
                 pager.acquire(f"t{i}")
         s = pager.stats()
-        rates[policy] = s["hits"] / (s["hits"] + s["misses"])
+        rates[policy] = s.hits / (s.hits + s.misses)
     assert rates["lru"] == 0
     assert rates["scan_resistant"] == pytest.approx(9 / 24)  # budget - 1 hits per sweep of 8
 
@@ -225,7 +225,7 @@ def test_scan_resistant_policy_hits_on_cyclic_sweeps_where_lru_does_not(tmp_path
 def test_concurrent_acquires_load_once(tmp_path):
     path = tmp_path / "big.safetensors"
     save_file({"w": torch.randn(1 << 20)}, path)
-    pager = torch_ext.LayerPager(path, 8 << 20)
+    pager = torch_ext.LayerPager(path, budget_bytes=8 << 20)
     barrier = threading.Barrier(6)
     got = []
 
@@ -239,24 +239,24 @@ def test_concurrent_acquires_load_once(tmp_path):
     for t in threads:
         t.join()
     stats = pager.stats()
-    assert stats["misses"] == 1 and stats["hits"] == 5 and stats["bytes_loaded"] == 4 << 20
+    assert stats.misses == 1 and stats.hits == 5 and stats.bytes_loaded == 4 << 20
     assert len({t.data_ptr() for t in got}) == 1
 
 
 def test_pager_bad_arguments(tmp_path):
     path = _layers(tmp_path, n=1)
     with pytest.raises(ValueError, match="budget_bytes"):
-        torch_ext.LayerPager(path, -1)
-    with pytest.raises(TypeError, match="budget_bytes"):
-        torch_ext.LayerPager(path, 1.5)
+        torch_ext.LayerPager(path, budget_bytes=-1)
+    with pytest.raises(RuntimeError, match="budget_bytes"):
+        torch_ext.LayerPager(path, budget_bytes=1.5)
     with pytest.raises(ValueError, match="policy"):
-        torch_ext.LayerPager(path, 1, policy="fifo")
+        torch_ext.LayerPager(path, budget_bytes=1, policy="fifo")
     with pytest.raises(ValueError, match="prefetch"):
-        torch_ext.LayerPager(path, 1, prefetch=-1)
+        torch_ext.LayerPager(path, budget_bytes=1, prefetch=-1)
     with pytest.raises(RuntimeError, match="nodevice"):
-        torch_ext.LayerPager(path, 1, device="nodevice")
+        torch_ext.LayerPager(path, budget_bytes=1, device="nodevice")
     with pytest.raises(RuntimeError, match="device meta cannot be a target"):
-        torch_ext.LayerPager(path, 1, device="meta")
+        torch_ext.LayerPager(path, budget_bytes=1, device="meta")
 
 
 def test_torchscript_front_door(tmp_path):
@@ -278,10 +278,10 @@ def test_torchscript_front_door(tmp_path):
         return out
 
     source = torch.classes.torch_ext.SafetensorsSource(str(path))
-    pager = torch.classes.torch_ext.LayerPager(source, 1024, ["t2"], "scan_resistant", 1, "cpu")
+    pager = torch.classes.torch_ext.LayerPager(source, budget_bytes=1024, pinned=["t2"], policy="scan_resistant")
     assert torch.equal(total(pager, ["t0", "t1", "t2"]), torch.full((256,), 3.0))
     assert pager.is_pinned("t2") and pager.resident_bytes() <= 2048
-    wrapped = torch_ext.LayerPager(path, 1024)
+    wrapped = torch_ext.LayerPager(path, budget_bytes=1024)
     assert torch.equal(total(wrapped.script_object, ["t1", "t1"]), torch.full((256,), 2.0))
     assert torch.equal(total_many(wrapped.script_object, ["t2", "t0", "t2"]), torch.full((256,), 4.0))
     assert [t[0].item() for t in wrapped.acquire_many(["t2", "t0"])] == [2.0, 0.0]
@@ -305,11 +305,11 @@ def test_paged_outputs_equal_resident_within_budget(gpt_file, batch, policy, pre
         for _ in range(3):
             assert torch.equal(paged(batch), expected)
     stats = pager.stats()
-    assert peak[0] <= budget and stats["over_budget_loads"] == 0
+    assert peak[0] <= budget and stats.over_budget_loads == 0
     assert pager.resident_bytes() <= budget
     assert pager.policy == ("scan_resistant" if policy == "auto" else policy)
     if not prefetch:
-        assert stats["prefetches"] == 0
+        assert stats.prefetches == 0
     # Whether the prefetcher wins a race against these tiny loads depends on scheduling; that it
     # loads ahead is asserted without a race in test_prefetcher_loads_the_next_tensor_ahead.
 
@@ -331,10 +331,10 @@ def test_prefetcher_loads_the_next_tensor_ahead(gpt_file, batch):
         assert time.monotonic() < deadline, f"the prefetcher never loaded {order[1]}"
         time.sleep(0.001)
     before = pager.stats()
-    assert before["prefetches"] >= 1
+    assert before.prefetches >= 1
     pager.acquire(order[1])
     after = pager.stats()
-    assert after["prefetch_hits"] == before["prefetch_hits"] + 1 and after["misses"] == before["misses"]
+    assert after.prefetch_hits == before.prefetch_hits + 1 and after.misses == before.misses
     del first
 
 
@@ -342,7 +342,8 @@ def test_direct_io_paging_equals_resident(gpt_file, batch):
     model, path = gpt_file
     paged = copy.deepcopy(model)
     try:
-        pager = torch_ext.page_weights(paged, path, weight_bytes(path) // 4, prefetch=4, direct_io=True)
+        pager = torch_ext.page_weights(paged, torch_ext.SafetensorsSource(path, direct_io=True), weight_bytes(path) // 4,
+                                       prefetch=4)
     except RuntimeError as error:
         pytest.skip(f"O_DIRECT unsupported here: {error}")
     assert pager.source.direct_io
@@ -362,11 +363,11 @@ def test_zero_copy_paging_maps_the_file_and_equals_resident(gpt_file, batch):
         expected = model(batch)
         for _ in range(2):
             assert torch.equal(paged(batch), expected)
-    assert pager.resident_bytes() <= budget and pager.stats()["over_budget_loads"] == 0
+    assert pager.resident_bytes() <= budget and pager.stats().over_budget_loads == 0
     key = "blocks.0.attn.qkv.weight"
     assert pager.acquire(key).data_ptr() == pager.source.view(key).data_ptr()  # no copy
-    with pytest.raises(RuntimeError, match="zero_copy.*cpu"):
-        torch_ext.LayerPager(path, 1, zero_copy=True, device="meta")
+    with pytest.raises(ValueError, match="zero_copy.*cpu"):
+        torch_ext.LayerPager(path, budget_bytes=1, zero_copy=True, device="meta")
 
 
 def test_scan_resistant_beats_lru_on_a_model(gpt_file, batch):
@@ -381,7 +382,7 @@ def test_scan_resistant_beats_lru_on_a_model(gpt_file, batch):
                     pager.reset_stats()
                 paged(batch)
         s = pager.stats()
-        rates[policy] = s["hits"] / (s["hits"] + s["misses"])
+        rates[policy] = s.hits / (s.hits + s.misses)
     assert rates["scan_resistant"] > rates["lru"] + 0.2
 
 
@@ -392,8 +393,8 @@ def test_tied_weights_are_loaded_once(gpt_file, batch):
     assert paged.lm_head.weight is paged.wte.weight
     with torch.no_grad():
         paged(batch)
-    assert pager.stats()["bytes_loaded"] == weight_bytes(path)  # every tensor exactly once
-    assert pager.stats()["misses"] == len(torch_ext.SafetensorsSource(path).names())
+    assert pager.stats().bytes_loaded == weight_bytes(path)  # every tensor exactly once
+    assert pager.stats().misses == len(torch_ext.SafetensorsSource(path).names())
 
 
 def test_pinned_modules_stay_resident(gpt_file, batch):

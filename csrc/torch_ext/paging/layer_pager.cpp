@@ -28,25 +28,40 @@ constexpr int64_t kFar = std::numeric_limits<int64_t>::max();
 EvictionPolicy parse_policy(const std::string& name) {
   if (name == "lru") return EvictionPolicy::LRU;
   if (name == "scan_resistant") return EvictionPolicy::ScanResistant;
-  TORCH_CHECK(false, "LayerPager: unknown policy \"", name, "\" (expected \"lru\" or \"scan_resistant\")");
+  if (name == "auto") return EvictionPolicy::Auto;
+  TORCH_CHECK_VALUE(false, "LayerPager: unknown policy \"", name, "\" (expected \"lru\", \"scan_resistant\" or \"auto\")");
 }
 
 std::string policy_name(EvictionPolicy policy) {
-  return policy == EvictionPolicy::LRU ? "lru" : "scan_resistant";
+  switch (policy) {
+    case EvictionPolicy::LRU: return "lru";
+    case EvictionPolicy::ScanResistant: return "scan_resistant";
+    case EvictionPolicy::Auto: return "auto";
+  }
+  return "auto";
+}
+
+void PagerOptions::validate(const std::string& owner) const {
+  TORCH_CHECK_VALUE(budget_bytes >= 0, owner, ": budget_bytes must be >= 0, got ", budget_bytes);
+  TORCH_CHECK_VALUE(prefetch >= 0, owner, ": prefetch must be >= 0, got ", prefetch);
+  TORCH_CHECK_VALUE(!zero_copy || device.type() == c10::kCPU, owner,
+              ": zero_copy serves views of a mapped file and needs device cpu, got ", device.str());
 }
 
 LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions options)
     : source_(std::move(source)), options_(std::move(options)) {
   TORCH_CHECK(source_, "LayerPager: source is null");
-  TORCH_CHECK(options_.budget_bytes >= 0, "LayerPager(", source_->describe(), "): budget_bytes must be >= 0, got ",
-              options_.budget_bytes);
-  TORCH_CHECK(options_.prefetch >= 0, "LayerPager(", source_->describe(), "): prefetch must be >= 0, got ",
-              options_.prefetch);
+  options_.validate("LayerPager(" + source_->describe() + ")");
+  int64_t source_bytes = 0;
   for (const auto& name : source_->names()) {
     Entry e;
     e.id = name;
     e.nbytes = source_->info(name).nbytes;
+    source_bytes += e.nbytes;
     entries_.emplace(name, std::move(e));
+  }
+  if (options_.policy == EvictionPolicy::Auto) {
+    options_.policy = source_bytes > options_.budget_bytes ? EvictionPolicy::ScanResistant : EvictionPolicy::LRU;
   }
   int64_t pinned_bytes = 0;
   for (const auto& id : options_.pinned) {
@@ -57,11 +72,8 @@ LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions opti
     it->second.pinned = true;
   }
   stats_.pinned_over_budget = pinned_bytes > options_.budget_bytes;
-  if (options_.zero_copy) {
-    TORCH_CHECK(options_.device.type() == c10::kCPU, "LayerPager(", source_->describe(),
-                "): zero_copy serves views of a mapped file and needs device cpu, got ", options_.device.str());
-    TORCH_CHECK(source_->supports_views(), "LayerPager(", source_->describe(), "): zero_copy needs a source with views");
-  }
+  TORCH_CHECK(!options_.zero_copy || source_->supports_views(), "LayerPager(", source_->describe(),
+              "): zero_copy needs a source with views");
   if (options_.device.type() != c10::kCPU) {
     try {
       c10::impl::VirtualGuardImpl impl(options_.device.type());

@@ -28,38 +28,89 @@
 #include <c10/core/Stream.h>
 #include <torch/custom_class.h>
 
+#include "torch_ext/fields.h"
 #include "torch_ext/paging/source.h"
 
 namespace torch_ext::paging {
 
-enum class EvictionPolicy { LRU, ScanResistant };
+// auto: ScanResistant when the source's tensors exceed the budget (every pass would evict what
+// the next one needs first under LRU), else LRU.
+enum class EvictionPolicy { LRU, ScanResistant, Auto };
 
-EvictionPolicy parse_policy(const std::string& name);  // "lru" | "scan_resistant"
+EvictionPolicy parse_policy(const std::string& name);  // "lru" | "scan_resistant" | "auto"
 std::string policy_name(EvictionPolicy policy);
 
+}  // namespace torch_ext::paging
+
+namespace torch_ext {
+template <>
+struct FieldCodec<paging::EvictionPolicy> {
+  using Exposed = std::string;
+  static std::string expose(paging::EvictionPolicy policy) { return paging::policy_name(policy); }
+  static paging::EvictionPolicy parse(const std::string& name, const char* /*field*/) {
+    return paging::parse_policy(name);
+  }
+};
+}  // namespace torch_ext
+
+namespace torch_ext::paging {
+
 struct PagerStats {
-  int64_t hits = 0;              // acquires that found the tensor loaded or being loaded
-  int64_t misses = 0;            // acquires that had to load it
+  int64_t hits = 0;
+  int64_t misses = 0;
   int64_t evictions = 0;
   int64_t bytes_loaded = 0;
-  double load_seconds = 0;       // time spent reading and copying (all threads)
-  double stall_seconds = 0;      // time acquire() callers waited for loads
-  int64_t prefetches = 0;        // loads issued by the prefetch thread
-  int64_t prefetch_hits = 0;     // first acquires of a prefetched tensor
-  int64_t over_budget_loads = 0; // loads that exceeded the budget: nothing evictable was left
-  bool pinned_over_budget = false;  // the pinned tensors alone are larger than the budget
+  double load_seconds = 0;
+  double stall_seconds = 0;
+  int64_t prefetches = 0;
+  int64_t prefetch_hits = 0;
+  int64_t over_budget_loads = 0;
+  bool pinned_over_budget = false;
+
+  static constexpr auto fields() {
+    return std::make_tuple(
+        field("hits", &PagerStats::hits, "acquires that found the tensor loaded or being loaded"),
+        field("misses", &PagerStats::misses, "acquires that had to load it"),
+        field("evictions", &PagerStats::evictions, "tensors dropped to stay within the budget"),
+        field("bytes_loaded", &PagerStats::bytes_loaded, "bytes read from the source"),
+        field("load_seconds", &PagerStats::load_seconds, "time spent reading and copying (all threads)"),
+        field("stall_seconds", &PagerStats::stall_seconds, "time acquire() callers waited for loads"),
+        field("prefetches", &PagerStats::prefetches, "loads issued by the prefetch thread"),
+        field("prefetch_hits", &PagerStats::prefetch_hits, "first acquires of a prefetched tensor"),
+        field("over_budget_loads", &PagerStats::over_budget_loads,
+              "loads that exceeded the budget: nothing evictable was left"),
+        field("pinned_over_budget", &PagerStats::pinned_over_budget,
+              "the pinned tensors alone are larger than the budget"));
+  }
 };
 
 struct PagerOptions {
   int64_t budget_bytes = 0;
   std::vector<std::string> pinned;
-  EvictionPolicy policy = EvictionPolicy::LRU;
-  int64_t prefetch = 0;  // tensors to load ahead of the recorded order's cursor; 0: no thread
+  EvictionPolicy policy = EvictionPolicy::Auto;
+  int64_t prefetch = 1;
   c10::Device device = c10::Device(c10::kCPU);
-  // CPU only: serve views of the source's mapped file instead of copies; a load maps the pages
-  // in (MADV_POPULATE_READ), an eviction gives them back (MADV_DONTNEED). Resident bytes are
-  // then the file's pages this process maps.
   bool zero_copy = false;
+
+  static constexpr auto fields() {
+    return std::make_tuple(
+        field("budget_bytes", &PagerOptions::budget_bytes, "the most bytes of tensors to keep resident (>= 0)"),
+        field("pinned", &PagerOptions::pinned, "ids of tensors never evicted"),
+        field("policy", &PagerOptions::policy,
+              "'lru', 'scan_resistant' (Belady's choice on the recorded order of a pass) or 'auto' "
+              "(scan_resistant when the source's tensors exceed the budget, else lru)"),
+        field("prefetch", &PagerOptions::prefetch,
+              "tensors a background thread loads ahead of the recorded order's cursor; 0: no thread"),
+        field("device", &PagerOptions::device,
+              "where tensors live: cpu, or an accelerator (loaded through pinned staging buffers and a "
+              "non-blocking copy on a side stream)"),
+        field("zero_copy", &PagerOptions::zero_copy,
+              "cpu only: serve views of the source's mapped file instead of copies; a load maps the pages "
+              "in (MADV_POPULATE_READ), an eviction gives them back (MADV_DONTNEED), and resident bytes are "
+              "the file's pages this process maps"));
+  }
+  // Throws naming `owner` (the source) for a negative budget or prefetch.
+  void validate(const std::string& owner = "LayerPager") const;
 };
 
 class LayerPager : public torch::CustomClassHolder {
@@ -82,7 +133,6 @@ class LayerPager : public torch::CustomClassHolder {
 
   int64_t resident_bytes() const;
   int64_t resident_count() const;
-  int64_t budget_bytes() const { return options_.budget_bytes; }
   bool is_resident(const std::string& id) const;
   bool is_pinned(const std::string& id) const;
   // Drops every unpinned entry nobody else references (for tests and memory pressure).

@@ -1,7 +1,15 @@
-// torch.classes.torch_ext.SafetensorsSource / LayerPager: weight paging for TorchScript and Python.
-#include <c10/core/Device.h>
-#include <torch/custom_class.h>
+// torch.classes.torch_ext.SafetensorsSource / LayerPager / PagerStats: weight paging for
+// TorchScript, Python and C++ programs that reach it through the dispatcher. Constructors take
+// the options of SourceOptions / PagerOptions as keywords, with those structs' defaults.
+#include <sstream>
+#include <string>
+#include <vector>
 
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "torch_ext/class_fields.h"
 #include "torch_ext/paging/layer_pager.h"
 #include "torch_ext/paging/source.h"
 
@@ -9,101 +17,108 @@ namespace {
 
 using torch_ext::paging::LayerPager;
 using torch_ext::paging::PagerOptions;
+using torch_ext::paging::PagerStats;
 using torch_ext::paging::SafetensorsSource;
+using torch_ext::paging::SourceOptions;
+using Source = c10::intrusive_ptr<SafetensorsSource>;
+using Pager = c10::intrusive_ptr<LayerPager>;
 
-c10::Device parse_device(const std::string& device, const std::string& what) {
-  try {
-    return c10::Device(device);
-  } catch (const c10::Error&) {
-    TORCH_CHECK(false, what, ": invalid device \"", device, "\"");
-  }
+// A SafetensorsSource object, or the path of one to open.
+Source as_source(const c10::IValue& source) {
+  if (source.isString()) return c10::make_intrusive<SafetensorsSource>(source.toStringRef());
+  TORCH_CHECK(source.isCustomClass() && *source.type() == *c10::getCustomClassType<Source>(),
+              "LayerPager: source must be a torch_ext SafetensorsSource or the path of a .safetensors file, "
+              "index or folder; got ", source.type()->str());
+  return source.toCustomClass<SafetensorsSource>();
 }
 
-c10::Dict<std::string, double> stats_dict(const LayerPager& pager) {
-  const auto s = pager.stats();
-  c10::Dict<std::string, double> d;
-  d.insert("hits", static_cast<double>(s.hits));
-  d.insert("misses", static_cast<double>(s.misses));
-  d.insert("evictions", static_cast<double>(s.evictions));
-  d.insert("bytes_loaded", static_cast<double>(s.bytes_loaded));
-  d.insert("load_seconds", s.load_seconds);
-  d.insert("stall_seconds", s.stall_seconds);
-  d.insert("prefetches", static_cast<double>(s.prefetches));
-  d.insert("prefetch_hits", static_cast<double>(s.prefetch_hits));
-  d.insert("over_budget_loads", static_cast<double>(s.over_budget_loads));
-  d.insert("pinned_over_budget", s.pinned_over_budget ? 1.0 : 0.0);
-  return d;
+std::string source_repr(const Source& self) {
+  std::ostringstream out;
+  out << "SafetensorsSource('" << self->path() << "', " << self->names().size() << " tensors, "
+      << self->total_bytes() << " bytes)";
+  return out.str();
 }
 
-}  // namespace
+std::string pager_repr(const Pager& self) {
+  std::ostringstream out;
+  out << "LayerPager('" << self->source()->describe() << "', budget_bytes=" << self->options().budget_bytes
+      << ", policy='" << torch_ext::paging::policy_name(self->options().policy) << "', prefetch="
+      << self->options().prefetch << ", device='" << self->options().device << "', resident_bytes="
+      << self->resident_bytes() << ")";
+  return out.str();
+}
 
-TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
-  m.class_<SafetensorsSource>("SafetensorsSource")
-      .def(torch::init([](const std::string& path, bool direct_io) {
-             return c10::make_intrusive<SafetensorsSource>(path, direct_io);
-           }),
-           "Open a .safetensors file, a model.safetensors.index.json, or a folder holding either",
-           {torch::arg("path"), torch::arg("direct_io") = false})
-      .def("names", &SafetensorsSource::names)
+void register_source(torch::Library& m) {
+  auto cls = m.class_<SafetensorsSource>("SafetensorsSource");
+  torch_ext::def_options_init<SourceOptions, std::string>(
+      cls, {"path"}, [](std::string path, SourceOptions options) {
+        return c10::make_intrusive<SafetensorsSource>(path, options);
+      },
+      "Open a .safetensors file, a model.safetensors.index.json, or a folder holding either; validated "
+      "completely when opened");
+  torch_ext::def_option_properties<SourceOptions>(cls, [](const Source& self) { return self->options(); });
+  cls.def("names", &SafetensorsSource::names, "Tensor names, in file order")
       .def("contains", &SafetensorsSource::contains)
-      .def("dtype", [](const c10::intrusive_ptr<SafetensorsSource>& self, const std::string& name) {
-        return torch_ext::paging::safetensors_dtype_name(self->info(name).dtype);
-      })
-      .def("shape", [](const c10::intrusive_ptr<SafetensorsSource>& self, const std::string& name) {
-        return self->info(name).shape;
-      })
-      .def("nbytes", [](const c10::intrusive_ptr<SafetensorsSource>& self, const std::string& name) {
-        return self->info(name).nbytes;
-      })
-      .def("view", &SafetensorsSource::view)
-      .def("load", [](const c10::intrusive_ptr<SafetensorsSource>& self, const std::string& name) {
-        return self->load(name, /*pin_memory=*/false);
-      })
+      .def("__contains__", &SafetensorsSource::contains)
+      .def("__len__", [](const Source& self) { return static_cast<int64_t>(self->names().size()); })
+      .def(
+          "meta",
+          [](const Source& self, const std::string& name) {
+            const auto& info = self->info(name);
+            return at::empty(info.shape, at::TensorOptions().dtype(info.dtype).device(c10::kMeta));
+          },
+          "A meta tensor with the stored tensor's dtype and shape (no data)")
+      .def("nbytes", [](const Source& self, const std::string& name) { return self->info(name).nbytes; })
+      .def("view", &SafetensorsSource::view, "Zero-copy view of the mapped file (writes stay private to this process)")
+      .def(
+          "load", [](const Source& self, const std::string& name) { return self->load(name, /*pin_memory=*/false); },
+          "A copy in memory the caller owns")
       .def("files", &SafetensorsSource::files)
-      .def("metadata", [](const c10::intrusive_ptr<SafetensorsSource>& self) {
-        c10::Dict<std::string, std::string> d;
-        for (const auto& [k, v] : self->metadata()) d.insert(k, v);
-        return d;
-      })
+      .def("metadata",
+           [](const Source& self) {
+             c10::Dict<std::string, std::string> d;
+             for (const auto& [k, v] : self->metadata()) d.insert(k, v);
+             return d;
+           })
       .def("total_bytes", &SafetensorsSource::total_bytes)
-      .def("direct_io", &SafetensorsSource::direct_io)
-      .def("path", [](const c10::intrusive_ptr<SafetensorsSource>& self) { return self->path(); });
+      .def("path", [](const Source& self) { return self->path(); })
+      .def("__repr__", &source_repr);
+}
 
-  m.class_<LayerPager>("LayerPager")
-      .def(torch::init([](c10::intrusive_ptr<SafetensorsSource> source, int64_t budget_bytes,
-                          std::vector<std::string> pinned, const std::string& policy, int64_t prefetch,
-                          const std::string& device, bool zero_copy) {
-             TORCH_CHECK(source, "LayerPager: source is None");
-             PagerOptions options;
-             options.budget_bytes = budget_bytes;
-             options.pinned = std::move(pinned);
-             options.policy = torch_ext::paging::parse_policy(policy);
-             options.prefetch = prefetch;
-             options.device = parse_device(device, "LayerPager(" + source->describe() + ")");
-             options.zero_copy = zero_copy;
-             return c10::make_intrusive<LayerPager>(std::move(source), std::move(options));
-           }),
-           "A byte-budgeted pager over a SafetensorsSource",
-           {torch::arg("source"), torch::arg("budget_bytes"), torch::arg("pinned") = c10::List<std::string>(),
-            torch::arg("policy") = std::string("lru"), torch::arg("prefetch") = 0,
-            torch::arg("device") = std::string("cpu"), torch::arg("zero_copy") = false})
-      .def("acquire", &LayerPager::acquire)
-      .def("acquire_many", &LayerPager::acquire_many)
+void register_pager(torch::Library& m) {
+  auto cls = m.class_<LayerPager>("LayerPager");
+  torch_ext::def_options_init<PagerOptions, c10::IValue>(
+      cls, {"source"}, [](const c10::IValue& source, PagerOptions options) {
+        return c10::make_intrusive<LayerPager>(as_source(source), std::move(options));
+      },
+      "Keeps a SafetensorsSource's tensors resident within budget_bytes (source: the source or the path of one)");
+  torch_ext::def_option_properties<PagerOptions>(cls, [](const Pager& self) { return self->options(); });
+  cls.def("acquire", &LayerPager::acquire, "The tensor, loaded if needed; valid while the caller holds it")
+      .def("acquire_many", &LayerPager::acquire_many, "acquire() of each id in turn, in one call")
       .def("begin_pass", &LayerPager::begin_pass)
       .def("set_order", &LayerPager::set_order)
       .def("order", &LayerPager::order)
       .def("resident_bytes", &LayerPager::resident_bytes)
       .def("resident_count", &LayerPager::resident_count)
-      .def("budget_bytes", &LayerPager::budget_bytes)
       .def("is_resident", &LayerPager::is_resident)
       .def("is_pinned", &LayerPager::is_pinned)
       .def("evict_all", &LayerPager::evict_all)
       .def("reset_stats", &LayerPager::reset_stats)
-      .def("stats", [](const c10::intrusive_ptr<LayerPager>& self) { return stats_dict(*self); })
-      .def("policy", [](const c10::intrusive_ptr<LayerPager>& self) {
-        return torch_ext::paging::policy_name(self->options().policy);
-      })
-      .def("prefetch", [](const c10::intrusive_ptr<LayerPager>& self) { return self->options().prefetch; })
-      .def("device", [](const c10::intrusive_ptr<LayerPager>& self) { return self->options().device.str(); })
-      .def("zero_copy", [](const c10::intrusive_ptr<LayerPager>& self) { return self->options().zero_copy; });
+      .def("stats", [](const Pager& self) { return torch_ext::box(self->stats()); })
+      .def(
+          "source",
+          [](const Pager& self) -> c10::IValue {
+            auto source = c10::dynamic_intrusive_pointer_cast<SafetensorsSource>(self->source());
+            return source ? c10::IValue(source) : c10::IValue();
+          },
+          "The SafetensorsSource it pages from (None for other C++ sources)")
+      .def("__repr__", &pager_repr);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
+  torch_ext::register_struct<PagerStats>(m, "PagerStats", "What a LayerPager did since construction or reset_stats()");
+  register_source(m);
+  register_pager(m);
 }

@@ -114,8 +114,8 @@ struct SafetensorsSource::File {
   }
 };
 
-SafetensorsSource::SafetensorsSource(const std::string& path, bool direct_io)
-    : path_(path), direct_io_(direct_io) {
+SafetensorsSource::SafetensorsSource(const std::string& path, SourceOptions options)
+    : path_(path), options_(options) {
   std::error_code ec;
   fs::path p(path);
   if (fs::is_directory(p, ec)) {
@@ -295,7 +295,7 @@ void SafetensorsSource::add_file(const std::string& file_path, const std::vector
     TORCH_CHECK(map != MAP_FAILED, what, ": mmap failed: ", errno_text());
     file->map = static_cast<char*>(map);
   }
-  if (direct_io_) {
+  if (options_.direct_io) {
     file->direct_fd = ::open(what.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
     TORCH_CHECK(file->direct_fd >= 0, what, ": cannot open with O_DIRECT (direct_io=True): ", errno_text());
   }
@@ -339,7 +339,7 @@ void SafetensorsSource::read_into(const std::string& name, void* dst) const {
 at::Tensor SafetensorsSource::load(const std::string& name, bool pin_memory) const {
   const Entry& e = entry(name);
   const auto options = at::TensorOptions().dtype(e.info.dtype).pinned_memory(pin_memory);
-  if (!direct_io_ || e.info.nbytes == 0) {
+  if (!options_.direct_io || e.info.nbytes == 0) {
     at::Tensor out = at::empty(e.info.shape, options);
     advise_huge_pages(out.data_ptr(), e.info.nbytes);
     pread_exact(e.file->fd, out.data_ptr(), e.info.nbytes, e.offset, e.file->path);

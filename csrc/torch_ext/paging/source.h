@@ -6,7 +6,7 @@
 // and its shards, or a directory holding either), validated completely when opened. Files are
 // mapped with mmap: view() is zero-copy (the tensor keeps the mapping alive, writes stay private
 // to the process); load() copies into memory the caller owns with pread, or with O_DIRECT reads
-// when direct_io is set (for files larger than the page cache). Immutable after construction:
+// when options.direct_io is set (for files larger than the page cache). Immutable after construction:
 // every method is thread-safe.
 #include <cstdint>
 #include <map>
@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/custom_class.h>
+
+#include "torch_ext/fields.h"
 
 namespace torch_ext::paging {
 
@@ -54,9 +56,18 @@ class PagerSource : public torch::CustomClassHolder {
   virtual std::string describe() const = 0;
 };
 
+struct SourceOptions {
+  bool direct_io = false;
+
+  static constexpr auto fields() {
+    return std::make_tuple(field("direct_io", &SourceOptions::direct_io,
+                                 "read with O_DIRECT, bypassing the page cache (for files larger than it)"));
+  }
+};
+
 class SafetensorsSource : public PagerSource {
  public:
-  explicit SafetensorsSource(const std::string& path, bool direct_io = false);
+  explicit SafetensorsSource(const std::string& path, SourceOptions options = {});
   ~SafetensorsSource() override;
 
   std::vector<std::string> names() const override;
@@ -72,12 +83,12 @@ class SafetensorsSource : public PagerSource {
   void release_pages(const std::string& name) const override;  // MADV_DONTNEED on whole pages
   // Reads the tensor's bytes into dst (info(name).nbytes bytes) with pread, through the page cache.
   void read_into(const std::string& name, void* dst) const override;
-  bool reads_into_any_buffer() const override { return !direct_io_; }
+  bool reads_into_any_buffer() const override { return !options_.direct_io; }
   // The __metadata__ of every file (keys of later shards win on conflicts).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   std::vector<std::string> files() const;
   int64_t total_bytes() const { return total_bytes_; }
-  bool direct_io() const { return direct_io_; }
+  const SourceOptions& options() const { return options_; }
   const std::string& path() const { return path_; }
 
   struct File;  // one mapped .safetensors file
@@ -92,7 +103,7 @@ class SafetensorsSource : public PagerSource {
   void add_file(const std::string& file_path, const std::vector<std::string>* expected);
 
   std::string path_;
-  bool direct_io_ = false;
+  SourceOptions options_;
   std::vector<std::string> order_;
   std::map<std::string, Entry> entries_;
   std::map<std::string, std::string> metadata_;
