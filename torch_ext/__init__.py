@@ -22,9 +22,9 @@ if not _LIBRARY.is_file():
 torch.ops.load_library(str(_LIBRARY))
 
 from . import _C  # noqa: E402  (needs the core library loaded first)
-from . import cache, memory, paging, plan  # noqa: E402
+from . import cache, checkpointing, memory, paging, plan  # noqa: E402
 from .cache import LazyExecutor, NodeCache, lazy  # noqa: E402
-from .checkpoint import (  # noqa: E402  (torch_ext.checkpoint is the decorator; the module is torch_ext.checkpoint in sys.modules)
+from .checkpointing import (  # noqa: E402
     CheckpointedSequential, CheckpointPlan, checkpoint, checkpoint_sequential, plan_checkpoints)
 from .paging import LayerPager, SafetensorsSource, page_weights, save_pageable, unpage  # noqa: E402
 from .plan import PlanCache  # noqa: E402
@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "library_path", "memory",
     # segment checkpointing
-    "checkpoint", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
+    "checkpointing", "checkpoint", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
     # weight paging
     "paging", "LayerPager", "SafetensorsSource", "page_weights", "unpage", "save_pageable",
     # lazy node cache

@@ -115,7 +115,7 @@ def test_a_module_checkpointed_in_place_deep_copies_and_pickles_with_its_forward
 @pytest.fixture
 def skip_every_tail(monkeypatch):
     """Skip replay tails however little they cost (the real threshold leaves tiny models alone)."""
-    module = sys.modules["torch_ext.checkpoint"]
+    module = sys.modules["torch_ext.checkpointing.replay_tail"]
     monkeypatch.setattr(module, "_TAIL_MIN_SECONDS", 0.0)
     monkeypatch.setattr(module, "_TAIL_SECONDS_PER_OP", 0.0)
 
@@ -305,7 +305,7 @@ def test_replay_tails_are_left_alone_when_cheap_or_under_other_saved_tensor_hook
     cheap(torch.randn(4, 16, requires_grad=True)).sum().backward()
     assert cheap.forward.tail.off  # its tail costs less than the dispatch mode would
 
-    module = sys.modules["torch_ext.checkpoint"]
+    module = sys.modules["torch_ext.checkpointing.replay_tail"]
     monkeypatch.setattr(module, "_TAIL_MIN_SECONDS", 0.0)
     monkeypatch.setattr(module, "_TAIL_SECONDS_PER_OP", 0.0)
     plain = NoisyTail()
@@ -876,7 +876,7 @@ def test_planner_states_the_minimum_budget():
 
 
 def test_planner_dynamic_program_is_optimal_against_brute_force():
-    from torch_ext.checkpoint import _evaluate, _solve
+    from torch_ext.checkpointing.planner import _evaluate, _solve
 
     torch.manual_seed(0)
     n = 6

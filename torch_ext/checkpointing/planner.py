@@ -1,0 +1,280 @@
+"""The planner: measure a chain of layers once, then choose checkpoint boundaries that meet a
+byte budget at the least recompute (dynamic programming over the chain)."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .. import _C, memory
+from .api import _trainable_parameters, _validate_storage
+
+@dataclass
+class CheckpointPlan:
+    """A checkpoint placement for a chain of layers, with what it predicts.
+
+    segments: (start, end, checkpointed) covering layers [0, n); a checkpointed segment keeps its
+    input and replays in backward, the others keep their activations. boundaries: the first layer
+    of each checkpointed segment. Bytes are activation bytes (boundaries, saved activations and
+    the largest backward workspace; parameters and their gradients excluded)."""
+
+    segments: list[tuple[int, int, bool]]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    min_budget_bytes: int
+    no_checkpoint_peak_bytes: int
+    predicted_recompute_seconds: float
+    step_seconds: float
+    layer_forward_seconds: list[float] = field(default_factory=list)
+    layer_backward_seconds: list[float] = field(default_factory=list)
+    layer_saved_bytes: list[int] = field(default_factory=list)
+    layer_output_bytes: list[int] = field(default_factory=list)
+    layer_workspace_bytes: list[int] = field(default_factory=list)
+    layer_parameter_bytes: list[int] = field(default_factory=list)
+    input_bytes: int = 0
+
+    @property
+    def boundaries(self) -> list[int]:
+        return [start for start, _, checkpointed in self.segments if checkpointed]
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted recompute time as a fraction of the measured step (forward + backward)."""
+        return self.predicted_recompute_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "boundaries": self.boundaries, "predicted_overhead": self.predicted_overhead}
+
+    def __str__(self) -> str:
+        mib = 2.0 ** 20
+        return (f"CheckpointPlan(boundaries={self.boundaries}, segments={len(self.segments)}, "
+                f"predicted_peak={self.predicted_peak_bytes / mib:.1f} MiB of budget {self.budget_bytes / mib:.1f} MiB, "
+                f"predicted_overhead={self.predicted_overhead:.1%}, min_budget={self.min_budget_bytes / mib:.1f} MiB)")
+
+
+def _call(layer: Callable, value: Any, kwargs: Optional[dict] = None, first: bool = False) -> Any:
+    if first:
+        return layer(*value, **(kwargs or {}))
+    return layer(value)
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], exclude: set) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if key in exclude or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _storage_keys(tensors: Iterable[torch.Tensor]) -> set:
+    keys = set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        keys.add((storage.device, storage.data_ptr()))
+    return keys
+
+
+def _detach_like(value: Any) -> Any:
+    def detach(leaf):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().requires_grad_(leaf.requires_grad or leaf.is_floating_point())
+        return leaf
+    return pytree.tree_map(detach, value)
+
+
+def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, repeat: int, storage: str, progress):
+    """Per layer: forward and backward seconds (median of `repeat`), bytes saved for backward
+    (excluding parameters and the layer's input), output bytes, and backward workspace bytes.
+    The RNG state and the layers' buffers are restored afterwards."""
+    devices = sorted({t.device.index for t in _tensor_leaves(inputs) if t.device.type == "cuda"})
+    device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
+    fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
+    buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
+    input_bytes = int(_C.checkpoint.boundary_bytes(_tensor_leaves(inputs), storage))
+    value: Any = inputs
+    with torch.random.fork_rng(devices=devices):
+        try:
+            for index in progress(range(len(layers)), desc="measuring layers"):
+                samples = [_measure_once(layers[index], value, kwargs, index == 0, device) for _ in range(repeat)]
+                fwd.append(statistics.median(s[0] for s in samples))
+                bwd.append(statistics.median(s[1] for s in samples))
+                saved.append(samples[-1][2])
+                workspace.append(samples[-1][3])
+                value = samples[-1][4]
+                out_bytes.append(int(_C.checkpoint.boundary_bytes(_tensor_leaves(value), storage)))
+                del samples
+        finally:
+            with torch.no_grad():
+                for buffer, copy in buffers:
+                    buffer.copy_(copy)
+    return fwd, bwd, saved, out_bytes, workspace, input_bytes
+
+
+def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device: torch.device) -> tuple:
+    """One forward and backward of layer on (a detached copy of) value: (forward seconds, backward
+    seconds, bytes saved for backward, backward workspace bytes, the output detached)."""
+    params = _trainable_parameters(layer) if isinstance(layer, nn.Module) else []
+    x = _detach_like(value)
+    x_leaves = _tensor_leaves(x)
+    exclude = _storage_keys(params) | _storage_keys(x_leaves)
+    packed: list[torch.Tensor] = []
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        start = time.perf_counter()
+        out = _call(layer, x, kwargs, first)
+        forward_seconds = time.perf_counter() - start
+    out_leaves = [t for t in _tensor_leaves(out) if t.requires_grad]
+    saved_bytes = _storage_bytes(packed + _tensor_leaves(out), exclude)
+    packed.clear()
+    targets = [t for t in x_leaves if t.requires_grad] + params
+    backward_seconds, workspace_bytes = 0.0, 0
+    if out_leaves and targets:
+        # Backward as in training: parameter gradients accumulate into existing .grad buffers, so
+        # what is measured is the transient working memory (intermediate gradients, the input's
+        # gradient, one parameter gradient before it is added).
+        grads_out = [torch.ones_like(t) for t in out_leaves]
+        kept_grads = [p.grad for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        try:
+            with memory.track(device) as tracked:
+                start = time.perf_counter()
+                torch.autograd.backward(out_leaves, grads_out, inputs=targets)
+                backward_seconds = time.perf_counter() - start
+        finally:
+            for p, g in zip(params, kept_grads):
+                p.grad = g
+        workspace_bytes = max(0, tracked.peak_delta_bytes)
+    detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    return forward_seconds, backward_seconds, saved_bytes, workspace_bytes, detached
+
+
+def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int], workspace: list[int],
+           param_bytes: list[int], input_bytes: int, budget: Optional[float]):
+    """Dynamic programming over the chain. Each segment [p, q) is either checkpointed (holds its
+    input; replays in backward at the cost of its forward time) or stored (holds its input and
+    its activations). While segment j runs backward, memory is what segments before it hold plus
+    its input, its activations, its largest backward workspace and the gradient of its output, plus,
+    for a checkpointed segment, its parameters' gradients (the replay hands them back together); the
+    peak is the maximum of that over j.
+    With budget=None, returns the plan of least peak; otherwise the least recompute time whose
+    peak fits the budget (None if none does). States on the frontier are Pareto-optimal in
+    (held bytes, peak or cost)."""
+    prefix_seconds = [0.0]
+    prefix_saved = [0]
+    prefix_params = [0]
+    for i in range(n):
+        prefix_params.append(prefix_params[-1] + param_bytes[i])
+        prefix_seconds.append(prefix_seconds[-1] + seconds[i])
+        prefix_saved.append(prefix_saved[-1] + saved[i])
+    seg_input = [input_bytes] + out_bytes[:-1]
+    # frontier[p]: list of (held, peak, cost, segments)
+    frontier: list[list[tuple[int, int, float, tuple]]] = [[] for _ in range(n + 1)]
+    frontier[0] = [(0, 0, 0.0, ())]
+    for p in range(n):
+        states = frontier[p]
+        if not states:
+            continue
+        for q in range(p + 1, n + 1):
+            activations = prefix_saved[q] - prefix_saved[p]
+            work = max(workspace[p:q])
+            replay = prefix_seconds[q] - prefix_seconds[p]
+            grads = prefix_params[q] - prefix_params[p]
+            for held, peak, cost, segs in states:
+                local = held + seg_input[p] + activations + work + out_bytes[q - 1]
+                if budget is None or max(peak, local + grads) <= budget:
+                    frontier[q].append((held + seg_input[p], max(peak, local + grads), cost + replay,
+                                        segs + ((p, q, True),)))
+                if budget is None or max(peak, local) <= budget:
+                    frontier[q].append((held + seg_input[p] + activations, max(peak, local), cost,
+                                        segs + ((p, q, False),)))
+        for q in range(p + 1, n + 1):
+            frontier[q] = _pareto(frontier[q], by_cost=budget is not None)
+    finals = frontier[n]
+    if not finals:
+        return None
+    if budget is None:
+        return min(finals, key=lambda s: (s[1], s[2]))
+    return min(finals, key=lambda s: (s[2], s[1]))
+
+
+def _pareto(states, by_cost: bool):
+    """Keep states not dominated in (held, cost) (by_cost) or (held, peak)."""
+    key = (lambda s: (s[0], s[2], s[1])) if by_cost else (lambda s: (s[0], s[1], s[2]))
+    states.sort(key=key)
+    kept, best = [], math.inf
+    for s in states:
+        second = s[2] if by_cost else s[1]
+        if second < best:
+            kept.append(s)
+            best = second
+    return kept
+
+
+def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, storage: str = "keep",
+                     repeat: int = 3, progress: Optional[Callable] = None, **kwargs: Any) -> CheckpointPlan:
+    """Measure one step of a chain of layers and choose checkpoint boundaries for a memory budget.
+
+    Each layer runs forward and backward `repeat` times on the outputs of the previous one
+    (RNG state and module buffers are restored afterwards): its forward and backward seconds,
+    the bytes it saves for backward, its output bytes and its backward workspace are measured
+    (torch_ext.memory). A dynamic program over the chain then picks the segments that minimise
+    recompute time while the predicted peak activation memory stays within budget_bytes.
+    Raises ValueError, stating the minimum, when no plan fits. kwargs go to the first layer.
+    """
+    layers = list(layers.values() if isinstance(layers, (dict, OrderedDict)) else layers)
+    if not layers:
+        raise ValueError("plan_checkpoints: the chain has no layers")
+    if not sample_inputs:
+        raise ValueError("plan_checkpoints: give sample inputs for the first layer")
+    if not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
+        raise ValueError(f"plan_checkpoints: budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
+    _validate_storage(storage, "plan_checkpoints")
+    if repeat < 1:
+        raise ValueError(f"plan_checkpoints: repeat must be >= 1, got {repeat}")
+    progress = progress or (lambda iterable, desc: iterable)
+    fwd, bwd, saved, out_bytes, workspace, input_bytes = _measure_layers(layers, sample_inputs, kwargs, repeat,
+                                                                         storage, progress)
+    n = len(layers)
+    param_bytes = [sum(p.nbytes for p in _trainable_parameters(layer)) if isinstance(layer, nn.Module) else 0
+                   for layer in layers]
+    least = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes, None)
+    min_budget = least[1]
+    no_checkpoint = _evaluate([(0, n, False)], saved, out_bytes, workspace, param_bytes, input_bytes)
+    if budget_bytes < min_budget:
+        raise ValueError(f"plan_checkpoints: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below "
+                         f"the minimum any plan of these {n} layers can meet: {min_budget} bytes "
+                         f"({min_budget / 2**20:.2f} MiB); without checkpointing the peak is {no_checkpoint} bytes")
+    best = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes, float(budget_bytes))
+    _, peak, cost, segments = best
+    return CheckpointPlan(segments=[tuple(s) for s in segments], budget_bytes=int(budget_bytes),
+                          predicted_peak_bytes=int(peak), min_budget_bytes=int(min_budget),
+                          no_checkpoint_peak_bytes=int(no_checkpoint), predicted_recompute_seconds=cost,
+                          step_seconds=sum(fwd) + sum(bwd), layer_forward_seconds=fwd, layer_backward_seconds=bwd,
+                          layer_saved_bytes=saved, layer_output_bytes=out_bytes, layer_workspace_bytes=workspace,
+                          layer_parameter_bytes=param_bytes, input_bytes=input_bytes)
+
+
+def _evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes) -> int:
+    seg_input = [input_bytes] + out_bytes[:-1]
+    held, peak = 0, 0
+    for p, q, checkpointed in segments:
+        activations = sum(saved[p:q])
+        grads = sum(param_bytes[p:q]) if checkpointed else 0
+        peak = max(peak, held + seg_input[p] + activations + max(workspace[p:q]) + out_bytes[q - 1] + grads)
+        held += seg_input[p] + (0 if checkpointed else activations)
+    return peak
