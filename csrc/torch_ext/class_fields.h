@@ -2,12 +2,15 @@
 // Registration of field-described structs (fields.h) as torch.classes, shared by every
 // capability's library.cpp (include it nowhere else: it pulls in torch's custom-class headers).
 //
-//   register_struct<T>(m, "PagerStats", doc)      torch.classes.torch_ext.PagerStats: a typed
-//       read-only property per field, __repr__, as_dict() and fields(); a T with validate() (an
-//       Options struct) also gets a keyword constructor with T's defaults, validated.
+//   register_stats<T>(m, "PagerStats")           torch.classes.torch_ext.PagerStats: a typed
+//       read-only property per field, __repr__, as_dict() and fields().
+//   register_options<T>(m, "CheckpointOptions", doc)   the same, plus a keyword constructor with
+//       T's defaults (each value parsed by its codec, then T::validate() where T has one).
 //   def_options_init<Options, Prefix...>(cls, {"source"}, make, doc)
 //       cls.__init__(source, <every option as a keyword with its default>) -> make(source, options).
 //   def_option_properties<Options>(cls, get)    a read-only property per option on the owner.
+//   options_schema<Options>() / options_from_stack<Options>(args)   the options as arguments of an
+//       operator schema ("str storage=\"keep\", ...") and back from the boxed arguments.
 //
 // The same names therefore reach C++, TorchScript and Python, from one list per struct.
 #include <array>
@@ -182,15 +185,10 @@ void def_options_init(torch::class_<Class>& cls, Types<Prefix...>, const std::ar
 
 }  // namespace detail
 
-// Registers T as torch.classes.<ns>.<name> (see the file comment).
+namespace detail {
+
 template <Described T>
-torch::class_<Boxed<T>> register_struct(torch::Library& m, const char* name, const std::string& doc) {
-  auto cls = m.class_<Boxed<T>>(name);
-  if constexpr (Validated<T>) {
-    detail::def_options_init<T>(cls, detail::Types<>{}, std::array<const char*, 0>{},
-                                [](T options) { return box(std::move(options)); }, doc, std::index_sequence<>{},
-                                std::make_index_sequence<field_count<T>()>{});
-  }
+void def_fields(torch::class_<Boxed<T>>& cls, const char* name) {
   for_each_field<T>([&](const auto& f) {
     using Member = std::remove_cvref_t<decltype(std::declval<T>().*(f.member))>;
     cls.def_property(
@@ -200,15 +198,38 @@ torch::class_<Boxed<T>> register_struct(torch::Library& m, const char* name, con
         },
         std::string(f.doc));
   });
+  for (const char* method : {"__repr__", "__str__"}) {
+    cls.def(
+        method, [name](const c10::intrusive_ptr<Boxed<T>>& self) { return repr(name, self->value); },
+        "The fields and their values");
+  }
   cls.def(
-      "__repr__", [name](const c10::intrusive_ptr<Boxed<T>>& self) { return detail::repr(name, self->value); },
-      "The fields and their values");
-  cls.def(
-      "as_dict", [](const c10::intrusive_ptr<Boxed<T>>& self) { return c10::IValue(detail::as_dict(self->value)); },
+      "as_dict", [](const c10::intrusive_ptr<Boxed<T>>& self) { return c10::IValue(as_dict(self->value)); },
       "The fields as a dict (nested structs as dicts)");
   cls.def(
-      "fields", [](const c10::intrusive_ptr<Boxed<T>>& /*self*/) { return detail::field_names<T>(); },
+      "fields", [](const c10::intrusive_ptr<Boxed<T>>& /*self*/) { return field_names<T>(); },
       "The field names, in order");
+}
+
+}  // namespace detail
+
+// Registers the stats struct T as torch.classes.<ns>.<name> (see the file comment).
+template <Described T>
+torch::class_<Boxed<T>> register_stats(torch::Library& m, const char* name) {
+  auto cls = m.class_<Boxed<T>>(name);
+  detail::def_fields(cls, name);
+  return cls;
+}
+
+// Registers the options struct T as torch.classes.<ns>.<name>, with a keyword constructor (doc:
+// its doc string, followed by each option's).
+template <Described T>
+torch::class_<Boxed<T>> register_options(torch::Library& m, const char* name, const std::string& doc) {
+  auto cls = m.class_<Boxed<T>>(name);
+  detail::def_options_init<T>(cls, detail::Types<>{}, std::array<const char*, 0>{},
+                              [](T options) { return box(std::move(options)); }, doc, std::index_sequence<>{},
+                              std::make_index_sequence<field_count<T>()>{});
+  detail::def_fields(cls, name);
   return cls;
 }
 
@@ -235,6 +256,61 @@ void def_option_properties(torch::class_<Class>& cls, Get get) {
         },
         std::string(f.doc));
   });
+}
+
+namespace detail {
+
+// A default value as an operator schema writes it.
+inline std::string schema_literal(const c10::IValue& v) {
+  if (v.isBool()) return v.toBool() ? "True" : "False";
+  if (v.isInt()) return std::to_string(v.toInt());
+  if (v.isNone()) return "None";
+  if (v.isString()) {
+    std::string out = "\"";
+    for (char c : v.toStringRef()) {
+      if (c == '"' || c == '\\') out += '\\';
+      out += c;
+    }
+    return out + "\"";
+  }
+  if (v.isDouble()) {
+    std::ostringstream out;
+    out.precision(17);
+    out << v.toDouble();
+    return out.str();
+  }
+  TORCH_CHECK(false, "options_schema: no schema literal for a default of type ", v.tagKind());
+}
+
+}  // namespace detail
+
+// The options of Options as operator schema arguments, each with its default:
+// `str storage="keep", bool preserve_rng_state=True`.
+template <Described Options>
+std::string options_schema() {
+  const Options defaults{};
+  std::ostringstream out;
+  bool first = true;
+  for_each_field<Options>([&](const auto& f) {
+    using Member = std::remove_cvref_t<decltype(defaults.*(f.member))>;
+    out << (first ? "" : ", ") << c10::getTypePtr<exposed_t<Member>>()->str() << " " << f.name << "="
+        << detail::schema_literal(c10::IValue(FieldCodec<Member>::expose(defaults.*(f.member))));
+    first = false;
+  });
+  return out.str();
+}
+
+// Options from the boxed arguments an options_schema() produced, starting at `args`.
+template <Described Options>
+Options options_from_stack(const c10::IValue* args) {
+  Options options;
+  std::size_t i = 0;
+  for_each_field<Options>([&](const auto& f) {
+    using Member = std::remove_cvref_t<decltype(options.*(f.member))>;
+    options.*(f.member) = FieldCodec<Member>::parse(args[i++].template to<exposed_t<Member>>(), f.name);
+  });
+  if constexpr (Validated<Options>) options.validate();
+  return options;
 }
 
 }  // namespace torch_ext

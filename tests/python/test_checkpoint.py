@@ -558,8 +558,16 @@ def test_error_for_unknown_storage_policy():
         torch_ext.checkpoint(nn.Linear(2, 2), storage="zip")
     with pytest.raises(ValueError, match="unknown storage policy"):
         torch_ext.CheckpointedSequential([nn.Linear(2, 2)], storage="int8")
-    with pytest.raises(RuntimeError, match="unknown storage policy 'int8'"):
+    with pytest.raises(ValueError, match="unknown storage policy 'int8'"):
         torch.ops.torch_ext.checkpoint_boundary_bytes([torch.ones(2)], "int8")
+
+
+def test_unknown_options_are_refused_naming_the_options():
+    with pytest.raises(TypeError, match="torch_ext.checkpoint: unknown option.*stroage.*the options are storage, "
+                                        "preserve_rng_state"):
+        torch_ext.checkpoint(nn.Linear(2, 2), stroage="bf16")
+    with pytest.raises(TypeError, match="CheckpointedSequential: unknown option.*every_k"):
+        torch_ext.CheckpointedSequential([nn.Linear(2, 2)], every_k=1)
 
 
 def test_error_for_bad_targets_and_double_backward():

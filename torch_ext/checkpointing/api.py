@@ -14,15 +14,24 @@ from torch.utils import _pytree as pytree
 from .. import _C
 from .replay_tail import _TAIL_ATTRIBUTE, _ReplayTail
 
-STORAGE_POLICIES = ("keep", "offload", "bf16", "fp16")
-
 _apply = _C.checkpoint.apply
 
 
-def _validate_storage(storage: Any, owner: str) -> str:
-    if not isinstance(storage, str) or storage not in STORAGE_POLICIES:
-        raise ValueError(f"{owner}: unknown storage policy {storage!r}; expected one of {', '.join(STORAGE_POLICIES)}")
-    return storage
+def checkpoint_options(owner: str, **options: Any) -> torch.ScriptObject:
+    """A torch.classes.torch_ext.CheckpointOptions from keyword options (names, defaults and checks
+    are the C++ CheckpointOptions'); raises TypeError naming owner for an unknown option."""
+    names = option_names()
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise TypeError(f"{owner}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(names)}")
+    return torch.classes.torch_ext.CheckpointOptions(**options)
+
+
+def option_names() -> list[str]:
+    return _DEFAULT_OPTIONS.fields()
+
+
+_DEFAULT_OPTIONS = torch.classes.torch_ext.CheckpointOptions()
 
 
 def _trainable_parameters(module: nn.Module) -> list[torch.Tensor]:
@@ -71,8 +80,8 @@ def _call_segment(box: list, tail: Optional["_ReplayTail"], params: list[torch.T
     return out if type(out) is torch.Tensor else _flatten_output(out, box)
 
 
-def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], storage: str,
-         preserve_rng_state: bool, name: str, tail: Optional["_ReplayTail"] = None,
+def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], options: torch.ScriptObject,
+         name: str, tail: Optional["_ReplayTail"] = None,
          modules: Sequence[nn.Module] = ()) -> Any:
     """fn(*args, **kwargs) as one checkpointed segment whose other tensors requiring grad are params;
     tail: the call site's early stop for its replays; modules: those fn calls or runs."""
@@ -83,7 +92,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
         # Fast path: positional plain tensors. The segment holds no input, so the storage policy
         # alone decides what stays alive.
         segment = functools.partial(_call_segment, box, tail, params, modules, fn)
-        outputs = _apply(segment, list(args), params, storage, preserve_rng_state, name)
+        outputs = _apply(segment, list(args), params, options, name)
     else:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -104,7 +113,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], st
             call_args, call_kwargs = pytree.tree_unflatten(call_leaves, spec)
             return _call_segment(box, tail, params, modules, lambda *_: fn(*call_args, **call_kwargs), replayed)
 
-        outputs = _apply(segment, tensors, params, storage, preserve_rng_state, name)
+        outputs = _apply(segment, tensors, params, options, name)
     return outputs[0] if box[0] is None else _unflatten_output(outputs, box)
 
 
@@ -123,11 +132,11 @@ class _CheckpointedForward:
     a strong reference back would leave the module (and its parameters) to the cycle collector.
     Deep-copies and pickles with its module."""
 
-    def __init__(self, module: nn.Module, forward: Callable, storage: str, preserve_rng_state: bool) -> None:
+    def __init__(self, module: nn.Module, forward: Callable, options: torch.ScriptObject) -> None:
         self._module = weakref.ref(module)
         self.forward = forward
-        self.storage, self.preserve_rng_state = storage, preserve_rng_state
-        self._torch_ext_checkpoint = (storage, preserve_rng_state)
+        self.options = options
+        self._torch_ext_checkpoint = options
         self.tail = _ReplayTail()
 
     @property
@@ -137,10 +146,10 @@ class _CheckpointedForward:
     def __deepcopy__(self, memo) -> "_CheckpointedForward":
         module = self._module()
         # Deep-copied with its module (from the module's __dict__), the copy belongs to the module's copy.
-        return _CheckpointedForward(memo.get(id(module), module), self.forward, self.storage, self.preserve_rng_state)
+        return _CheckpointedForward(memo.get(id(module), module), self.forward, self.options)
 
     def __reduce__(self):
-        return _CheckpointedForward, (self._module(), self.forward, self.storage, self.preserve_rng_state)
+        return _restore_forward, (self._module(), self.forward, self.options.as_dict())
 
     def __call__(self, *args, **kwargs):
         module = self._module()
@@ -149,18 +158,17 @@ class _CheckpointedForward:
             return forward(module, *args, **kwargs)
         if kwargs or not _plain_tensors(args) or torch.compiler.is_compiling():
             return _runner()(functools.partial(forward, module), args, kwargs, _trainable_parameters(module),
-                             self.storage, self.preserve_rng_state, type(module).__name__, self.tail, (module,))
+                             self.options, type(module).__name__, self.tail, (module,))
         # The common case, kept short: tensors in, tensors out.
         box: list = [None]
         params = _trainable_parameters(module)
         segment = functools.partial(_call_segment, box, self.tail, params, (module,),
                                     functools.partial(forward, module))
-        outputs = _apply(segment, list(args), params, self.storage, self.preserve_rng_state,
-                         type(module).__name__)
+        outputs = _apply(segment, list(args), params, self.options, type(module).__name__)
         return outputs[0] if box[0] is None else _unflatten_output(outputs, box)
 
 
-def checkpoint(target: Any = None, *, storage: str = "keep", preserve_rng_state: bool = True) -> Any:
+def checkpoint(target: Any = None, **options: Any) -> Any:
     """Checkpoint a module class, a module instance or a function.
 
     - ``@checkpoint`` on an nn.Module subclass: every instance's forward is checkpointed (the
@@ -173,30 +181,16 @@ def checkpoint(target: Any = None, *, storage: str = "keep", preserve_rng_state:
       other way (a closure) raises in backward, since its gradient would be lost.
 
     Keyword arguments, pytree inputs and outputs, non-tensor arguments and outputs, inputs that do
-    not require grad and nested checkpoints all work. storage: "keep" (exact), "offload", "bf16"
-    or "fp16" (lossy). Use as ``@checkpoint(storage="bf16")`` to pass options.
+    not require grad and nested checkpoints all work. Options are those of the C++
+    CheckpointOptions (torch.classes.torch_ext.CheckpointOptions): storage ("keep", exact;
+    "offload"; "bf16" / "fp16", lossy) and preserve_rng_state. Use as
+    ``@checkpoint(storage="bf16")`` to pass options.
     """
-    _validate_storage(storage, "torch_ext.checkpoint")
+    resolved = checkpoint_options("torch_ext.checkpoint", **options)
     if target is None:
-        return functools.partial(checkpoint, storage=storage, preserve_rng_state=preserve_rng_state)
+        return functools.partial(checkpoint, **options)
     if isinstance(target, type):
-        if not issubclass(target, nn.Module):
-            raise TypeError(f"torch_ext.checkpoint: class {target.__name__} is not an nn.Module subclass")
-        original = target.forward
-        if getattr(original, "_torch_ext_checkpoint", None) is not None:
-            return target
-
-        @functools.wraps(original)
-        def forward(self, *args, **kwargs):
-            if not torch.is_grad_enabled():
-                return original(self, *args, **kwargs)
-            tail = self.__dict__.get(_TAIL_ATTRIBUTE) or self.__dict__.setdefault(_TAIL_ATTRIBUTE, _ReplayTail())
-            return _runner()(functools.partial(original, self), args, kwargs, _trainable_parameters(self), storage,
-                             preserve_rng_state, type(self).__name__, tail, (self,))
-
-        forward._torch_ext_checkpoint = (storage, preserve_rng_state)
-        target.forward = forward
-        return target
+        return _checkpoint_class(target, resolved)
     if isinstance(target, nn.Module):
         if isinstance(target.__dict__.get("forward"), _CheckpointedForward) or getattr(
                 type(target).forward, "_torch_ext_checkpoint", None) is not None:
@@ -204,23 +198,49 @@ def checkpoint(target: Any = None, *, storage: str = "keep", preserve_rng_state:
         if "forward" in target.__dict__:
             raise TypeError(f"torch_ext.checkpoint: {type(target).__name__} instance has its own forward attribute; "
                             "checkpoint its class or a function instead")
-        target.forward = _CheckpointedForward(target, type(target).forward, storage, preserve_rng_state)
+        target.forward = _CheckpointedForward(target, type(target).forward, resolved)
         return target
     if callable(target):
-        fn = target
-        owner = fn.__self__ if inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module) else None
-        name = _name_of(fn)
-
-        tail = _ReplayTail()
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if not torch.is_grad_enabled():
-                return fn(*args, **kwargs)
-            params = _trainable_parameters(owner) if owner is not None else []
-            return _runner()(fn, args, kwargs, params, storage, preserve_rng_state, name, tail)
-
-        wrapper._torch_ext_checkpoint = (storage, preserve_rng_state)
-        return wrapper
+        return _checkpoint_function(target, resolved)
     raise TypeError(f"torch_ext.checkpoint: expected an nn.Module subclass, an nn.Module or a callable, "
                     f"got {type(target).__name__}")
+
+
+def _checkpoint_class(target: type, options: torch.ScriptObject) -> type:
+    if not issubclass(target, nn.Module):
+        raise TypeError(f"torch_ext.checkpoint: class {target.__name__} is not an nn.Module subclass")
+    original = target.forward
+    if getattr(original, "_torch_ext_checkpoint", None) is not None:
+        return target
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return original(self, *args, **kwargs)
+        tail = self.__dict__.get(_TAIL_ATTRIBUTE) or self.__dict__.setdefault(_TAIL_ATTRIBUTE, _ReplayTail())
+        return _runner()(functools.partial(original, self), args, kwargs, _trainable_parameters(self), options,
+                         type(self).__name__, tail, (self,))
+
+    forward._torch_ext_checkpoint = options
+    target.forward = forward
+    return target
+
+
+def _checkpoint_function(fn: Callable, options: torch.ScriptObject) -> Callable:
+    owner = fn.__self__ if inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module) else None
+    name = _name_of(fn)
+    tail = _ReplayTail()
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        params = _trainable_parameters(owner) if owner is not None else []
+        return _runner()(fn, args, kwargs, params, options, name, tail)
+
+    wrapper._torch_ext_checkpoint = options
+    return wrapper
+
+
+def _restore_forward(module: nn.Module, forward: Callable, options: dict) -> "_CheckpointedForward":
+    return _CheckpointedForward(module, forward, checkpoint_options("torch_ext.checkpoint", **options))

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .. import _C
-from .api import _runner, _trainable_parameters, _validate_storage
+from .api import _runner, _trainable_parameters, checkpoint_options, option_names
 from .planner import CheckpointPlan, _call, _storage_bytes, _tensor_leaves, plan_checkpoints
 from .replay_tail import _ReplayTail
 
@@ -50,7 +49,7 @@ class CheckpointedSequential(nn.Sequential):
     """
 
     def __init__(self, layers: Any, *, every: Optional[int] = None, boundaries: Any = None,
-                 budget_bytes: Optional[int] = None, storage: str = "keep", preserve_rng_state: bool = True) -> None:
+                 budget_bytes: Optional[int] = None, **options: Any) -> None:
         if isinstance(layers, (dict, OrderedDict)):
             super().__init__(OrderedDict(layers))
         elif isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
@@ -64,8 +63,7 @@ class CheckpointedSequential(nn.Sequential):
                   if value is not None]
         if len(chosen) > 1:
             raise ValueError(f"CheckpointedSequential: give one of every, boundaries or budget_bytes, not {chosen}")
-        self.storage = _validate_storage(storage, "CheckpointedSequential")
-        self.preserve_rng_state = preserve_rng_state
+        self.options = checkpoint_options("CheckpointedSequential", **options)
         self.budget_bytes = budget_bytes
         self.plan: Optional[CheckpointPlan] = None
         self._tails: dict[tuple[int, int], _ReplayTail] = {}  # early stop per segment (start, end)
@@ -158,7 +156,7 @@ class CheckpointedSequential(nn.Sequential):
         if self._segments is None:
             if not grad:
                 return self._plain(inputs, kwargs)
-            self.plan = plan_checkpoints(list(self), *inputs, budget_bytes=self.budget_bytes, storage=self.storage,
+            self.plan = plan_checkpoints(list(self), *inputs, budget_bytes=self.budget_bytes, storage=self.options.storage,
                                          **kwargs)
             self._segments = list(self.plan.segments)
         value: Any = None
@@ -167,14 +165,14 @@ class CheckpointedSequential(nn.Sequential):
             run = self._segment_fn(start, end, record=grad)
             if grad:
                 leaves = _tensor_leaves((args, kw))
-                nbytes = int(_C.checkpoint.boundary_bytes(leaves, self.storage)) if checkpointed else 0
+                nbytes = _boundary_bytes(leaves, self.options.storage) if checkpointed else 0
                 weak = pytree.tree_map_only(torch.Tensor, weakref.ref, (args, kw))
                 self._records.append((start, checkpointed, weak, nbytes, _rng_snapshot(leaves)))
             if checkpointed and grad:
                 layers = [self[i] for i in range(start, end)]
                 params = [p for layer in layers for p in _trainable_parameters(layer)]
                 tail = self._tails.get((start, end)) or self._tails.setdefault((start, end), _ReplayTail())
-                value = _runner()(run, args, kw, params, self.storage, self.preserve_rng_state,
+                value = _runner()(run, args, kw, params, self.options,
                                   f"CheckpointedSequential[{start}:{end}]", tail, layers)
             else:
                 value = run(*args, **kw)
@@ -197,7 +195,7 @@ class CheckpointedSequential(nn.Sequential):
         if any(isinstance(leaf, weakref.ref) and leaf() is None for leaf in pytree.tree_leaves(weak)):
             raise RuntimeError(f"CheckpointedSequential.recompute: the input of layer {start} (the checkpoint before "
                                f"layer {layer_idx}) is no longer alive: backward freed it, or the storage policy "
-                               f"({self.storage!r}) kept only a copy; call recompute() between forward and backward")
+                               f"({self.options.storage!r}) kept only a copy; call recompute() between forward and backward")
         args, kwargs = pytree.tree_map_only(weakref.ref, lambda ref: ref(), weak)
         with torch.random.fork_rng(devices=[d for d, _ in rng if d is not None]):
             _restore_rng(rng)
@@ -227,18 +225,25 @@ def _restore_rng(states: list) -> None:
             torch.cuda.set_rng_state(state, index)
 
 
-_SEQUENTIAL_OPTIONS = ("use_reentrant", "preserve_rng_state", "storage", "determinism_check", "debug", "context_fn")
+# torch.utils.checkpoint.checkpoint_sequential's own keywords, accepted for drop-in use and ignored:
+# there is one implementation.
+_TORCH_KEYWORDS = ("use_reentrant", "determinism_check", "debug", "context_fn")
+
+
+def _boundary_bytes(tensors: list[torch.Tensor], storage: str) -> int:
+    return int(torch.ops.torch_ext.checkpoint_boundary_bytes(tensors, storage))
 
 
 def checkpoint_sequential(functions: Any, segments: int, *inputs: Any, **kwargs: Any) -> Any:
     """Drop-in for torch.utils.checkpoint.checkpoint_sequential: run `functions` (an
     nn.Sequential or a list of modules / callables) in `segments` checkpointed segments (the last
     takes the remainder). The first function receives all inputs and the keyword arguments that
-    are not options; options: preserve_rng_state, storage (use_reentrant etc. are accepted and
-    ignored: there is one implementation)."""
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _SEQUENTIAL_OPTIONS}
-    storage = _validate_storage(options.get("storage", "keep"), "checkpoint_sequential")
-    preserve = options.get("preserve_rng_state", True)
+    are not options; options are torch_ext.checkpoint's (use_reentrant, determinism_check, debug
+    and context_fn are accepted and ignored: there is one implementation)."""
+    for keyword in _TORCH_KEYWORDS:
+        kwargs.pop(keyword, None)
+    names = option_names()
+    options = checkpoint_options("checkpoint_sequential", **{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if isinstance(functions, nn.Sequential):
         functions = list(functions.children())
     functions = list(functions)
@@ -263,6 +268,6 @@ def checkpoint_sequential(functions: Any, segments: int, *inputs: Any, **kwargs:
 
         params = [p for fn in chunk if isinstance(fn, nn.Module) for p in _trainable_parameters(fn)]
         args, kw = (inputs, kwargs) if first else ((value,), {})
-        value = _runner()(run, args, kw, params, storage, preserve, f"checkpoint_sequential[{start}:{end}]")
+        value = _runner()(run, args, kw, params, options, f"checkpoint_sequential[{start}:{end}]")
         start = end
     return value

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .. import _C, memory
-from .api import _trainable_parameters, _validate_storage
+from .. import memory
+from .api import _trainable_parameters, checkpoint_options
 
 @dataclass
 class CheckpointPlan:
@@ -105,7 +105,7 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
     device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
     fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
     buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
-    input_bytes = int(_C.checkpoint.boundary_bytes(_tensor_leaves(inputs), storage))
+    input_bytes = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(inputs), storage))
     value: Any = inputs
     with torch.random.fork_rng(devices=devices):
         try:
@@ -116,7 +116,7 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
                 saved.append(samples[-1][2])
                 workspace.append(samples[-1][3])
                 value = samples[-1][4]
-                out_bytes.append(int(_C.checkpoint.boundary_bytes(_tensor_leaves(value), storage)))
+                out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(value), storage)))
                 del samples
         finally:
             with torch.no_grad():
@@ -225,7 +225,7 @@ def _pareto(states, by_cost: bool):
     return kept
 
 
-def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, storage: str = "keep",
+def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, storage: Optional[str] = None,
                      repeat: int = 3, progress: Optional[Callable] = None, **kwargs: Any) -> CheckpointPlan:
     """Measure one step of a chain of layers and choose checkpoint boundaries for a memory budget.
 
@@ -243,7 +243,7 @@ def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_byt
         raise ValueError("plan_checkpoints: give sample inputs for the first layer")
     if not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
         raise ValueError(f"plan_checkpoints: budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
-    _validate_storage(storage, "plan_checkpoints")
+    storage = checkpoint_options("plan_checkpoints", **({} if storage is None else {"storage": storage})).storage
     if repeat < 1:
         raise ValueError(f"plan_checkpoints: repeat must be >= 1, got {repeat}")
     progress = progress or (lambda iterable, desc: iterable)

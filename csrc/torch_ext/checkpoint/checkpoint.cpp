@@ -534,7 +534,7 @@ StoragePolicy parse_storage_policy(std::string_view name) {
   if (name == "offload") return StoragePolicy::kOffload;
   if (name == "bf16") return StoragePolicy::kBFloat16;
   if (name == "fp16") return StoragePolicy::kFloat16;
-  TORCH_CHECK(false, "checkpoint: unknown storage policy '", std::string(name),
+  TORCH_CHECK_VALUE(false, "checkpoint: unknown storage policy '", std::string(name),
               "'; expected one of 'keep', 'offload', 'bf16', 'fp16'");
 }
 

@@ -14,6 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
 
+#include "torch_ext/fields.h"
+
 namespace torch_ext::checkpoint {
 
 using TensorList = std::vector<at::Tensor>;
@@ -34,13 +36,37 @@ enum class StoragePolicy { kKeep, kOffload, kBFloat16, kFloat16 };
 StoragePolicy parse_storage_policy(std::string_view name);
 std::string_view storage_policy_name(StoragePolicy policy);
 
+}  // namespace torch_ext::checkpoint
+
+namespace torch_ext {
+template <>
+struct FieldCodec<checkpoint::StoragePolicy> {
+  using Exposed = std::string;
+  static std::string expose(checkpoint::StoragePolicy policy) {
+    return std::string(checkpoint::storage_policy_name(policy));
+  }
+  static checkpoint::StoragePolicy parse(const std::string& name, const char* /*field*/) {
+    return checkpoint::parse_storage_policy(name);
+  }
+};
+}  // namespace torch_ext
+
+namespace torch_ext::checkpoint {
+
 struct CheckpointOptions {
   StoragePolicy storage = StoragePolicy::kKeep;
-  // Save and restore the RNG state of the CPU and of every device the inputs and params live
-  // on, so that the replay draws the same random numbers (dropout masks) as the forward. When
-  // the forward drew none (on the CPU generator alone), the replay leaves the RNG alone.
   bool preserve_rng_state = true;
-  std::string name = "segment";  // names the segment in error messages
+  std::string name = "segment";  // names the segment in error messages (not an option: its identity)
+
+  static constexpr auto fields() {
+    return std::make_tuple(
+        field("storage", &CheckpointOptions::storage,
+              "how the boundary inputs are kept between forward and backward: 'keep' (exact), 'offload' "
+              "(accelerator inputs to pinned CPU memory), 'bf16' / 'fp16' (lossy, opt-in)"),
+        field("preserve_rng_state", &CheckpointOptions::preserve_rng_state,
+              "save and restore the RNG state of the CPU and of every device the inputs and params live on, "
+              "so that the replay draws the same random numbers (dropout masks) as the forward"));
+  }
 };
 
 // Runs segment(inputs) as one autograd node whose backward replays the segment. Gradients

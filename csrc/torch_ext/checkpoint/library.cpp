@@ -1,20 +1,29 @@
-// torch.ops.torch_ext.checkpoint_module / checkpoint_boundary_bytes: segment checkpointing for
-// TorchScript (checkpoint a scripted submodule from scripted code).
+// torch.ops.torch_ext.checkpoint_module / checkpoint_boundary_bytes and
+// torch.classes.torch_ext.CheckpointOptions: segment checkpointing for TorchScript (checkpoint a
+// scripted submodule from scripted code) and the options every front door passes.
 #include <string>
 #include <vector>
 
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include "torch_ext/checkpoint/script.h"
+#include "torch_ext/class_fields.h"
 
 namespace {
 
-std::vector<at::Tensor> checkpoint_module(const c10::IValue& module, std::vector<at::Tensor> inputs,
-                                          c10::string_view storage, bool preserve_rng_state) {
-  torch_ext::checkpoint::CheckpointOptions options;
-  options.storage = torch_ext::checkpoint::parse_storage_policy(storage);
-  options.preserve_rng_state = preserve_rng_state;
-  return torch_ext::checkpoint::checkpoint_script_module(module, inputs, options);
+using torch_ext::checkpoint::CheckpointOptions;
+
+// checkpoint_module(Any module, Tensor[] inputs, <CheckpointOptions as keywords>) -> Tensor[]
+void checkpoint_module(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack_pointer) {
+  auto& stack = *stack_pointer;
+  const size_t n = 2 + torch_ext::field_count<CheckpointOptions>();
+  const c10::IValue* args = &stack[stack.size() - n];
+  const CheckpointOptions options = torch_ext::options_from_stack<CheckpointOptions>(args + 2);
+  auto inputs = args[1].toTensorVector();
+  auto outputs = torch_ext::checkpoint::checkpoint_script_module(args[0], inputs, options);
+  torch::jit::drop(stack, n);
+  torch::jit::push(stack, std::move(outputs));
 }
 
 c10::SymInt checkpoint_boundary_bytes(std::vector<at::Tensor> inputs, c10::string_view storage) {
@@ -28,9 +37,12 @@ c10::SymInt checkpoint_boundary_bytes(std::vector<at::Tensor> inputs, c10::strin
 // kernel: its autograd node is built by the implementation itself, and fake tensors flow through
 // the module like any other composite op. checkpoint_boundary_bytes reads only metadata.
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
-  m.def(torch::schema("checkpoint_module(Any module, Tensor[] inputs, str storage=\"keep\", "
-                      "bool preserve_rng_state=True) -> Tensor[]",
-                      c10::AliasAnalysisKind::CONSERVATIVE),
-        &checkpoint_module);
-  m.def("checkpoint_boundary_bytes(Tensor[] inputs, str storage=\"keep\") -> SymInt", &checkpoint_boundary_bytes);
+  torch_ext::register_options<CheckpointOptions>(m, "CheckpointOptions",
+                                                 "Options of a checkpointed segment (checkpoint.h)");
+  const std::string schema =
+      "checkpoint_module(Any module, Tensor[] inputs, " + torch_ext::options_schema<CheckpointOptions>() + ") -> Tensor[]";
+  m.def(torch::schema(schema.c_str(), c10::AliasAnalysisKind::CONSERVATIVE));
+  m.impl("checkpoint_module", c10::DispatchKey::CompositeImplicitAutograd,
+         torch::CppFunction::makeFromBoxedFunction<&checkpoint_module>());
+  m.def("checkpoint_boundary_bytes(Tensor[] inputs, str storage) -> SymInt", &checkpoint_boundary_bytes);
 }

@@ -118,7 +118,7 @@ void register_pager(torch::Library& m) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
-  torch_ext::register_struct<PagerStats>(m, "PagerStats", "What a LayerPager did since construction or reset_stats()");
+  torch_ext::register_stats<PagerStats>(m, "PagerStats");
   register_source(m);
   register_pager(m);
 }
