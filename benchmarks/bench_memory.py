@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     def loop() -> None:
         allocation_loop(small_count, large_count)
 
-    memory_ops = torch_ext._C.memory
+    memory_ops = torch.ops.torch_ext
     timings = measure_interleaved(
         {"counting allocator": loop, "c10 default allocator": loop},
         before_each={"counting allocator": memory_ops.install_counting_allocator,
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     torch_ext.memory.reset_peak()
     loop()
     after = torch_ext.memory.stats()
-    allocations = after["allocations"] - before["allocations"]
+    allocations = after.allocations - before.allocations
 
     base = timings["c10 default allocator"].median_seconds
     report = Report("memory", "CPU counting allocator overhead",
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
         }, timing=timing)
     overhead = timings["counting allocator"].median_seconds / base - 1
     report.data.update(overhead=overhead, allocations_per_loop=allocations, rounds=rounds,
-                       loop_peak_bytes=after["peak_bytes"] - before["current_bytes"])
+                       loop_peak_bytes=after.peak_bytes - before.current_bytes)
     report.notes.append(
         f"\nOne loop: {small_count} small tensors (64 B-16 KiB, each filled and added to: "
         f"{allocations} allocations in all) and {large_count} large ones (1-16 MiB, filled); "

@@ -38,7 +38,7 @@ def info() -> None:
         ("build", f"C++ {build['cplusplus']}, {build['compiler']}, CUDA {'on' if build['cuda'] else 'off'}"),
         ("cuda available", str(torch.cuda.is_available())),
         ("library", torch_ext.library_path()),
-        ("counting allocator", "installed" if torch_ext._C.memory.counting_allocator_installed() else "not installed"),
+        ("counting allocator", "installed" if torch.ops.torch_ext.counting_allocator_installed() else "not installed"),
     ]
     width = max(len(key) for key, _ in rows)
     for key, value in rows:

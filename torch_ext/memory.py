@@ -6,13 +6,19 @@ CUDA figures come from torch.cuda's caching allocator statistics.
 from __future__ import annotations
 
 import threading
+from collections import namedtuple
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Union
-from contextlib import contextmanager
 
 import torch
 
 DeviceLike = Union[str, torch.device, int, None]
+
+# The fields are the names of torch.ops.torch_ext.memory_stats' results (C++: MemoryStats).
+MemoryStats = namedtuple("MemoryStats", [r.name for r in torch.ops.torch_ext.memory_stats.default._schema.returns])
+MemoryStats.__doc__ = """Bytes of live tensor memory now (current_bytes), their peak since the last reset
+(peak_bytes), and the number of allocations counted so far."""
 
 
 def _device(device: DeviceLike) -> torch.device:
@@ -26,18 +32,15 @@ def _device(device: DeviceLike) -> torch.device:
     return device
 
 
-def stats(device: DeviceLike = None) -> dict:
+def stats(device: DeviceLike = None) -> MemoryStats:
     """Current and peak bytes of live tensor memory and the allocation count, on device (default CPU)."""
     device = _device(device)
     if device.type == "cuda":
         cuda = torch.cuda.memory_stats(device)
-        return {
-            "current_bytes": int(cuda.get("allocated_bytes.all.current", 0)),
-            "peak_bytes": int(cuda.get("allocated_bytes.all.peak", 0)),
-            "allocations": int(cuda.get("allocation.all.allocated", 0)),
-        }
-    current, peak, allocations = torch.ops.torch_ext.memory_stats()
-    return {"current_bytes": current, "peak_bytes": peak, "allocations": allocations}
+        return MemoryStats(current_bytes=int(cuda.get("allocated_bytes.all.current", 0)),
+                           peak_bytes=int(cuda.get("allocated_bytes.all.peak", 0)),
+                           allocations=int(cuda.get("allocation.all.allocated", 0)))
+    return MemoryStats(*torch.ops.torch_ext.memory_stats())
 
 
 def reset_peak(device: DeviceLike = None) -> None:
@@ -84,12 +87,12 @@ def track(device: DeviceLike = None) -> Iterator[TrackResult]:
     result = TrackResult(device=device)
     with _open_tracks_lock:
         # Resetting the peak below would forget what the open blocks have seen so far.
-        peak_so_far = stats(device)["peak_bytes"]
+        peak_so_far = stats(device).peak_bytes
         for outer in _open_tracks:
             if outer.device == device:
                 outer._carried_peak = max(outer._carried_peak, peak_so_far)
         reset_peak(device)
-        result.start_bytes = stats(device)["current_bytes"]
+        result.start_bytes = stats(device).current_bytes
         _open_tracks.append(result)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -105,7 +108,7 @@ def track(device: DeviceLike = None) -> Iterator[TrackResult]:
             yield result
     finally:
         with _open_tracks_lock:
-            result.peak_bytes = max(result._carried_peak, stats(device)["peak_bytes"])
+            result.peak_bytes = max(result._carried_peak, stats(device).peak_bytes)
             _open_tracks.remove(result)
             for outer in _open_tracks:
                 if outer.device == device:

@@ -16,18 +16,18 @@ MiB = 1 << 20
 def test_allocate_and_free_move_current_and_peak_exactly():
     memory.reset_peak()
     base = memory.stats()
-    assert base["peak_bytes"] == base["current_bytes"]
+    assert base.peak_bytes == base.current_bytes
     big = torch.empty(3 * MiB, dtype=torch.uint8)
     during = memory.stats()
-    assert during["current_bytes"] - base["current_bytes"] == 3 * MiB
-    assert during["allocations"] - base["allocations"] == 1
+    assert during.current_bytes - base.current_bytes == 3 * MiB
+    assert during.allocations - base.allocations == 1
     del big
     small = torch.empty(MiB, dtype=torch.uint8)
     after = memory.stats()
-    assert after["current_bytes"] - base["current_bytes"] == MiB
-    assert after["peak_bytes"] - base["current_bytes"] == 3 * MiB
+    assert after.current_bytes - base.current_bytes == MiB
+    assert after.peak_bytes - base.current_bytes == 3 * MiB
     del small
-    assert memory.stats()["current_bytes"] == base["current_bytes"]
+    assert memory.stats().current_bytes == base.current_bytes
 
 
 def test_threads_allocating_at_once_keep_counts_exact():
@@ -49,8 +49,8 @@ def test_threads_allocating_at_once_keep_counts_exact():
     for w in workers:
         w.join()
     after = memory.stats()
-    assert after["current_bytes"] - before["current_bytes"] == sum(x.nbytes for xs in kept for x in xs)
-    assert after["allocations"] - before["allocations"] == threads * iterations
+    assert after.current_bytes - before.current_bytes == sum(x.nbytes for xs in kept for x in xs)
+    assert after.allocations - before.allocations == threads * iterations
 
 
 class SinExp(torch.nn.Module):
@@ -108,8 +108,8 @@ def test_cuda_figures_come_from_torch_cuda():
     memory.reset_peak("cuda")
     before = memory.stats("cuda")
     x = torch.empty(MiB, dtype=torch.uint8, device="cuda")
-    assert memory.stats("cuda")["current_bytes"] - before["current_bytes"] == MiB
-    assert memory.stats("cuda")["peak_bytes"] == torch.cuda.max_memory_allocated()
+    assert memory.stats("cuda").current_bytes - before.current_bytes == MiB
+    assert memory.stats("cuda").peak_bytes == torch.cuda.max_memory_allocated()
     del x
 
 
