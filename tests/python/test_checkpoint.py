@@ -610,11 +610,11 @@ def test_compressed_storage_holds_fewer_bytes_and_bounds_the_gradient_error(stor
         gc.collect()
         gc.disable()
         try:
-            before = memory.stats()["current_bytes"]
+            before = memory.stats().current_bytes
             h = x * 1.5  # a boundary that only the checkpoint would keep alive
             out = wrapped_layer(h)
             del h
-            return out, memory.stats()["current_bytes"] - before
+            return out, memory.stats().current_bytes - before
         finally:
             gc.enable()
 

@@ -257,107 +257,122 @@ void accumulate(at::Tensor& buffer, at::Tensor&& grad) {
 // nodes (AccumulateGrad of inputs and params) never run: their gradients go to the checkpoint's
 // node, whose consumers run them in the caller's backward, hooks included. A replayed node that
 // leads to a tensor requiring grad other than the targets raises: its gradient would be lost.
-variable_list replay_backward(const SegmentState& state, const std::vector<torch::autograd::Edge>& root_edges,
-                              variable_list root_grads, const std::vector<torch::autograd::Edge>& targets,
-                              uint64_t first_sequence_nr) {
-  using torch::autograd::Node;
-  variable_list target_grads(targets.size());
-  auto target_slot = [&](const torch::autograd::Edge& edge) -> std::ptrdiff_t {
-    for (size_t k = 0; k < targets.size(); ++k) {
-      if (targets[k].function.get() == edge.function.get() && targets[k].input_nr == edge.input_nr) {
-        return static_cast<std::ptrdiff_t>(k);
-      }
-    }
-    return -1;
-  };
-  auto is_target_node = [&](const Node* node) {
-    for (const auto& t : targets) {
-      if (t.function.get() == node) return true;
-    }
-    return false;
-  };
+class ReplayBackward {
+ public:
+  using Edge = torch::autograd::Edge;
+  using Node = torch::autograd::Node;
 
+  ReplayBackward(const SegmentState& state, const std::vector<Edge>& targets, uint64_t first_sequence_nr)
+      : state_(state), targets_(targets), first_sequence_nr_(first_sequence_nr), target_grads_(targets.size()) {}
+
+  variable_list run(const std::vector<Edge>& root_edges, variable_list root_grads) {
+    discover(root_edges);
+    for (size_t i = 0; i < root_edges.size(); ++i) {
+      if (root_edges[i].function != nullptr) send(root_edges[i], std::move(root_grads[i]), /*count=*/false);
+    }
+    for (auto& [node, p] : pending_) {
+      if (p.dependencies == 0) ready_.push_back(node);
+    }
+    std::make_heap(ready_.begin(), ready_.end(), by_sequence_nr);
+    while (!ready_.empty()) {
+      std::pop_heap(ready_.begin(), ready_.end(), by_sequence_nr);
+      Node* node = ready_.back();
+      ready_.pop_back();
+      run_node(*node);
+    }
+    return std::move(target_grads_);
+  }
+
+ private:
   struct Pending {
     size_t dependencies = 0;
     variable_list buffer;
   };
-  std::unordered_map<Node*, Pending> pending;
-  std::vector<Node*> stack;
-  for (const auto& edge : root_edges) {
-    Node* node = edge.function.get();
-    if (node != nullptr && !is_target_node(node) && pending.try_emplace(node).second) stack.push_back(node);
-  }
-  // Discover the replayed graph and count each node's consumers.
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr || node->sequence_nr() < first_sequence_nr) {
-      captured_tensor_error(state, *node);
-    }
-    for (const auto& edge : node->next_edges()) {
-      Node* next = edge.function.get();
-      if (next == nullptr || is_target_node(next)) continue;
-      auto [it, inserted] = pending.try_emplace(next);
-      it->second.dependencies += 1;
-      if (inserted) stack.push_back(next);
-    }
-  }
-  for (auto& [node, p] : pending) p.buffer.resize(node->num_inputs());
 
-  auto by_sequence_nr = [](Node* a, Node* b) { return a->sequence_nr() < b->sequence_nr(); };
-  std::vector<Node*> ready;  // a max-heap on sequence_nr
-  for (size_t i = 0; i < root_edges.size(); ++i) {
-    const auto& edge = root_edges[i];
-    if (edge.function == nullptr) continue;
+  static bool by_sequence_nr(Node* a, Node* b) { return a->sequence_nr() < b->sequence_nr(); }
+
+  std::ptrdiff_t target_slot(const Edge& edge) const {
+    for (size_t k = 0; k < targets_.size(); ++k) {
+      if (targets_[k].function.get() == edge.function.get() && targets_[k].input_nr == edge.input_nr) {
+        return static_cast<std::ptrdiff_t>(k);
+      }
+    }
+    return -1;
+  }
+
+  bool is_target_node(const Node* node) const {
+    for (const auto& t : targets_) {
+      if (t.function.get() == node) return true;
+    }
+    return false;
+  }
+
+  // Finds the replayed graph below the roots and counts each node's consumers.
+  void discover(const std::vector<Edge>& root_edges) {
+    std::vector<Node*> stack;
+    for (const auto& edge : root_edges) {
+      Node* node = edge.function.get();
+      if (node != nullptr && !is_target_node(node) && pending_.try_emplace(node).second) stack.push_back(node);
+    }
+    while (!stack.empty()) {
+      Node* node = stack.back();
+      stack.pop_back();
+      if (dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr || node->sequence_nr() < first_sequence_nr_) {
+        captured_tensor_error(state_, *node);
+      }
+      for (const auto& edge : node->next_edges()) {
+        Node* next = edge.function.get();
+        if (next == nullptr || is_target_node(next)) continue;
+        auto [it, inserted] = pending_.try_emplace(next);
+        it->second.dependencies += 1;
+        if (inserted) stack.push_back(next);
+      }
+    }
+    for (auto& [node, p] : pending_) p.buffer.resize(node->num_inputs());
+  }
+
+  // Adds grad to what edge's node (or target) receives; with count, the node may become ready.
+  void send(const Edge& edge, at::Tensor&& grad, bool count) {
     const auto slot = target_slot(edge);
     if (slot >= 0) {
-      accumulate(target_grads[static_cast<size_t>(slot)], std::move(root_grads[i]));
-    } else {
-      accumulate(pending[edge.function.get()].buffer[edge.input_nr], std::move(root_grads[i]));
+      accumulate(target_grads_[static_cast<size_t>(slot)], std::move(grad));
+      return;
+    }
+    auto& p = pending_[edge.function.get()];
+    accumulate(p.buffer[edge.input_nr], std::move(grad));
+    if (count && --p.dependencies == 0) {
+      ready_.push_back(edge.function.get());
+      std::push_heap(ready_.begin(), ready_.end(), by_sequence_nr);
     }
   }
-  for (auto& [node, p] : pending) {
-    if (p.dependencies == 0) ready.push_back(node);
-  }
-  std::make_heap(ready.begin(), ready.end(), by_sequence_nr);
 
-  while (!ready.empty()) {
-    std::pop_heap(ready.begin(), ready.end(), by_sequence_nr);
-    Node* node = ready.back();
-    ready.pop_back();
-    variable_list inputs = std::move(pending[node].buffer);
-    for (const auto& hook : node->tensor_pre_hooks()) inputs = (*hook)(inputs);
-    for (const auto& [_, hook] : node->retains_grad_hooks()) inputs = (*hook)(inputs);
-    for (const auto& hook : node->pre_hooks()) inputs = (*hook)(inputs);
-    const bool has_post_hooks = !node->post_hooks().empty();
+  void run_node(Node& node) {
+    variable_list inputs = std::move(pending_[&node].buffer);
+    for (const auto& hook : node.tensor_pre_hooks()) inputs = (*hook)(inputs);
+    for (const auto& [_, hook] : node.retains_grad_hooks()) inputs = (*hook)(inputs);
+    for (const auto& hook : node.pre_hooks()) inputs = (*hook)(inputs);
+    const bool has_post_hooks = !node.post_hooks().empty();
     variable_list hook_inputs = has_post_hooks ? inputs : variable_list();
-    node->will_release_variables();
-    variable_list outputs = (*node)(std::move(inputs));
-    node->release_variables();
-    torch::autograd::validate_outputs(node->next_edges(), outputs, [&](const std::string& message) {
-      return "checkpoint: replay of " + state.options.name + ", node " + node->name() + ": " + message;
+    node.will_release_variables();
+    variable_list outputs = node(std::move(inputs));
+    node.release_variables();
+    torch::autograd::validate_outputs(node.next_edges(), outputs, [&](const std::string& message) {
+      return "checkpoint: replay of " + state_.options.name + ", node " + node.name() + ": " + message;
     });
-    for (const auto& hook : node->post_hooks()) outputs = (*hook)(outputs, hook_inputs);
-    const auto& edges = node->next_edges();
+    for (const auto& hook : node.post_hooks()) outputs = (*hook)(outputs, hook_inputs);
+    const auto& edges = node.next_edges();
     for (size_t i = 0; i < edges.size() && i < outputs.size(); ++i) {
-      const auto& edge = edges[i];
-      Node* next = edge.function.get();
-      if (next == nullptr) continue;
-      const auto slot = target_slot(edge);
-      if (slot >= 0) {
-        accumulate(target_grads[static_cast<size_t>(slot)], std::move(outputs[i]));
-        continue;
-      }
-      auto& p = pending[next];
-      accumulate(p.buffer[edge.input_nr], std::move(outputs[i]));
-      if (--p.dependencies == 0) {
-        ready.push_back(next);
-        std::push_heap(ready.begin(), ready.end(), by_sequence_nr);
-      }
+      if (edges[i].function != nullptr) send(edges[i], std::move(outputs[i]), /*count=*/true);
     }
   }
-  return target_grads;
-}
+
+  const SegmentState& state_;
+  const std::vector<Edge>& targets_;
+  const uint64_t first_sequence_nr_;
+  variable_list target_grads_;
+  std::unordered_map<Node*, Pending> pending_;
+  std::vector<Node*> ready_;  // a max-heap on sequence_nr
+};
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
  public:
@@ -433,47 +448,19 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     auto& s = *state;
     TORCH_CHECK(!torch::autograd::GradMode::is_enabled(), "checkpoint: ", s.options.name,
                 ": double backward (create_graph=True) through a checkpointed segment is not supported");
-    const variable_list kept = ctx->get_saved_variables();
-
-    TensorList inputs;
-    inputs.reserve(s.num_inputs);
-    for (size_t i = 0; i < s.num_inputs; ++i) {
-      at::Tensor restored;
-      if (s.stored[i]) {
-        const auto& stored = *s.stored[i];
-        TORCH_CHECK(stored.version.current_version() == stored.saved_version, "checkpoint: input ", i, " of ",
-                    s.options.name, " was modified in place after the forward (version ", stored.saved_version,
-                    " -> ", stored.version.current_version(), "); the replay would see different values");
-        restored = stored.stored.to(stored.device, stored.dtype, /*non_blocking=*/true);
-      } else {
-        restored = kept[i];
-      }
-      at::Tensor detached = restored.detach();
-      if (s.input_requires_grad[i]) detached.requires_grad_(true);
-      inputs.push_back(std::move(detached));
-    }
-
-    TensorList outputs;
+    const TensorList inputs = restore_inputs(s, ctx->get_saved_variables());
     const uint64_t first_sequence_nr = at::sequence_number::peek();
+    TensorList outputs;
     {
       ReplayStateGuard replay_state(s.rng, s.autocast, s.autocast_cache);
       torch::autograd::AutoGradMode grad_mode(true);
       outputs = s.segment(inputs);
     }
-
-    TORCH_CHECK(outputs.size() == s.output_meta.size(), "checkpoint: the replay of ", s.options.name, " returned ",
-                outputs.size(), " tensors but its forward returned ", s.output_meta.size());
+    check_replayed_outputs(s, outputs);
     std::vector<torch::autograd::Edge> root_edges;
     variable_list root_grads;
     bool any_grad = false;
     for (size_t i = 0; i < outputs.size(); ++i) {
-      const auto& meta = s.output_meta[i];
-      TORCH_CHECK(outputs[i].defined() && outputs[i].sizes() == c10::IntArrayRef(meta.sizes) &&
-                      outputs[i].scalar_type() == meta.dtype,
-                  "checkpoint: the replay of ", s.options.name, " produced output ", i, " as ",
-                  outputs[i].defined() ? describe(outputs[i]) : std::string("undefined"),
-                  " but the forward produced ", describe(meta),
-                  "; the segment must compute the same shapes from the same inputs");
       if (!grad_outputs[i].defined()) continue;
       any_grad = true;
       if (outputs[i].requires_grad()) {
@@ -491,7 +478,6 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     TORCH_CHECK(!root_edges.empty(), "checkpoint: none of the outputs of ", s.options.name,
                 " requires grad in the replay although its inputs do: the segment detaches its result "
                 "from its inputs and params, so no gradient can flow through it");
-
     std::vector<torch::autograd::Edge> targets;
     std::vector<size_t> target_slots;
     auto add_target = [&](const at::Tensor& t, size_t slot) {
@@ -501,29 +487,72 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     };
     for (size_t i = 0; i < inputs.size(); ++i) add_target(inputs[i], 1 + i);
     for (size_t i = 0; i < s.params.size(); ++i) add_target(s.params[i], 1 + s.num_inputs + i);
-    variable_list grads;
-    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-    if (exec_info == nullptr || exec_info->empty()) {
-      grads = replay_backward(s, root_edges, std::move(root_grads), targets, first_sequence_nr);
-    } else {
-      // The running backward only needs some gradients (autograd.grad, backward(inputs=...)), and
-      // nodes consult its plan to skip the others, which would skip the replay's. The replay is
-      // not part of that plan: it runs on a thread where no backward is current.
-      const at::ThreadLocalState thread_locals;
-      std::exception_ptr error;
-      std::thread worker([&] {
-        try {
-          at::ThreadLocalStateGuard guard(thread_locals);
-          grads = replay_backward(s, root_edges, std::move(root_grads), targets, first_sequence_nr);
-        } catch (...) {
-          error = std::current_exception();
-        }
-      });
-      worker.join();
-      if (error) std::rethrow_exception(error);
-    }
+    variable_list grads = back_propagate(s, root_edges, std::move(root_grads), targets, first_sequence_nr);
     for (size_t k = 0; k < grads.size(); ++k) result[target_slots[k]] = std::move(grads[k]);
     return result;
+  }
+
+ private:
+  // The boundary inputs as the forward saw them, detached, requiring grad where they did.
+  static TensorList restore_inputs(const SegmentState& s, const variable_list& kept) {
+    TensorList inputs;
+    inputs.reserve(s.num_inputs);
+    for (size_t i = 0; i < s.num_inputs; ++i) {
+      at::Tensor restored;
+      if (s.stored[i]) {
+        const auto& stored = *s.stored[i];
+        TORCH_CHECK(stored.version.current_version() == stored.saved_version, "checkpoint: input ", i, " of ",
+                    s.options.name, " was modified in place after the forward (version ", stored.saved_version,
+                    " -> ", stored.version.current_version(), "); the replay would see different values");
+        restored = stored.stored.to(stored.device, stored.dtype, /*non_blocking=*/true);
+      } else {
+        restored = kept[i];
+      }
+      at::Tensor detached = restored.detach();
+      if (s.input_requires_grad[i]) detached.requires_grad_(true);
+      inputs.push_back(std::move(detached));
+    }
+    return inputs;
+  }
+
+  static void check_replayed_outputs(const SegmentState& s, const TensorList& outputs) {
+    TORCH_CHECK(outputs.size() == s.output_meta.size(), "checkpoint: the replay of ", s.options.name, " returned ",
+                outputs.size(), " tensors but its forward returned ", s.output_meta.size());
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const auto& meta = s.output_meta[i];
+      TORCH_CHECK(outputs[i].defined() && outputs[i].sizes() == c10::IntArrayRef(meta.sizes) &&
+                      outputs[i].scalar_type() == meta.dtype,
+                  "checkpoint: the replay of ", s.options.name, " produced output ", i, " as ",
+                  outputs[i].defined() ? describe(outputs[i]) : std::string("undefined"),
+                  " but the forward produced ", describe(meta),
+                  "; the segment must compute the same shapes from the same inputs");
+    }
+  }
+
+  static variable_list back_propagate(const SegmentState& s, const std::vector<torch::autograd::Edge>& root_edges,
+                                      variable_list root_grads, const std::vector<torch::autograd::Edge>& targets,
+                                      uint64_t first_sequence_nr) {
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    if (exec_info == nullptr || exec_info->empty()) {
+      return ReplayBackward(s, targets, first_sequence_nr).run(root_edges, std::move(root_grads));
+    }
+    // The running backward only needs some gradients (autograd.grad, backward(inputs=...)), and
+    // nodes consult its plan to skip the others, which would skip the replay's. The replay is
+    // not part of that plan: it runs on a thread where no backward is current.
+    const at::ThreadLocalState thread_locals;
+    variable_list grads;
+    std::exception_ptr error;
+    std::thread worker([&] {
+      try {
+        at::ThreadLocalStateGuard guard(thread_locals);
+        grads = ReplayBackward(s, targets, first_sequence_nr).run(root_edges, std::move(root_grads));
+      } catch (...) {
+        error = std::current_exception();
+      }
+    });
+    worker.join();
+    if (error) std::rethrow_exception(error);
+    return grads;
   }
 };
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <set>
+#include <tuple>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -105,6 +106,7 @@ struct SafetensorsSource::File {
   int fd = -1;
   int direct_fd = -1;
   int64_t size = 0;
+  int64_t data_start = 0;  // the data buffer's offset: 8 + the header's length
   char* map = nullptr;
 
   ~File() {
@@ -174,109 +176,129 @@ SafetensorsSource::SafetensorsSource(const std::string& path, SourceOptions opti
 
 SafetensorsSource::~SafetensorsSource() = default;
 
-void SafetensorsSource::add_file(const std::string& file_path, const std::vector<std::string>* expected) {
-  auto file = std::make_shared<File>();
-  file->path = file_path;
-  const std::string& what = file->path;
-  file->fd = ::open(what.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(file->fd >= 0, what, ": cannot open: ", errno_text());
-  struct stat st {};
-  TORCH_CHECK(::fstat(file->fd, &st) == 0, what, ": stat failed: ", errno_text());
-  TORCH_CHECK(S_ISREG(st.st_mode), what, ": not a regular file");
-  file->size = st.st_size;
-  TORCH_CHECK(file->size >= 8, what, ": file of ", file->size,
-              " bytes is truncated: a safetensors file starts with an 8-byte header length");
+namespace {
 
+// The file opened and its JSON header read and parsed (the header's own size checks included).
+JsonValue read_header(SafetensorsSource::File& file) {
+  const std::string& what = file.path;
+  file.fd = ::open(what.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(file.fd >= 0, what, ": cannot open: ", errno_text());
+  struct stat st {};
+  TORCH_CHECK(::fstat(file.fd, &st) == 0, what, ": stat failed: ", errno_text());
+  TORCH_CHECK(S_ISREG(st.st_mode), what, ": not a regular file");
+  file.size = st.st_size;
+  TORCH_CHECK(file.size >= 8, what, ": file of ", file.size,
+              " bytes is truncated: a safetensors file starts with an 8-byte header length");
   unsigned char length_bytes[8];
-  pread_exact(file->fd, length_bytes, 8, 0, what);
+  pread_exact(file.fd, length_bytes, 8, 0, what);
   uint64_t header_length = 0;
   for (int i = 7; i >= 0; --i) header_length = (header_length << 8) | length_bytes[i];
   TORCH_CHECK(header_length <= static_cast<uint64_t>(kMaxHeaderBytes), what, ": absurd header length ",
               header_length, " (the format allows at most ", kMaxHeaderBytes, " bytes)");
-  TORCH_CHECK(static_cast<int64_t>(header_length) <= file->size - 8, what, ": header length ", header_length,
-              " exceeds the ", file->size - 8, " bytes after the length field (truncated file?)");
+  TORCH_CHECK(static_cast<int64_t>(header_length) <= file.size - 8, what, ": header length ", header_length,
+              " exceeds the ", file.size - 8, " bytes after the length field (truncated file?)");
   TORCH_CHECK(header_length >= 2, what, ": header length ", header_length, " is too short for a JSON object");
   const int64_t n = static_cast<int64_t>(header_length);
   std::string header(static_cast<size_t>(n), '\0');
-  pread_exact(file->fd, header.data(), n, 8, what);
+  pread_exact(file.fd, header.data(), n, 8, what);
   TORCH_CHECK(header[0] == '{', what, ": the header must start with '{'");
-  const JsonValue root = parse_json(header, what);
+  JsonValue root = parse_json(header, what);
   TORCH_CHECK(root.kind == JsonValue::Kind::Object, what, ": the header must be a JSON object");
+  file.data_start = 8 + n;
+  return root;
+}
 
-  const int64_t data_start = 8 + n;
-  const int64_t data_bytes = file->size - data_start;
-  struct Span {
-    int64_t begin, end;
-    const std::string* name;
-  };
-  std::vector<Span> spans;
+void read_metadata(const JsonValue& value, const std::string& what, std::map<std::string, std::string>& metadata) {
+  TORCH_CHECK(value.kind == JsonValue::Kind::Object, what, ": __metadata__ must be an object of strings");
+  for (const auto& [k, v] : value.object) {
+    TORCH_CHECK(v.kind == JsonValue::Kind::String, what, ": __metadata__[\"", k, "\"] must be a string, found ",
+                JsonValue::kind_name(v.kind));
+    metadata[k] = v.string;
+  }
+}
+
+// One tensor's header entry, validated against the data buffer's size.
+TensorInfo read_tensor(const std::string& name, const JsonValue& value, const std::string& what, int64_t data_bytes,
+                       int64_t& begin) {
+  const std::string tensor_what = what + ": tensor \"" + name + "\"";
+  TORCH_CHECK(value.kind == JsonValue::Kind::Object, tensor_what, ": entry must be an object, found ",
+              JsonValue::kind_name(value.kind));
+  for (const auto& [k, v] : value.object) {
+    TORCH_CHECK(k == "dtype" || k == "shape" || k == "data_offsets", tensor_what, ": unexpected field \"", k,
+                "\" (expected dtype, shape, data_offsets)");
+  }
+  const JsonValue* dtype = value.find("dtype");
+  const JsonValue* shape = value.find("shape");
+  const JsonValue* offsets = value.find("data_offsets");
+  TORCH_CHECK(dtype != nullptr && dtype->kind == JsonValue::Kind::String, tensor_what, ": \"dtype\" must be a string");
+  TORCH_CHECK(shape != nullptr && shape->kind == JsonValue::Kind::Array, tensor_what,
+              ": \"shape\" must be an array of integers");
+  TORCH_CHECK(offsets != nullptr && offsets->kind == JsonValue::Kind::Array && offsets->array.size() == 2,
+              tensor_what, ": \"data_offsets\" must be an array [begin, end]");
+  TensorInfo info;
+  info.name = name;
+  info.dtype = safetensors_dtype(dtype->string, tensor_what);
+  for (const auto& d : shape->array) {
+    TORCH_CHECK(d.kind == JsonValue::Kind::Int && d.integer >= 0, tensor_what,
+                ": shape entries must be non-negative integers");
+    info.shape.push_back(d.integer);
+  }
+  for (const auto& o : offsets->array) {
+    TORCH_CHECK(o.kind == JsonValue::Kind::Int, tensor_what, ": data_offsets must be integers");
+  }
+  begin = offsets->array[0].integer;
+  const int64_t end = offsets->array[1].integer;
+  TORCH_CHECK(0 <= begin && begin <= end && end <= data_bytes, tensor_what, ": data_offsets [", begin, ", ", end,
+              "] are out of range: the data buffer holds ", data_bytes, " bytes");
+  info.nbytes = checked_numel_bytes(info.shape, c10::elementSize(info.dtype), tensor_what);
+  TORCH_CHECK(end - begin == info.nbytes, tensor_what, ": data_offsets [", begin, ", ", end, "] span ", end - begin,
+              " bytes but dtype ", dtype->string, " and shape ", shape_text(info.shape), " need ", info.nbytes);
+  return info;
+}
+
+// The tensors' byte ranges must tile the data buffer: no overlaps, no holes, no trailing data.
+void check_coverage(std::vector<std::tuple<int64_t, int64_t, const std::string*>> spans, int64_t data_bytes,
+                    const std::string& what) {
+  std::sort(spans.begin(), spans.end());
+  int64_t covered = 0;
+  const std::string* previous = nullptr;
+  for (const auto& [begin, end, name] : spans) {
+    TORCH_CHECK(begin >= covered, what, ": tensors \"", *previous, "\" and \"", *name,
+                "\" have overlapping data_offsets");
+    TORCH_CHECK(begin == covered, what, ": ", begin - covered, " bytes before tensor \"", *name,
+                "\" belong to no tensor (the data buffer must have no holes)");
+    covered = end;
+    previous = name;
+  }
+  TORCH_CHECK(covered == data_bytes, what, ": the data buffer holds ", data_bytes, " bytes but its tensors cover ",
+              covered, " (", data_bytes - covered, " bytes of trailing data)");
+}
+
+}  // namespace
+
+void SafetensorsSource::add_file(const std::string& file_path, const std::vector<std::string>* expected) {
+  auto file = std::make_shared<File>();
+  file->path = file_path;
+  const std::string& what = file->path;
+  const JsonValue root = read_header(*file);
+  const int64_t data_bytes = file->size - file->data_start;
+  std::vector<std::tuple<int64_t, int64_t, const std::string*>> spans;
   std::vector<Entry> found;
   std::map<std::string, std::string> metadata;
   for (const auto& [name, value] : root.object) {
     if (name == "__metadata__") {
-      TORCH_CHECK(value.kind == JsonValue::Kind::Object, what, ": __metadata__ must be an object of strings");
-      for (const auto& [k, v] : value.object) {
-        TORCH_CHECK(v.kind == JsonValue::Kind::String, what, ": __metadata__[\"", k, "\"] must be a string, found ",
-                    JsonValue::kind_name(v.kind));
-        metadata[k] = v.string;
-      }
+      read_metadata(value, what, metadata);
       continue;
     }
-    const std::string tensor_what = what + ": tensor \"" + name + "\"";
-    TORCH_CHECK(value.kind == JsonValue::Kind::Object, tensor_what, ": entry must be an object, found ",
-                JsonValue::kind_name(value.kind));
-    for (const auto& [k, v] : value.object) {
-      TORCH_CHECK(k == "dtype" || k == "shape" || k == "data_offsets", tensor_what, ": unexpected field \"", k,
-                  "\" (expected dtype, shape, data_offsets)");
-    }
-    const JsonValue* dtype = value.find("dtype");
-    const JsonValue* shape = value.find("shape");
-    const JsonValue* offsets = value.find("data_offsets");
-    TORCH_CHECK(dtype != nullptr && dtype->kind == JsonValue::Kind::String, tensor_what,
-                ": \"dtype\" must be a string");
-    TORCH_CHECK(shape != nullptr && shape->kind == JsonValue::Kind::Array, tensor_what,
-                ": \"shape\" must be an array of integers");
-    TORCH_CHECK(offsets != nullptr && offsets->kind == JsonValue::Kind::Array && offsets->array.size() == 2,
-                tensor_what, ": \"data_offsets\" must be an array [begin, end]");
+    int64_t begin = 0;
     Entry e;
     e.file = file;
-    e.info.name = name;
-    e.info.dtype = safetensors_dtype(dtype->string, tensor_what);
-    for (const auto& d : shape->array) {
-      TORCH_CHECK(d.kind == JsonValue::Kind::Int && d.integer >= 0, tensor_what,
-                  ": shape entries must be non-negative integers");
-      e.info.shape.push_back(d.integer);
-    }
-    for (const auto& o : offsets->array) {
-      TORCH_CHECK(o.kind == JsonValue::Kind::Int, tensor_what, ": data_offsets must be integers");
-    }
-    const int64_t begin = offsets->array[0].integer;
-    const int64_t end = offsets->array[1].integer;
-    TORCH_CHECK(0 <= begin && begin <= end && end <= data_bytes, tensor_what, ": data_offsets [", begin, ", ",
-                end, "] are out of range: the data buffer holds ", data_bytes, " bytes");
-    e.info.nbytes = checked_numel_bytes(e.info.shape, c10::elementSize(e.info.dtype), tensor_what);
-    TORCH_CHECK(end - begin == e.info.nbytes, tensor_what, ": data_offsets [", begin, ", ", end, "] span ",
-                end - begin, " bytes but dtype ", dtype->string, " and shape ", shape_text(e.info.shape), " need ",
-                e.info.nbytes);
-    e.offset = data_start + begin;
+    e.info = read_tensor(name, value, what, data_bytes, begin);
+    e.offset = file->data_start + begin;
+    spans.emplace_back(begin, begin + e.info.nbytes, &name);
     found.push_back(std::move(e));
-    spans.push_back({begin, end, &name});
   }
-  std::sort(spans.begin(), spans.end(),
-            [](const Span& a, const Span& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
-  int64_t covered = 0;
-  const std::string* previous = nullptr;
-  for (const auto& s : spans) {
-    TORCH_CHECK(s.begin >= covered, what, ": tensors \"", *previous, "\" and \"", *s.name,
-                "\" have overlapping data_offsets");
-    TORCH_CHECK(s.begin == covered, what, ": ", s.begin - covered, " bytes before tensor \"", *s.name,
-                "\" belong to no tensor (the data buffer must have no holes)");
-    covered = s.end;
-    previous = s.name;
-  }
-  TORCH_CHECK(covered == data_bytes, what, ": the data buffer holds ", data_bytes, " bytes but its tensors cover ",
-              covered, " (", data_bytes - covered, " bytes of trailing data)");
-
+  check_coverage(std::move(spans), data_bytes, what);
   std::set<std::string> in_file;
   for (const auto& e : found) in_file.insert(e.info.name);
   if (expected != nullptr) {
@@ -289,17 +311,7 @@ void SafetensorsSource::add_file(const std::string& file_path, const std::vector
     TORCH_CHECK(!entries_.count(e.info.name), path_, ": tensor \"", e.info.name, "\" appears in ",
                 entries_.count(e.info.name) ? entries_.at(e.info.name).file->path : "", " and in ", what);
   }
-
-  if (file->size > 0) {
-    void* map = ::mmap(nullptr, static_cast<size_t>(file->size), PROT_READ | PROT_WRITE, MAP_PRIVATE, file->fd, 0);
-    TORCH_CHECK(map != MAP_FAILED, what, ": mmap failed: ", errno_text());
-    file->map = static_cast<char*>(map);
-  }
-  if (options_.direct_io) {
-    file->direct_fd = ::open(what.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-    TORCH_CHECK(file->direct_fd >= 0, what, ": cannot open with O_DIRECT (direct_io=True): ", errno_text());
-  }
-
+  map_file(*file);
   std::set<std::string> wanted;
   if (expected != nullptr) wanted.insert(expected->begin(), expected->end());
   for (auto& e : found) {
@@ -311,6 +323,18 @@ void SafetensorsSource::add_file(const std::string& file_path, const std::vector
   }
   for (auto& [k, v] : metadata) metadata_[k] = v;
   files_.push_back(std::move(file));
+}
+
+void SafetensorsSource::map_file(File& file) const {
+  if (file.size > 0) {
+    void* map = ::mmap(nullptr, static_cast<size_t>(file.size), PROT_READ | PROT_WRITE, MAP_PRIVATE, file.fd, 0);
+    TORCH_CHECK(map != MAP_FAILED, file.path, ": mmap failed: ", errno_text());
+    file.map = static_cast<char*>(map);
+  }
+  if (options_.direct_io) {
+    file.direct_fd = ::open(file.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    TORCH_CHECK(file.direct_fd >= 0, file.path, ": cannot open with O_DIRECT (direct_io=True): ", errno_text());
+  }
 }
 
 std::vector<std::string> SafetensorsSource::names() const { return order_; }

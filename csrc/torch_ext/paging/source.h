@@ -101,6 +101,7 @@ class SafetensorsSource : public PagerSource {
   };
   const Entry& entry(const std::string& name) const;
   void add_file(const std::string& file_path, const std::vector<std::string>* expected);
+  void map_file(File& file) const;
 
   std::string path_;
   SourceOptions options_;
