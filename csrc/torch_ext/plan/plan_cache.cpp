@@ -1,6 +1,4 @@
-#include "torch_ext/plan/plan_cache.h"
-
-#include "torch_ext/plan/cuda_graph.h"
+#include "torch_ext/plan/plan.h"
 
 #include <algorithm>
 #include <chrono>
@@ -26,20 +24,6 @@ namespace torch_ext::plan {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-int64_t elapsed_ns(Clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
-}
-
-double seconds(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
-
-// The message of a torch error without its C++ backtrace.
-const char* message_of(const std::exception& e) {
-  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
-  return e.what();
-}
-
 void atomic_max(std::atomic<int64_t>& target, int64_t value) {
   int64_t current = target.load(std::memory_order_relaxed);
   while (value > current && !target.compare_exchange_weak(current, value, std::memory_order_relaxed)) {
@@ -57,8 +41,6 @@ std::vector<c10::IValue> unpack_outputs(const c10::IValue& output, bool& is_tupl
   }
   return {output};
 }
-
-using Constants = std::unordered_map<const void*, int64_t>;  // storage (or opaque tensor) -> bytes
 
 void add_tensor(const at::Tensor& t, Constants& out) {
   if (!t.defined()) {
@@ -124,40 +106,9 @@ std::string to_string(MissMode mode) {
   return "exact";
 }
 
-struct PlanCache::SizeRecord {
-  explicit SizeRecord(int64_t n) : batch_size(n) {}
-  const int64_t batch_size;
-  std::atomic<int64_t> sightings{0};
-  std::atomic<int64_t> calls{0}, hits{0}, misses{0}, padded_calls{0}, split_calls{0}, fallback_calls{0};
-  std::atomic<int64_t> builds{0}, evictions{0}, plan_runs{0}, graph_replays{0}, padded_elements{0};
-  std::atomic<int64_t> build_ns{0}, total_ns{0}, max_ns{0}, plan_ns{0};
-};
-
-struct PlanCache::Plan {
-  int64_t batch_size = 0;
-  torch::jit::Module module;
-  std::optional<torch::jit::Method> method;
-  std::unique_ptr<torch::jit::StaticModule> static_module;
-  std::mutex runtimes_mutex;  // guards the free list only, never held while running
-  std::vector<std::unique_ptr<torch::jit::StaticRuntime>> free_runtimes;
-  // With cuda_graphs on CUDA inputs that could be captured; written under the cache's unique
-  // lock before capture_pending turns false.
-  std::unique_ptr<CapturedGraph> graph;
-  std::atomic<bool> capture_pending{false};
-  std::mutex capture_mutex;
-  Constants constants;  // its graph is one entry of its own
-  int64_t bytes = 0;  // all of its constants, shared ones included
-  int64_t build_ns = 0;
-  int64_t warm_ns = 0;  // fastest warm-up after profiling: the estimate before real runs
-  std::shared_ptr<SizeRecord> record;
-  std::atomic<uint64_t> last_used{0};
-
-  double estimated_seconds() const {
-    const int64_t runs = record->plan_runs.load(std::memory_order_relaxed);
-    return runs > 0 ? seconds(record->plan_ns.load(std::memory_order_relaxed)) / static_cast<double>(runs)
-                    : seconds(warm_ns);
-  }
-};
+// Here, where the static runtime's types are complete.
+PlanCache::Plan::Plan() = default;
+PlanCache::Plan::~Plan() = default;
 
 struct PlanCache::Signature {
   struct Input {
@@ -168,11 +119,6 @@ struct PlanCache::Signature {
     at::Device device = at::kCPU;
   };
   std::vector<Input> inputs;
-};
-
-struct PlanCache::Route {
-  bool pad = false;
-  std::vector<std::shared_ptr<Plan>> plans;  // pad: one plan; split: the pieces, largest first
 };
 
 PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options)
