@@ -202,6 +202,8 @@ class PlanCache {
   void release_constants_locked(const Plan& plan);
   void enqueue_build(int64_t batch_size, std::vector<c10::IValue> example);
   void worker_loop();
+  // Stops the worker (the destructor): sizes still queued are never built, their waiters fail.
+  void stop_worker();
 
   c10::IValue run_plan(Plan& plan, const std::vector<c10::IValue>& inputs);
   c10::IValue run_source(const std::vector<c10::IValue>& inputs);
