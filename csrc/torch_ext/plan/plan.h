@@ -54,7 +54,7 @@ struct PlanCache::SizeRecord {
 
 struct PlanCache::Plan {
   Plan();
-  ~Plan();  // both defined where the static runtime's types are complete
+  ~Plan();  // both defined where the static runtime's types are complete (script_plan.cpp)
 
   int64_t batch_size = 0;
 
@@ -64,6 +64,10 @@ struct PlanCache::Plan {
   std::unique_ptr<torch::jit::StaticModule> static_module;
   std::mutex runtimes_mutex;  // guards the free list only, never held while running
   std::vector<std::unique_ptr<torch::jit::StaticRuntime>> free_runtimes;
+  // Any number of threads at once: a static runtime call takes one of its own from the free list.
+  c10::IValue run(const std::vector<c10::IValue>& inputs);
+  // One thread at a time (the build's warm-ups, then its capture): the static module's own runtime.
+  c10::IValue run_single(const std::vector<c10::IValue>& inputs);
 
   // With cuda_graphs on CUDA inputs that could be captured; written under the cache's unique
   // lock before capture_pending turns false.

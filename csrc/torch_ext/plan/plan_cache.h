@@ -192,6 +192,9 @@ class PlanCache {
   std::vector<c10::IValue> example_at(int64_t batch_size) const;
 
   std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example);
+  // TorchScript's part of a build: the plan's module (the frozen, optimised base or a clone of
+  // it), its executor and its constants.
+  void make_script_plan(Plan& plan, const std::vector<c10::IValue>& example);
   // Whether TorchScript fuses on the device of these inputs (its fusion groups are guarded by shape).
   bool fuses(const std::vector<c10::IValue>& example) const;
   // Captures a plan whose capture is pending (once, on this thread, from inputs at its size).
