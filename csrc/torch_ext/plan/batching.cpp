@@ -28,6 +28,29 @@ std::vector<c10::IValue> unpack_outputs(const c10::IValue& output, bool& is_tupl
   return {output};
 }
 
+// The fewest pieces of the given sizes (ascending, each usable any number of times) that sum to
+// n, largest first, by dynamic programming over the sizes; among as few pieces, the larger last
+// piece wins. Empty when no pieces sum to n.
+std::vector<int64_t> fewest_pieces(const std::vector<int64_t>& sizes, int64_t n) {
+  std::vector<int64_t> pieces(n + 1, -1), last(n + 1, 0);
+  pieces[0] = 0;
+  for (int64_t total = 1; total <= n; ++total) {
+    for (const int64_t size : sizes) {
+      if (size > total) break;
+      if (pieces[total - size] >= 0 && (pieces[total] < 0 || pieces[total - size] + 1 < pieces[total] ||
+                                        (pieces[total - size] + 1 == pieces[total] && size > last[total]))) {
+        pieces[total] = pieces[total - size] + 1;
+        last[total] = size;
+      }
+    }
+  }
+  std::vector<int64_t> out;
+  if (pieces[n] < 0) return out;
+  for (int64_t total = n; total > 0; total -= last[total]) out.push_back(last[total]);
+  std::sort(out.rbegin(), out.rend());
+  return out;
+}
+
 }  // namespace
 
 int64_t PlanCache::input_batch_dim(size_t index, int64_t dim) const {
@@ -59,30 +82,16 @@ std::optional<PlanCache::Route> PlanCache::choose_route(int64_t batch_size) cons
       break;
     }
   }
-  // Split: the fewest cached pieces that sum to batch_size (dynamic programming over the
-  // cached sizes), run largest first.
+  // Split: the fewest cached pieces that sum to batch_size, run largest first.
   std::optional<Route> split;
   double split_cost = 0;
   if (cached.front().first < batch_size) {
-    std::vector<int64_t> pieces(batch_size + 1, -1), last(batch_size + 1, 0);
-    pieces[0] = 0;
-    for (int64_t total = 1; total <= batch_size; ++total) {
-      for (const auto& entry : cached) {
-        const int64_t size = entry.first;
-        if (size > total) break;
-        if (pieces[total - size] >= 0 && (pieces[total] < 0 || pieces[total - size] + 1 < pieces[total] ||
-                                          (pieces[total - size] + 1 == pieces[total] && size > last[total]))) {
-          pieces[total] = pieces[total - size] + 1;
-          last[total] = size;
-        }
-      }
-    }
-    if (pieces[batch_size] > 1) {
-      std::vector<int64_t> sizes;
-      for (int64_t total = batch_size; total > 0; total -= last[total]) sizes.push_back(last[total]);
-      std::sort(sizes.rbegin(), sizes.rend());
+    std::vector<int64_t> sizes;
+    for (const auto& entry : cached) sizes.push_back(entry.first);
+    const std::vector<int64_t> pieces = fewest_pieces(sizes, batch_size);
+    if (pieces.size() > 1) {
       Route route;
-      for (int64_t size : sizes) {
+      for (int64_t size : pieces) {
         auto it = std::find_if(cached.begin(), cached.end(), [size](const auto& e) { return e.first == size; });
         route.plans.push_back(it->second);
         split_cost += it->second->estimated_seconds();

@@ -38,6 +38,32 @@ uint64_t fingerprint(const torch::jit::Module& module, const std::string& method
   return std::hash<std::string>{}(text.str());
 }
 
+struct Manifest {
+  uint64_t fingerprint = 0;
+  std::string method;
+  std::vector<int64_t> sizes;
+};
+
+// Parses the manifest save() writes; errors name the file and the line expected.
+Manifest read_manifest(const std::string& manifest_path) {
+  std::ifstream manifest(manifest_path);
+  TORCH_CHECK(manifest.good(), "PlanCache.load: ", manifest_path, " does not exist or cannot be read");
+  std::string header;
+  std::getline(manifest, header);
+  TORCH_CHECK(header == kManifestHeader, "PlanCache.load: ", manifest_path, " is not a PlanCache manifest (first line '",
+              header, "', expected '", kManifestHeader, "')");
+  Manifest out;
+  std::string key;
+  manifest >> key >> out.fingerprint;
+  TORCH_CHECK(key == "fingerprint", "PlanCache.load: ", manifest_path, " is malformed (expected fingerprint)");
+  manifest >> key >> out.method;
+  TORCH_CHECK(key == "method", "PlanCache.load: ", manifest_path, " is malformed (expected method)");
+  manifest >> key;
+  TORCH_CHECK(key == "sizes", "PlanCache.load: ", manifest_path, " is malformed (expected sizes)");
+  for (int64_t n; manifest >> n;) out.sizes.push_back(n);
+  return out;
+}
+
 }  // namespace
 
 void PlanCache::save(const std::string& dir) const {
@@ -73,27 +99,12 @@ void PlanCache::save(const std::string& dir) const {
 int64_t PlanCache::load(const std::string& dir, const ProgressFn& progress) {
   namespace fs = std::filesystem;
   const auto manifest_path = (fs::path(dir) / "manifest.txt").string();
-  std::ifstream manifest(manifest_path);
-  TORCH_CHECK(manifest.good(), "PlanCache.load: ", manifest_path, " does not exist or cannot be read");
-  std::string header;
-  std::getline(manifest, header);
-  TORCH_CHECK(header == kManifestHeader, "PlanCache.load: ", manifest_path, " is not a PlanCache manifest (first line '",
-              header, "', expected '", kManifestHeader, "')");
-  std::string key, method;
-  uint64_t saved_fingerprint = 0;
-  std::vector<int64_t> sizes;
-  manifest >> key >> saved_fingerprint;
-  TORCH_CHECK(key == "fingerprint", "PlanCache.load: ", manifest_path, " is malformed (expected fingerprint)");
-  manifest >> key >> method;
-  TORCH_CHECK(key == "method", "PlanCache.load: ", manifest_path, " is malformed (expected method)");
-  manifest >> key;
-  TORCH_CHECK(key == "sizes", "PlanCache.load: ", manifest_path, " is malformed (expected sizes)");
-  for (int64_t n; manifest >> n;) sizes.push_back(n);
-  TORCH_CHECK(method == options_.method, "PlanCache.load: ", manifest_path, " holds plans of method '", method,
-              "'; this cache serves '", options_.method, "'");
+  const Manifest manifest = read_manifest(manifest_path);
+  TORCH_CHECK(manifest.method == options_.method, "PlanCache.load: ", manifest_path, " holds plans of method '",
+              manifest.method, "'; this cache serves '", options_.method, "'");
   const uint64_t mine = fingerprint(source_, options_.method);
-  TORCH_CHECK(saved_fingerprint == mine, "PlanCache.load: ", manifest_path, " was saved from a different module ",
-              "(fingerprint ", saved_fingerprint, ", this cache's module ", mine, ")");
+  TORCH_CHECK(manifest.fingerprint == mine, "PlanCache.load: ", manifest_path, " was saved from a different module ",
+              "(fingerprint ", manifest.fingerprint, ", this cache's module ", mine, ")");
   const auto example_path = (fs::path(dir) / "example.pkl").string();
   std::ifstream example_file(example_path, std::ios::binary);
   TORCH_CHECK(example_file.good(), "PlanCache.load: ", example_path, " does not exist or cannot be read");
@@ -114,6 +125,7 @@ int64_t PlanCache::load(const std::string& dir, const ProgressFn& progress) {
       frozen_ready_ = true;
     }
   }
+  const std::vector<int64_t>& sizes = manifest.sizes;
   int64_t loaded = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
     const int64_t n = sizes[i];
