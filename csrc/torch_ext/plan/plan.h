@@ -1,8 +1,7 @@
 #pragma once
-// Internal to the plan cache's sources: a cached plan, the statistics record of one batch size,
-// a pad / split route over cached plans, and the helpers these files share.
-// Thread safety: a cached Plan changes only through its atomics, its runtime free list (under
-// runtimes_mutex) and its CUDA graph (see `graph`); SizeRecord counters are relaxed atomics.
+// Internal to the plan cache's sources: a cached plan, the record of one batch size, a pad / split
+// route, and helpers they share. A cached Plan changes only in its atomics, its runtime free list
+// (runtimes_mutex) and, once, its CUDA graph and that graph's bytes (the cache's unique lock).
 #include <atomic>
 #include <chrono>
 #include <cstdint>
