@@ -179,37 +179,50 @@ class PlanCache {
   const PlanCacheOptions& options() const { return options_; }
 
  private:
-  struct Plan;
-  struct SizeRecord;
-  struct Signature;
-  struct Route;
+  struct Plan;        // plan.h
+  struct SizeRecord;  // plan.h
+  struct Signature;   // inputs.cpp
+  struct Route;       // plan.h
 
+  // The cache's bookkeeping and routing (plan_cache.cpp).
   std::shared_ptr<SizeRecord> record(int64_t batch_size);
+  std::shared_ptr<Plan> get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs);
+  void insert_plan(const std::shared_ptr<Plan>& plan);
+  void evict_locked(int64_t keep_batch_size);
+  void release_constants_locked(const Plan& plan);
+  c10::IValue serve_miss(int64_t batch_size, const std::vector<c10::IValue>& inputs, SizeRecord& rec);
+  c10::IValue run_size(int64_t batch_size, const std::vector<c10::IValue>& inputs, bool count_call);
+
+  // What a call's inputs must be (inputs.cpp).
   int64_t batch_size_of(const std::vector<c10::IValue>& inputs) const;
   void check_signature(const std::vector<c10::IValue>& inputs, int64_t batch_size) const;
   void check_signature(const Signature* signature, const std::vector<c10::IValue>& inputs, int64_t batch_size) const;
   void remember_example(const std::vector<c10::IValue>& inputs, int64_t batch_size);
   std::vector<c10::IValue> example_at(int64_t batch_size) const;
 
+  // Plans, whatever runs them (plan.cpp).
   std::shared_ptr<Plan> build_plan(int64_t batch_size, const std::vector<c10::IValue>& example);
-  // Whether TorchScript fuses on the device of these inputs (its fusion groups are guarded by shape).
-  bool fuses(const std::vector<c10::IValue>& example) const;
+  c10::IValue run_plan(Plan& plan, const std::vector<c10::IValue>& inputs);
   // Captures a plan whose capture is pending (once, on this thread, from inputs at its size).
   void capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs);
-  std::shared_ptr<Plan> get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs);
-  void insert_plan(const std::shared_ptr<Plan>& plan);
-  void evict_locked(int64_t keep_batch_size);
-  void release_constants_locked(const Plan& plan);
+
+  // TorchScript plans (script_plan.cpp), with frozen_locked() and optimized_locked() below.
+  // TorchScript's part of a build: the plan's module (the frozen, optimised base or a clone of
+  // it), its executor and its constants.
+  void make_script_plan(Plan& plan, const std::vector<c10::IValue>& example);
+  // Whether TorchScript fuses on the device of these inputs (its fusion groups are guarded by shape).
+  bool fuses(const std::vector<c10::IValue>& example) const;
+  c10::IValue run_source(const std::vector<c10::IValue>& inputs);
+
+  // The background worker (worker.cpp).
   void enqueue_build(int64_t batch_size, std::vector<c10::IValue> example);
   void worker_loop();
+  // Stops the worker (the destructor): sizes still queued are never built, their waiters fail.
+  void stop_worker();
 
-  c10::IValue run_plan(Plan& plan, const std::vector<c10::IValue>& inputs);
-  c10::IValue run_source(const std::vector<c10::IValue>& inputs);
+  // Pad / split and the batch dimensions they follow (batching.cpp).
   std::optional<Route> choose_route(int64_t batch_size) const;
   c10::IValue run_route(const Route& route, const std::vector<c10::IValue>& inputs, int64_t batch_size);
-  c10::IValue serve_miss(int64_t batch_size, const std::vector<c10::IValue>& inputs, SizeRecord& rec);
-  c10::IValue run_size(int64_t batch_size, const std::vector<c10::IValue>& inputs, bool count_call);
-
   int64_t input_batch_dim(size_t index, int64_t dim) const;
   int64_t output_batch_dim(size_t index, int64_t dim) const;
   std::vector<c10::IValue> slice_inputs(const std::vector<c10::IValue>& inputs, int64_t start, int64_t length) const;
