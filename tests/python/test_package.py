@@ -75,7 +75,8 @@ def wheel(tmp_path_factory) -> Path:
     for staged in [*(ROOT / "build").glob("lib.*"), *(ROOT / "build").glob("bdist.*")]:
         shutil.rmtree(staged)
     env = dict(os.environ, TORCH_EXT_BUILD_TESTS=configured_with_tests())
-    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+    # --no-cache-dir: pip would also keep a copy of each wheel built from the checkout in its cache.
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-cache-dir",
          "--disable-pip-version-check", "-w", wheel_dir, ROOT], env=env, cwd=ROOT)
     wheels = list(wheel_dir.glob("torch_ext-*.whl"))
     assert len(wheels) == 1, wheels
