@@ -1,23 +1,46 @@
 """Build torch_ext: setup.py drives the one CMake build (CMakeLists.txt) into the package.
 
     pip install --no-build-isolation -e .
+    pip wheel --no-build-isolation --no-deps -w dist .
 
 --no-build-isolation is required: the extension must build against the torch already
-installed (torch==2.13.0), never one pip would resolve on its own.
+installed (torch==2.13.0), never one pip would resolve on its own. The package's metadata is in
+pyproject.toml; this file adds what only the build knows: the C++ extension and the runtime
+requirement on the torch minor version it was built against.
 Environment: TORCH_EXT_BUILD_TESTS=1 also builds the GoogleTest suite and the C++ example
 into the same build folder (build/), so `ctest --test-dir build` runs them without
 compiling anything twice. MAX_JOBS caps parallel compile jobs.
 """
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+try:
+    import torch
+except ImportError as error:
+    sys.exit(
+        f"torch_ext: building needs torch installed in this Python ({sys.executable}): {error}.\n"
+        "Install torch first (pip install torch==2.13.0), then build without build isolation:\n"
+        "    pip install --no-build-isolation -e .   or   pip wheel --no-build-isolation --no-deps ."
+    )
 
 ROOT = Path(__file__).resolve().parent
 CORE_LIBRARY = "libtorch_ext.so"
+
+
+def torch_requirement() -> str:
+    """The torch minor version this build compiles against: C++ extensions are not ABI-compatible
+    across torch minor versions."""
+    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if match is None:
+        sys.exit(f"torch_ext: cannot read the torch version {torch.__version__!r}")
+    major, minor = int(match[1]), int(match[2])
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
 
 
 class CMakeExtension(Extension):
@@ -54,13 +77,11 @@ class CMakeBuild(build_ext):
         self.copy_file(str(self.built_core_library), str(package / CORE_LIBRARY), level=self.verbose)
 
 
+# Name, version, packages and the rest of the metadata: pyproject.toml.
 setup(
-    name="torch_ext",
-    version="0.1.0",
-    description="Memory toolkit for PyTorch: segment checkpointing, weight paging, node caching, plan caching",
-    packages=find_packages(include=["torch_ext", "torch_ext.*"]),
-    python_requires=">=3.10",
-    install_requires=["torch==2.13.0", "tqdm"],
+    # safetensors[torch]: safetensors.torch's save_* (torch_ext.save_pageable) imports numpy, which
+    # plain safetensors does not require.
+    install_requires=[torch_requirement(), "safetensors[torch]>=0.4.3", "tqdm>=4.0"],
     ext_modules=[CMakeExtension("torch_ext._C")],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .version import __version__
+
 _LIBRARY = Path(__file__).resolve().parent / "libtorch_ext.so"
 
 
@@ -29,7 +31,6 @@ from .checkpointing import (  # noqa: E402
 from .paging import LayerPager, SafetensorsSource, page_weights, save_pageable, unpage  # noqa: E402
 from .plan import PlanCache  # noqa: E402
 
-__version__ = "0.1.0"
 __all__ = [
     "library_path", "memory",
     # segment checkpointing
