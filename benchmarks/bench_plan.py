@@ -228,7 +228,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
                     latencies.append(time.perf_counter() - t)
                     after = resource.getrusage(resource.RUSAGE_THREAD)
                     switches.append((after.ru_nvcsw - before.ru_nvcsw, after.ru_nivcsw - before.ru_nivcsw))
-                    if "background" in label and done is None and cache.stats()["pending_builds"] == 0 \
+                    if "background" in label and done is None and cache.stats().pending_builds == 0 \
                             and len(cache.cached_sizes()) == len(set(stream[:index + 1]) | set(BUCKETS)):
                         done = index
             print(f"    stream: {time.perf_counter() - phase_start:.1f} s", file=sys.stderr)
@@ -241,7 +241,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             r["switches"] += switches
             r["pass_totals"].append(sum(latencies))
             r["peak"] = max(r["peak"], peak)
-            r["stats"] = cache.stats() if cache else None
+            r["stats"] = cache.stats().as_dict() if cache else None
             r["done"].append(done)
             del fn, cache
     report.data.setdefault("background_builds_done_at_request", {})[name] = {
@@ -362,10 +362,10 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
             steps_report.notes.append(f"\n{name}, {label}: not supported by this module ({reason[:160]}).")
             continue
         caches[label] = cache
-        build[label] = statistics.median(z["build_seconds"] for z in cache.stats()["sizes"].values() if z["builds"])
+        build[label] = statistics.median(z.build_seconds for z in cache.stats().sizes if z.builds)
     generic = torch.jit.optimize_for_inference(torch.jit.freeze(scripted))
-    graph_bytes = {label: sum(z["graph_bytes"] for z in cache.stats()["sizes"].values())
-                   for label, cache in caches.items() if cache.stats()["cuda_graphs"]}
+    graph_bytes = {label: sum(z.graph_bytes for z in cache.stats().sizes)
+                   for label, cache in caches.items() if cache.stats().cuda_graphs}
     for label, nbytes in graph_bytes.items():
         steps_report.notes.append(f"\n{name}, {label}: {len(sizes)} graphs hold {format_bytes(nbytes)} of GPU memory "
                                   "(private pools and static inputs).")
@@ -404,7 +404,7 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
         t = measure_interleaved({"infer": lambda: cache.infer(inputs[1]), "plan module": lambda: plan(inputs[1])},
                                 warmup=20, repeat=200 if not quick else 50)
     s = cache.stats()
-    lookup_rows.append((name, s["hit_lookup_seconds"] / s["hits"], t["infer"].median_seconds - t["plan module"].median_seconds,
+    lookup_rows.append((name, s.hit_lookup_seconds / s.hits, t["infer"].median_seconds - t["plan module"].median_seconds,
                         t["infer"].median_seconds, t["plan module"].median_seconds))
 
 

@@ -390,7 +390,7 @@ def demo_plan(progress) -> None:
         ordered = sorted(values)
         print(f"{name:<28} total {sum(values):.2f} s, p50 {1e3 * ordered[len(ordered) // 2]:.2f} ms, "
               f"p99 {1e3 * ordered[int(0.99 * (len(ordered) - 1))]:.1f} ms, max {1e3 * ordered[-1]:.1f} ms")
-    print("cache:", stats_line(cache.stats()))
+    print("cache:", stats_line(cache.stats().as_dict()))
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -15,61 +15,25 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["PlanCache", "MISS_MODES"]
+from ._script import ScriptObjectFace
 
-MISS_MODES = ("exact", "pad", "split", "auto")
-
-_INT_FIELDS = {
-    "calls", "hits", "misses", "builds", "build_failures", "evictions", "padded_calls", "split_calls",
-    "fallback_calls", "padded_elements", "plans", "plan_bytes", "pending_builds", "batch_size", "plan_runs",
-    "graph_capture_failures", "cuda_graphs", "graph_replays", "graph_bytes",
-}
-_BOOL_FIELDS = {"cached", "cuda_graph"}
+__all__ = ["PlanCache"]
 
 
-def _typed(stats: dict) -> dict:
-    out = {}
-    for key, value in stats.items():
-        if key in _BOOL_FIELDS:
-            out[key] = bool(value)
-        elif key in _INT_FIELDS:
-            out[key] = int(value)
-        else:
-            out[key] = float(value)
-    return out
-
-
-class PlanCache:
+class PlanCache(ScriptObjectFace):
     """Per-batch-size specialised plans of a TorchScript module.
 
     module: a torch.jit.ScriptModule in eval mode, or the path of one saved with torch.jit.save.
-    batch_dims: the batch dimension of each positional input (-1: not batched; the last entry
-    repeats; default 0 for all). output_batch_dims: the same for the outputs (tensors, or tuples
-    or lists of tensors). miss_mode: "exact" builds the plan for a new size; "pad" pads to the
-    smallest cached size >= n and slices the outputs; "split" runs a sum of cached sizes, largest
-    first; "auto" picks pad or split by measured latency. pad / split / auto build the exact plan
-    when no cached size can serve. background_builds: a miss is served by pad / split / the
-    module while the plan builds on a background thread. admit_after: build a size only once it
-    has been seen this many times. max_plans / max_bytes (0: unbounded) bound the cache, evicting
-    the least recently used plan; max_bytes counts the distinct constants of the plans, which
-    share the frozen weights (a budget below those keeps one plan) and their CUDA graphs' memory.
-    specialize_shapes: give each plan a clone of its own, whose profiling executor compiles a graph
-    specialised to the shapes of its warm-up calls (True), or let the plans share the optimised
-    module, compiled once for every size, so that a build is only its warm-ups (False); None
-    (default): True where TorchScript fuses on the inputs' device (the fusion groups are what
-    the shapes feed), else False. static_runtime: run plans with TorchScript's static runtime.
-    cuda_graphs: on CUDA inputs, capture each plan as a CUDA graph at its size (static buffers,
-    one launch per call, outputs copied out); a plan that cannot be captured (host
-    synchronisation, CPU tensors) runs without one, with a warning, and
-    stats()["graph_capture_failures"] counts it. Ignored on CPU.
+    Keyword options are those of the C++ PlanCacheOptions (torch_ext/plan/plan_cache.h), with its
+    defaults and checks: batch_dims, output_batch_dims, miss_mode ("exact", "pad", "split",
+    "auto"), background_builds, admit_after, max_plans, max_bytes, max_batch_size, warmup_calls,
+    optimize_for_inference, specialize_shapes, static_runtime, cuda_graphs, method; each is also
+    a property. The object is torch.classes.torch_ext.PlanCache (`script_object`, which scripted
+    code takes): select_batch_size(n), cached_sizes(), stats() (a PlanCacheStats whose `sizes`
+    lists a SizeStats per batch size), reset_stats(), clear() and wait_for_builds() are its own.
     """
 
-    def __init__(self, module: Union[torch.jit.ScriptModule, str, os.PathLike], *,
-                 batch_dims: Optional[Sequence[int]] = None, output_batch_dims: Optional[Sequence[int]] = None,
-                 miss_mode: str = "exact", background_builds: bool = False, admit_after: int = 1,
-                 max_plans: int = 0, max_bytes: int = 0, max_batch_size: int = 0, warmup_calls: int = 3,
-                 optimize_for_inference: bool = True, specialize_shapes: Optional[bool] = None,
-                 static_runtime: bool = False, cuda_graphs: bool = False, method: str = "forward") -> None:
+    def __init__(self, module: Union[torch.jit.ScriptModule, str, os.PathLike], **options: Any) -> None:
         if isinstance(module, (str, os.PathLike)):
             path = os.fspath(module)
             if not os.path.isfile(path):
@@ -81,21 +45,9 @@ class PlanCache:
             raise TypeError(f"PlanCache: {type(module).__name__} is not scripted; pass torch.jit.script(module).eval()")
         else:
             raise TypeError(f"PlanCache: expected a torch.jit.ScriptModule or a path, got {type(module).__name__}")
-        if miss_mode not in MISS_MODES:
-            raise ValueError(f"PlanCache: unknown miss_mode {miss_mode!r}; expected one of {', '.join(MISS_MODES)}")
-        self._cache = torch.classes.torch_ext.PlanCache(
-            source, [int(d) for d in (batch_dims or [])], [int(d) for d in (output_batch_dims or [])], miss_mode,
-            bool(background_builds), int(admit_after), int(max_plans), int(max_bytes), int(max_batch_size),
-            int(warmup_calls), bool(optimize_for_inference),
-            None if specialize_shapes is None else bool(specialize_shapes), bool(static_runtime), bool(cuda_graphs),
-            method)
+        self.script_object = torch.classes.torch_ext.PlanCache(source, **options)
         # Bound once: looking a method up on a ScriptObject costs about 1 us a call.
-        self._infer, self._infer_tensors = self._cache.infer, self._cache.infer_tensors
-
-    @property
-    def script_object(self) -> torch.ScriptObject:
-        """The torch.classes.torch_ext.PlanCache behind this object (to hand to scripted code)."""
-        return self._cache
+        self._infer, self._infer_tensors = self.script_object.infer, self.script_object.infer_tensors
 
     def infer(self, *inputs: Any) -> Any:
         """Run the module on inputs whose batch dimensions all have one size."""
@@ -110,7 +62,7 @@ class PlanCache:
 
     def infer_batch(self, *inputs: Any) -> Any:
         """Any number of elements: split into calls of select_batch_size(remaining), outputs concatenated."""
-        return self._cache.infer_batch(tuple(inputs))
+        return self.script_object.infer_batch(tuple(inputs))
 
     def preload(self, sizes: Iterable[int], example_inputs: Optional[Sequence[Any]] = None,
                 progress: bool = True) -> None:
@@ -123,53 +75,28 @@ class PlanCache:
             from tqdm import tqdm
             iterator = tqdm(sizes, desc="PlanCache.preload", unit="plan", leave=False, disable=None)
         for n in iterator:
-            self._cache.preload([n], example)
-
-    def select_batch_size(self, max_count: int) -> int:
-        """How many of max_count waiting elements one call should take."""
-        return self._cache.select_batch_size(int(max_count))
-
-    def cached_sizes(self) -> list[int]:
-        return list(self._cache.cached_sizes())
+            self.script_object.preload([n], example)
 
     def __contains__(self, batch_size: int) -> bool:
-        return bool(self._cache.contains(int(batch_size)))
+        return int(batch_size) in self.script_object
 
     def plan_module(self, batch_size: int) -> Optional[torch.jit.ScriptModule]:
         """The plan's frozen, optimised module for batch_size, or None when not cached."""
-        module = self._cache.plan_module(int(batch_size))
+        module = self.script_object.plan_module(int(batch_size))
         if module is None:
             return None
         return torch.jit._recursive.wrap_cpp_module(module._c if hasattr(module, "_c") else module)
 
-    def stats(self) -> dict:
-        """Totals (same fields as the C++ PlanCacheStats) and "sizes": {batch size: per-size stats}."""
-        totals = _typed(dict(self._cache.stats()))
-        totals["sizes"] = {int(n): _typed(dict(s)) for n, s in sorted(self._cache.size_stats().items())}
-        return totals
-
-    def reset_stats(self) -> None:
-        self._cache.reset_stats()
-
-    def clear(self) -> None:
-        self._cache.clear()
-
-    def wait_for_builds(self) -> None:
-        """Block until no background build is queued or running."""
-        self._cache.wait_for_builds()
-
     def save(self, directory: Union[str, os.PathLike]) -> None:
         """Write the frozen module, an example row and the cached sizes to directory."""
-        self._cache.save(os.fspath(directory))
+        self.script_object.save(os.fspath(directory))
 
     def load(self, directory: Union[str, os.PathLike]) -> int:
         """Rebuild the saved sizes from directory without freezing again; returns how many were loaded."""
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"PlanCache.load: {directory} is not a directory")
-        return int(self._cache.load(directory))
+        return int(self.script_object.load(directory))
 
     def __repr__(self) -> str:
-        s = self._cache.stats()
-        return (f"PlanCache(miss_mode={self._cache.miss_mode()!r}, plans={int(s['plans'])}, "
-                f"sizes={self.cached_sizes()})")
+        return f"PlanCache(miss_mode={self.miss_mode!r}, plans={self.stats().plans}, sizes={self.cached_sizes()})"

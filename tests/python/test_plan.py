@@ -8,6 +8,11 @@ import torch_ext
 from torch_ext import PlanCache
 
 
+def by_size(stats):
+    """A PlanCacheStats' per-size figures, by batch size."""
+    return {z.batch_size: z for z in stats.sizes}
+
+
 class RowWise(torch.nn.Module):
     """Correctly rounded row-wise math (mul, add, relu): padding, splitting and plans at any size
     must give bit-identical rows."""
@@ -69,11 +74,11 @@ def test_every_mode_equals_the_module_at_every_size(rowwise, mode, specialize):
         inputs = x(n)
         assert torch.equal(cache(inputs), reference(rowwise, inputs)), (mode, n)
     s = cache.stats()
-    assert s["calls"] == 7
+    assert s.calls == 7
     if mode == "pad":
-        assert s["padded_calls"] >= 3 and s["padded_elements"] > 0
+        assert s.padded_calls >= 3 and s.padded_elements > 0
     if mode == "split":
-        assert s["split_calls"] >= 3
+        assert s.split_calls >= 3
 
 
 def test_tuple_outputs_pad_and_split_agree_with_the_module():
@@ -94,14 +99,14 @@ def test_statistics_count_hits_misses_builds_and_padding(rowwise):
     cache(x(4))
     cache(x(3))  # padded to 4
     s = cache.stats()
-    assert (s["calls"], s["hits"], s["misses"], s["builds"]) == (3, 1, 2, 1)
-    assert (s["padded_calls"], s["padded_elements"]) == (1, 1)
-    assert s["build_seconds"] > 0 and s["plan_bytes"] > 0 and s["plans"] == 1
-    assert s["sizes"][4]["calls"] == 2 and s["sizes"][4]["plan_runs"] == 3 and s["sizes"][4]["cached"]
-    assert s["sizes"][3]["padded_elements"] == 1 and not s["sizes"][3]["cached"]
-    assert s["hit_lookup_seconds"] > 0
+    assert (s.calls, s.hits, s.misses, s.builds) == (3, 1, 2, 1)
+    assert (s.padded_calls, s.padded_elements) == (1, 1)
+    assert s.build_seconds > 0 and s.plan_bytes > 0 and s.plans == 1
+    assert by_size(s)[4].calls == 2 and by_size(s)[4].plan_runs == 3 and by_size(s)[4].cached
+    assert by_size(s)[3].padded_elements == 1 and not by_size(s)[3].cached
+    assert s.hit_lookup_seconds > 0
     cache.reset_stats()
-    assert cache.stats()["calls"] == 0
+    assert cache.stats().calls == 0
 
 
 def test_background_builds_serve_by_pad_then_swap_in(rowwise):
@@ -109,21 +114,21 @@ def test_background_builds_serve_by_pad_then_swap_in(rowwise):
     cache.preload([8], example_inputs=(x(8),), progress=False)
     inputs = x(5)
     assert torch.equal(cache(inputs), reference(rowwise, inputs))
-    assert cache.stats()["padded_calls"] == 1
+    assert cache.stats().padded_calls == 1
     cache.wait_for_builds()
     assert 5 in cache
     assert torch.equal(cache(inputs), reference(rowwise, inputs))
-    assert cache.stats()["sizes"][5]["hits"] == 1
+    assert by_size(cache.stats())[5].hits == 1
 
 
 def test_admission_and_lru_bound(rowwise):
     cache = PlanCache(rowwise, admit_after=2, max_plans=2, warmup_calls=1)
     cache(x(1))
-    assert 1 not in cache and cache.stats()["fallback_calls"] == 1
+    assert 1 not in cache and cache.stats().fallback_calls == 1
     for n in (1, 2, 2, 1, 3, 3):
         cache(x(n))
     assert cache.cached_sizes() == [1, 3]  # 2 was the least recently used
-    assert cache.stats()["evictions"] == 1
+    assert cache.stats().evictions == 1
 
 
 def tensor_constants(module) -> set:
@@ -135,14 +140,14 @@ def tensor_constants(module) -> set:
 def test_plans_share_their_weights_and_the_byte_budget_counts_them_once(rowwise):
     probe = PlanCache(rowwise, warmup_calls=1)
     probe(x(1))
-    one = probe.stats()["plan_bytes"]
+    one = probe.stats().plan_bytes
     assert one > 0
     cache = PlanCache(rowwise, warmup_calls=1)
     for n in (1, 2, 3, 4):
         cache(x(n))
     s = cache.stats()
-    assert s["plans"] == 4 and s["plan_bytes"] == one
-    assert all(size["plan_bytes"] == one for size in s["sizes"].values())
+    assert s.plans == 4 and s.plan_bytes == one
+    assert all(size.plan_bytes == one for size in s.sizes)
     weights = [tensor_constants(cache.plan_module(n)) for n in (1, 2, 3, 4)]
     assert weights[0] and all(w == weights[0] for w in weights)
     # A budget below the shared weights keeps only the most recent plan.
@@ -150,7 +155,7 @@ def test_plans_share_their_weights_and_the_byte_budget_counts_them_once(rowwise)
     for n in (1, 2, 3, 4):
         tight(x(n))
     s = tight.stats()
-    assert tight.cached_sizes() == [4] and s["evictions"] == 3 and s["plan_bytes"] == one
+    assert tight.cached_sizes() == [4] and s.evictions == 3 and s.plan_bytes == one
 
 
 def test_select_batch_size_and_infer_batch(rowwise):
@@ -179,7 +184,7 @@ def test_batch_dims_per_input():
     cache.preload([1, 2], example_inputs=(torch.randn(1, 3), torch.randn(3, 1)), progress=False)
     a, b = torch.randn(5, 3), torch.randn(3, 5)
     assert torch.equal(cache(a, b), a + b.t())
-    assert cache.stats()["split_calls"] == 1
+    assert cache.stats().split_calls == 1
 
 
 class Scaled(torch.nn.Module):
@@ -193,14 +198,14 @@ def test_non_tensor_arguments_pass_through():
     cache.preload([4], example_inputs=(x(1), 3.0), progress=False)
     inputs = x(3)
     assert torch.equal(cache(inputs, 3.0), inputs * 3.0)
-    assert cache.stats()["padded_calls"] == 1
+    assert cache.stats().padded_calls == 1
 
 
 def test_bad_inputs_get_clear_errors_and_the_cache_stays_usable(rowwise):
     cache = PlanCache(rowwise, warmup_calls=1)
     with pytest.raises(RuntimeError, match="building the plan for batch size 4 failed"):
         cache(torch.randn(4, 9))
-    assert cache.stats()["build_failures"] == 1 and 4 not in cache
+    assert cache.stats().build_failures == 1 and 4 not in cache
     good = x(4)
     assert torch.equal(cache(good), reference(rowwise, good))
     with pytest.raises(RuntimeError, match=r"input 0 has shape \[4, 7\]"):
@@ -250,7 +255,7 @@ def test_save_and_load_skip_rebuilding(rowwise, tmp_path):
     assert restarted.cached_sizes() == [2, 6]
     inputs = x(6)
     assert torch.equal(restarted(inputs), reference(rowwise, inputs))
-    assert restarted.stats()["misses"] == 0
+    assert restarted.stats().misses == 0
     other = PlanCache(scripted(RowWise()), warmup_calls=1)
     with pytest.raises(RuntimeError, match="different module"):
         other.load(tmp_path / "plans")
@@ -283,8 +288,8 @@ def test_concurrent_stress_with_evictions(rowwise, mode, background):
     cache.wait_for_builds()
     s = cache.stats()
     assert not errors and not wrong
-    assert s["calls"] == 100 and s["hits"] + s["misses"] == 100
-    assert s["plans"] <= max_plans and s["evictions"] > 0
+    assert s.calls == 100 and s.hits + s.misses == 100
+    assert s.plans <= max_plans and s.evictions > 0
 
 
 def test_torchscript_code_uses_the_class(rowwise):
@@ -299,7 +304,7 @@ def test_torchscript_code_uses_the_class(rowwise):
 
     inputs = x(3)
     assert torch.equal(serve(cache.script_object, inputs), reference(rowwise, inputs))
-    assert cache.stats()["padded_calls"] == 1
+    assert cache.stats().padded_calls == 1
 
 
 def test_static_runtime_plans_equal_the_module(rowwise):
@@ -307,7 +312,7 @@ def test_static_runtime_plans_equal_the_module(rowwise):
     for n in (1, 5, 1):
         inputs = x(n)
         assert torch.equal(cache(inputs), reference(rowwise, inputs))
-    assert cache.stats()["hits"] == 1
+    assert cache.stats().hits == 1
 
 
 def executed_graph(cache: PlanCache, n: int) -> torch._C.Graph:
@@ -359,8 +364,8 @@ def test_cuda_graphs_are_ignored_on_cpu_inputs(rowwise):
     inputs = x(4)
     assert torch.equal(cache(inputs), reference(rowwise, inputs))
     s = cache.stats()
-    assert s["cuda_graphs"] == 0 and s["graph_capture_failures"] == 0
-    assert not s["sizes"][4]["cuda_graph"] and s["sizes"][4]["graph_replays"] == 0
+    assert s.cuda_graphs == 0 and s.graph_capture_failures == 0
+    assert not by_size(s)[4].cuda_graph and by_size(s)[4].graph_replays == 0
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -398,14 +403,14 @@ def test_cuda_graph_plans_equal_the_module_on_fresh_inputs_every_call(mode):
     for got, want in held:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     s = cache.stats()
-    assert s["cuda_graphs"] == s["plans"] and s["graph_capture_failures"] == 0
-    assert all(s["sizes"][n]["cuda_graph"] and s["sizes"][n]["graph_bytes"] > 0 for n in (1, 4, 8))
-    assert s["sizes"][4]["graph_replays"] >= 3
+    assert s.cuda_graphs == s.plans and s.graph_capture_failures == 0
+    assert all(by_size(s)[n].cuda_graph and by_size(s)[n].graph_bytes > 0 for n in (1, 4, 8))
+    assert by_size(s)[4].graph_replays >= 3
     # A different non-tensor argument was not captured: the plan runs without its graph.
-    replays = s["sizes"][4]["graph_replays"]
+    replays = by_size(s)[4].graph_replays
     inputs = (torch.randn(4, 8, device="cuda"), bias, 2.0)
     torch.testing.assert_close(cache(*inputs), reference(module, *inputs), rtol=1e-5, atol=1e-5)
-    assert cache.stats()["sizes"][4]["graph_replays"] == replays
+    assert by_size(cache.stats())[4].graph_replays == replays
 
 
 class Synchronizing(torch.nn.Module):
@@ -424,7 +429,7 @@ def test_cuda_graph_capture_failure_runs_the_plan_without_a_graph():
         got = cache(inputs)
     assert torch.equal(got, inputs * 2.0)
     s = cache.stats()
-    assert s["graph_capture_failures"] == 1 and s["cuda_graphs"] == 0 and s["plans"] == 1
+    assert s.graph_capture_failures == 1 and s.cuda_graphs == 0 and s.plans == 1
     # The failed capture left the device, its random number generator and the cache usable.
     assert torch.equal(cache(inputs), inputs * 2.0)
     assert torch.randn(4, device="cuda").isfinite().all()
@@ -454,8 +459,8 @@ def test_cuda_graph_replays_from_many_threads_and_streams():
     run_in_threads(serve, range(6))
     assert not errors, errors[0]
     s = cache.stats()
-    assert s["plans"] <= 4 and s["evictions"] >= 1
-    assert sum(z["graph_replays"] for z in s["sizes"].values()) > 0
+    assert s.plans <= 4 and s.evictions >= 1
+    assert sum(z.graph_replays for z in s.sizes) > 0
 
 
 @needs_cuda
@@ -475,8 +480,8 @@ def test_cuda_graphs_with_background_builds_serve_misses_while_capturing():
         inputs = torch.randn(n, 8, device="cuda")
         torch.testing.assert_close(cache(inputs)[0], reference(module, inputs)[0], rtol=1e-5, atol=1e-5)
     s = cache.stats()
-    assert s["plans"] == 16 and s["cuda_graphs"] == 16 and s["graph_capture_failures"] == 0
-    assert s["padded_calls"] > 0
+    assert s.plans == 16 and s.cuda_graphs == 16 and s.graph_capture_failures == 0
+    assert s.padded_calls > 0
 
 
 @needs_cuda
@@ -486,4 +491,4 @@ def test_static_runtime_refuses_cuda_inputs_and_the_cache_stays_usable():
     inputs = torch.randn(4, 8, device="cuda")
     with pytest.raises(RuntimeError, match="static runtime runs CPU modules only"):
         cache(inputs)
-    assert cache.stats()["build_failures"] == 1 and cache.stats()["plans"] == 0
+    assert cache.stats().build_failures == 1 and cache.stats().plans == 0

@@ -33,7 +33,7 @@ MissMode miss_mode_from_string(const std::string& name) {
   if (name == "pad") return MissMode::pad;
   if (name == "split") return MissMode::split;
   if (name == "auto") return MissMode::auto_;
-  TORCH_CHECK(false, "PlanCache: unknown miss_mode '", name, "'; expected exact, pad, split or auto");
+  TORCH_CHECK_VALUE(false, "PlanCache: unknown miss_mode '", name, "'; expected exact, pad, split or auto");
 }
 
 std::string to_string(MissMode mode) {
@@ -46,19 +46,23 @@ std::string to_string(MissMode mode) {
   return "exact";
 }
 
+void PlanCacheOptions::validate() const {
+  TORCH_CHECK_VALUE(admit_after >= 1, "PlanCache: admit_after must be >= 1, got ", admit_after);
+  TORCH_CHECK_VALUE(max_plans >= 0, "PlanCache: max_plans must be >= 0, got ", max_plans);
+  TORCH_CHECK_VALUE(max_bytes >= 0, "PlanCache: max_bytes must be >= 0, got ", max_bytes);
+  TORCH_CHECK_VALUE(max_batch_size >= 0, "PlanCache: max_batch_size must be >= 0, got ", max_batch_size);
+  TORCH_CHECK_VALUE(warmup_calls >= 1, "PlanCache: warmup_calls must be >= 1, got ", warmup_calls);
+  for (int64_t d : batch_dims) {
+    TORCH_CHECK_VALUE(d >= -1, "PlanCache: batch_dims entries must be >= 0, or -1 for an unbatched input; got ", d);
+  }
+  for (int64_t d : output_batch_dims) {
+    TORCH_CHECK_VALUE(d >= 0, "PlanCache: output_batch_dims entries must be >= 0, got ", d);
+  }
+}
+
 PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options)
     : source_(std::move(module)), options_(std::move(options)) {
-  TORCH_CHECK(options_.admit_after >= 1, "PlanCache: admit_after must be >= 1, got ", options_.admit_after);
-  TORCH_CHECK(options_.max_plans >= 0, "PlanCache: max_plans must be >= 0, got ", options_.max_plans);
-  TORCH_CHECK(options_.max_bytes >= 0, "PlanCache: max_bytes must be >= 0, got ", options_.max_bytes);
-  TORCH_CHECK(options_.max_batch_size >= 0, "PlanCache: max_batch_size must be >= 0, got ", options_.max_batch_size);
-  TORCH_CHECK(options_.warmup_calls >= 1, "PlanCache: warmup_calls must be >= 1, got ", options_.warmup_calls);
-  for (int64_t d : options_.batch_dims) {
-    TORCH_CHECK(d >= -1, "PlanCache: batch_dims entries must be >= 0, or -1 for an unbatched input; got ", d);
-  }
-  for (int64_t d : options_.output_batch_dims) {
-    TORCH_CHECK(d >= 0, "PlanCache: output_batch_dims entries must be >= 0, got ", d);
-  }
+  options_.validate();
   TORCH_CHECK(source_.find_method(options_.method).has_value(), "PlanCache: the module (",
               source_.type()->name()->qualifiedName(), ") has no method '", options_.method, "'");
   TORCH_CHECK(!source_.is_training(), "PlanCache: the module (", source_.type()->name()->qualifiedName(),

@@ -35,6 +35,8 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/jit/api/module.h>
 
+#include "torch_ext/fields.h"
+
 namespace torch_ext::plan {
 
 class CapturedGraph;
@@ -49,70 +51,129 @@ enum class MissMode {
 MissMode miss_mode_from_string(const std::string& name);
 std::string to_string(MissMode mode);
 
+}  // namespace torch_ext::plan
+
+namespace torch_ext {
+template <>
+struct FieldCodec<plan::MissMode> {
+  using Exposed = std::string;
+  static std::string expose(plan::MissMode mode) { return plan::to_string(mode); }
+  static plan::MissMode parse(const std::string& name, const char* /*field*/) {
+    return plan::miss_mode_from_string(name);
+  }
+};
+}  // namespace torch_ext
+
+namespace torch_ext::plan {
+
 struct PlanCacheOptions {
-  // Batch dimension of each input (by position); inputs past the end use the last entry,
-  // an empty list means 0 for every input, and -1 marks an input that is not batched.
   std::vector<int64_t> batch_dims;
-  // Batch dimension of each output tensor (same rules), used to slice padded outputs and
-  // to concatenate split ones.
   std::vector<int64_t> output_batch_dims;
   MissMode miss_mode = MissMode::exact;
-  // Serve misses by pad / split / the source module while the exact plan builds on a
-  // background thread, then swap the plan in.
   bool background_builds = false;
-  // Build a size only once it has been seen this many times (1: at the first miss).
   int64_t admit_after = 1;
-  int64_t max_plans = 0;       // 0: unbounded
-  int64_t max_bytes = 0;       // byte budget over the plans' distinct constants; 0: unbounded
-  int64_t max_batch_size = 0;  // largest batch infer() accepts; 0: unbounded
-  // Runs at the plan's size before it serves: a profiling executor profiles the 1st and
-  // optimises on the 2nd; the 3rd gives a clean latency estimate for auto mode.
+  int64_t max_plans = 0;
+  int64_t max_bytes = 0;
+  int64_t max_batch_size = 0;
   int64_t warmup_calls = 3;
   bool optimize_for_inference = true;
-  // Give each plan a clone of its own, run by TorchScript's profiling executor, which profiles
-  // the first warm-up call and compiles a graph specialised to the shapes it saw on the second.
-  // Off: the plans share the optimised module, compiled once for every size (by the profiling
-  // executor where TorchScript does not fuse, since nothing is then guarded by shape; else by
-  // the simple executor), and a build is its warm-ups. Unset: on where TorchScript fuses on the
-  // inputs' device (its fusion groups are what the profiled shapes feed), off elsewhere, where
-  // a clone per size bought no speed in bench_plan and cost most of each build.
   std::optional<bool> specialize_shapes;
-  // Run plans with TorchScript's static runtime (memory planning for the size) instead of
-  // the graph executor; the frozen graph is then not passed through optimize_for_inference.
-  // CPU modules only.
   bool static_runtime = false;
-  // On CUDA inputs, capture each plan as a CUDA graph at its size (static input and output
-  // buffers, one launch per call). A plan whose run cannot be captured (host syncs, CPU
-  // tensors) keeps running without one; stats count those failures. Ignored on CPU.
-  // The capture runs where the plan is built, except that a plan built in the background is
-  // captured by its first run, on the request's thread. While a capture runs, a device-wide
-  // synchronisation (torch.cuda.synchronize) in another thread fails (a CUDA rule): other
-  // threads should synchronise their streams instead.
   bool cuda_graphs = false;
   std::string method = "forward";
+
+  static constexpr auto fields() {
+    return std::make_tuple(
+        field("batch_dims", &PlanCacheOptions::batch_dims,
+              "batch dimension of each input, by position; inputs past the end use the last entry, an empty "
+              "list means 0 for every input, and -1 marks an input that is not batched"),
+        field("output_batch_dims", &PlanCacheOptions::output_batch_dims,
+              "batch dimension of each output tensor (same rules), to slice padded outputs and concatenate "
+              "split ones"),
+        field("miss_mode", &PlanCacheOptions::miss_mode,
+              "'exact' builds the plan for a new size; 'pad' pads up to the smallest cached size >= n and "
+              "slices the outputs; 'split' runs a sum of cached sizes, largest first; 'auto' picks pad or "
+              "split by measured latency; pad, split and auto build the exact plan when no cached size can "
+              "serve"),
+        field("background_builds", &PlanCacheOptions::background_builds,
+              "serve misses by pad / split / the source module while the exact plan builds on a background "
+              "thread, then swap the plan in"),
+        field("admit_after", &PlanCacheOptions::admit_after,
+              "build a size only once it has been seen this many times (1: at the first miss)"),
+        field("max_plans", &PlanCacheOptions::max_plans, "most plans kept, least recently used evicted; 0: unbounded"),
+        field("max_bytes", &PlanCacheOptions::max_bytes,
+              "byte budget over the plans' distinct constants (shared weights once) and their CUDA graphs; "
+              "0: unbounded"),
+        field("max_batch_size", &PlanCacheOptions::max_batch_size,
+              "largest batch infer() accepts (infer_batch splits larger ones); 0: unbounded"),
+        field("warmup_calls", &PlanCacheOptions::warmup_calls,
+              "runs at the plan's size before it serves: a profiling executor profiles the 1st and optimises "
+              "on the 2nd; the 3rd gives a clean latency estimate for auto mode"),
+        field("optimize_for_inference", &PlanCacheOptions::optimize_for_inference,
+              "pass the frozen module through torch::jit::optimize_for_inference"),
+        field("specialize_shapes", &PlanCacheOptions::specialize_shapes,
+              "give each plan a clone whose profiling executor compiles a graph specialised to its warm-up "
+              "shapes (True), or let the plans share the optimised module, compiled once for every size, so "
+              "a build is its warm-ups (False); None: True where TorchScript fuses on the inputs' device "
+              "(its fusion groups are what the shapes feed), else False"),
+        field("static_runtime", &PlanCacheOptions::static_runtime,
+              "run plans with TorchScript's static runtime (memory planning for the size); CPU modules only"),
+        field("cuda_graphs", &PlanCacheOptions::cuda_graphs,
+              "on CUDA inputs, capture each plan as a CUDA graph at its size (static buffers, one launch per "
+              "call, outputs copied out); a plan that cannot be captured runs without one and stats count "
+              "it; a plan built in the background is captured by its first run, on the request's thread; "
+              "ignored on CPU"),
+        field("method", &PlanCacheOptions::method, "the module's method to serve"));
+  }
+  void validate() const;
 };
 
 struct SizeStats {
   int64_t batch_size = 0;
-  int64_t calls = 0;            // infer() calls at this size
-  int64_t hits = 0;             // calls served by this size's plan
-  int64_t misses = 0;           // calls at this size without a plan
-  int64_t padded_calls = 0;     // misses served by padding
-  int64_t split_calls = 0;      // misses served by splitting
-  int64_t fallback_calls = 0;   // misses served by the source module
-  int64_t builds = 0;           // plans built (or loaded) for this size
+  int64_t calls = 0;
+  int64_t hits = 0;
+  int64_t misses = 0;
+  int64_t padded_calls = 0;
+  int64_t split_calls = 0;
+  int64_t fallback_calls = 0;
+  int64_t builds = 0;
   int64_t evictions = 0;
-  int64_t plan_runs = 0;        // runs of this size's plan, also as part of pad / split
-  int64_t graph_replays = 0;    // plan_runs served by its CUDA graph
-  double build_seconds = 0;     // total over builds
-  double total_seconds = 0;     // latency of infer() calls at this size, summed
+  int64_t plan_runs = 0;
+  int64_t graph_replays = 0;
+  double build_seconds = 0;
+  double total_seconds = 0;
   double max_seconds = 0;
-  double plan_seconds = 0;      // time in this size's plan, summed over plan_runs
-  int64_t padded_elements = 0;  // rows of padding added to calls at this size
+  double plan_seconds = 0;
+  int64_t padded_elements = 0;
   bool cached = false;
-  bool cuda_graph = false;  // the cached plan runs as a CUDA graph
-  int64_t plan_bytes = 0;   // constants this size's plan references, shared ones included, and its graph
-  int64_t graph_bytes = 0;  // device memory of its CUDA graph (pool and static inputs)
+  bool cuda_graph = false;
+  int64_t plan_bytes = 0;
+  int64_t graph_bytes = 0;
+
+  static constexpr auto fields() {
+    return std::make_tuple(
+        field("batch_size", &SizeStats::batch_size, "the size these figures are for"),
+        field("calls", &SizeStats::calls, "infer() calls at this size"),
+        field("hits", &SizeStats::hits, "calls served by this size's plan"),
+        field("misses", &SizeStats::misses, "calls at this size without a plan"),
+        field("padded_calls", &SizeStats::padded_calls, "misses served by padding"),
+        field("split_calls", &SizeStats::split_calls, "misses served by splitting"),
+        field("fallback_calls", &SizeStats::fallback_calls, "misses served by the source module"),
+        field("builds", &SizeStats::builds, "plans built (or loaded) for this size"),
+        field("evictions", &SizeStats::evictions, "times this size's plan was evicted"),
+        field("plan_runs", &SizeStats::plan_runs, "runs of this size's plan, also as part of pad / split"),
+        field("graph_replays", &SizeStats::graph_replays, "plan_runs served by its CUDA graph"),
+        field("build_seconds", &SizeStats::build_seconds, "total over builds"),
+        field("total_seconds", &SizeStats::total_seconds, "latency of infer() calls at this size, summed"),
+        field("max_seconds", &SizeStats::max_seconds, "the slowest infer() call at this size"),
+        field("plan_seconds", &SizeStats::plan_seconds, "time in this size's plan, summed over plan_runs"),
+        field("padded_elements", &SizeStats::padded_elements, "rows of padding added to calls at this size"),
+        field("cached", &SizeStats::cached, "a plan for this size is cached"),
+        field("cuda_graph", &SizeStats::cuda_graph, "the cached plan runs as a CUDA graph"),
+        field("plan_bytes", &SizeStats::plan_bytes,
+              "constants this size's plan references, shared ones included, and its graph"),
+        field("graph_bytes", &SizeStats::graph_bytes, "device memory of its CUDA graph (pool and static inputs)"));
+  }
 };
 
 struct PlanCacheStats {
@@ -121,19 +182,43 @@ struct PlanCacheStats {
   int64_t misses = 0;
   int64_t builds = 0;
   int64_t build_failures = 0;
-  int64_t graph_capture_failures = 0;  // plans built without the CUDA graph asked for
+  int64_t graph_capture_failures = 0;
   int64_t evictions = 0;
   int64_t padded_calls = 0;
   int64_t split_calls = 0;
   int64_t fallback_calls = 0;
-  int64_t padded_elements = 0;  // padding waste: rows computed and thrown away
+  int64_t padded_elements = 0;
   int64_t plans = 0;
-  int64_t cuda_graphs = 0;  // cached plans that run as CUDA graphs
-  int64_t plan_bytes = 0;  // distinct constants of all cached plans (shared weights once) and their graphs
+  int64_t cuda_graphs = 0;
+  int64_t plan_bytes = 0;
   int64_t pending_builds = 0;
   double build_seconds = 0;
-  double hit_lookup_seconds = 0;  // total time hits spent finding their plan
-  std::vector<SizeStats> sizes;   // by batch size
+  double hit_lookup_seconds = 0;
+  std::vector<SizeStats> sizes;
+
+  static constexpr auto fields() {
+    return std::make_tuple(
+        field("calls", &PlanCacheStats::calls, "infer() calls"),
+        field("hits", &PlanCacheStats::hits, "calls served by their size's plan"),
+        field("misses", &PlanCacheStats::misses, "calls without a plan at their size"),
+        field("builds", &PlanCacheStats::builds, "plans built or loaded"),
+        field("build_failures", &PlanCacheStats::build_failures, "builds that raised"),
+        field("graph_capture_failures", &PlanCacheStats::graph_capture_failures,
+              "plans built without the CUDA graph asked for"),
+        field("evictions", &PlanCacheStats::evictions, "plans evicted by max_plans / max_bytes"),
+        field("padded_calls", &PlanCacheStats::padded_calls, "misses served by padding"),
+        field("split_calls", &PlanCacheStats::split_calls, "misses served by splitting"),
+        field("fallback_calls", &PlanCacheStats::fallback_calls, "misses served by the source module"),
+        field("padded_elements", &PlanCacheStats::padded_elements, "padding waste: rows computed and thrown away"),
+        field("plans", &PlanCacheStats::plans, "plans cached now"),
+        field("cuda_graphs", &PlanCacheStats::cuda_graphs, "cached plans that run as CUDA graphs"),
+        field("plan_bytes", &PlanCacheStats::plan_bytes,
+              "distinct constants of all cached plans (shared weights once) and their graphs"),
+        field("pending_builds", &PlanCacheStats::pending_builds, "builds queued or running"),
+        field("build_seconds", &PlanCacheStats::build_seconds, "time spent building, summed"),
+        field("hit_lookup_seconds", &PlanCacheStats::hit_lookup_seconds, "total time hits spent finding their plan"),
+        field("sizes", &PlanCacheStats::sizes, "per-size figures, by batch size"));
+  }
 };
 
 // Progress of preload(): (plans done, plans requested, batch size just built).
