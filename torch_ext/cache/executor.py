@@ -34,7 +34,7 @@ class LazyExecutor(nn.Module):
     effects the executor cannot see.
 
     Calls are serialised by a lock; the cache itself may be invalidated from any thread.
-    See the module docstring for what is reused, what never is, and the limitations.
+    See the torch_ext.cache package docstring for what is reused, what never is, and the limitations.
     """
 
     def __init__(self, module: Union[nn.Module, fx.GraphModule, "torch.export.ExportedProgram"],
@@ -140,15 +140,36 @@ class LazyExecutor(nn.Module):
             return self._run(plan, self._bind(plan, args, kwargs))
 
     def _run(self, plan: _Plan, placeholder_values: list):
-        cache = self._cache
+        """One call, in four passes: 1. the sources' values and statuses; 2. the analysis of that
+        pattern; 3. demand, from the output back, with every frontier lookup (a replay of the last
+        call's when its lookups come out the same); 4. the program: what must run, in graph order."""
         env: list = [None] * plan.size
         status = [STABLE] * plan.size
-        next_placeholder = iter(placeholder_values)
-        computed = reused = 0
         grad_enabled = torch.is_grad_enabled()
-        perf_counter = time.perf_counter
+        varying, fresh = self._read_sources(plan, env, status, placeholder_values)
+        analysis = self._analysis_for(plan, varying, fresh)
+        keys: dict = {}  # frontier index -> (key, number of sources), for the misses
+        looked_up: dict = {}  # frontier index -> what its lookup found
+        with_training = not self._trace
+        demand = self._replay_demand(plan, analysis, env, fresh, with_training, keys, looked_up)
+        if demand is None:
+            demand = self._walk_demand(plan, analysis, env, fresh, varying, with_training, keys, looked_up)
+        program, n_run = demand
+        computed, reused = self._execute(plan, analysis, program, env, status, keys, varying, grad_enabled)
+        result = plan.output_build(env)
+        self._calls += 1
+        self._computed += computed
+        self._reused += plan.n_nodes - n_run + reused  # not run: served, or inside a served subgraph
+        if plan.pytree_io:
+            return plan.codegen.process_outputs(result)
+        return result
+
+    def _read_sources(self, plan: _Plan, env: list, status: list, placeholder_values: list) -> tuple[int, int]:
+        """Sources (inputs, attributes, shapes of those): their values and whether they changed.
+        Fills their slots of env and status; returns the bits of the varying and of the fresh
+        (changed this call) sources."""
         mask = plan.mask
-        # 1. Sources (inputs, attributes, shapes of those): their values and whether they changed.
+        next_placeholder = iter(placeholder_values)
         varying = fresh = 0
         for step in plan.sources:
             i = step.index
@@ -164,7 +185,11 @@ class LazyExecutor(nn.Module):
                 varying |= mask[i]
             elif st == FRESH:
                 fresh |= mask[i]
-        with_training = not self._trace
+        return varying, fresh
+
+    def _analysis_for(self, plan: _Plan, varying: int, fresh: int) -> _Analysis:
+        """The analysis of this pattern of varying and fresh sources (and, for graphs not traced
+        here, of the modules' training flags), made on its first use."""
         key = (varying, fresh) if self._trace else (
             varying, fresh, tuple(s.parent._modules[s.attr].training for s in plan.module_steps))
         analysis = plan.analyses.get(key)
@@ -179,46 +204,61 @@ class LazyExecutor(nn.Module):
             for s in analysis.interior:
                 s.cached = False
             if stale:
-                cache.invalidate_nodes(stale)
-        closure_ok, frontier = analysis.closure_ok, analysis.frontier
-        # 2. Demand, from the output back: a frontier node found in the cache needs nothing of its
-        # closure; one that must be computed needs its inputs. Keys are closure sources and module
-        # state, all known now, so every lookup happens before anything runs.
-        # Lookups that come out as the last call's did (same analysis) demand the same steps: replay
-        # them and reuse that call's run list rather than walking the whole graph again.
-        keys: dict = {}  # frontier index -> (key, number of sources), for the misses
-        looked_up: dict = {}  # frontier index -> what its lookup found
-        program = None
+                self._cache.invalidate_nodes(stale)
+        return analysis
+
+    def _replay_demand(self, plan: _Plan, analysis: _Analysis, env: list, fresh: int, with_training: bool,
+                       keys: dict, looked_up: dict) -> Optional[tuple[list, int]]:
+        """The last call's (program, steps in it) when this call's lookups, done in that call's
+        order, come out as that call's did: they demand the same steps. None when one differs (the
+        lookups done so far are in looked_up, the misses' keys in keys)."""
         memo = analysis.demand
-        if memo is not None and memo[0] == plan.epoch:
-            program, n_run = memo[2], memo[3]
-            for step, hit in memo[1]:
-                value = looked_up[step.index] = self._look_up(plan, analysis, step, env, fresh, with_training, keys)
-                if (value is not _MISS) != hit:
-                    program = None
-                    break
-        if program is None:
-            needed = analysis.roots[:]
-            run = []  # the steps to run, last first
-            lookups = []
-            for step in reversed(plan.compute_steps):
-                i = step.index
-                if not needed[i]:
+        if memo is None or memo[0] != plan.epoch:
+            return None
+        for step, hit in memo[1]:
+            value = looked_up[step.index] = self._look_up(plan, analysis, step, env, fresh, with_training, keys)
+            if (value is not _MISS) != hit:
+                return None
+        return memo[2], memo[3]
+
+    def _walk_demand(self, plan: _Plan, analysis: _Analysis, env: list, fresh: int, varying: int,
+                     with_training: bool, keys: dict, looked_up: dict) -> tuple[list, int]:
+        """Demand, from the output back: a frontier node found in the cache needs nothing of its
+        closure; one that must be computed needs its inputs. Keys are closure sources and module
+        state, all known now, so every lookup happens before anything runs (a failed replay's
+        lookups are reused; the misses' keys go to keys). Returns the program (the steps to run in
+        graph order, stretches that just run compiled into _Segments) and how many steps it runs,
+        and remembers them and the lookups for the next call's replay."""
+        frontier = analysis.frontier
+        needed = analysis.roots[:]
+        run = []  # the steps to run, last first
+        lookups = []
+        for step in reversed(plan.compute_steps):
+            i = step.index
+            if not needed[i]:
+                continue
+            if frontier[i] and step.has_tensor:
+                value = looked_up[i] if i in looked_up else self._look_up(
+                    plan, analysis, step, env, fresh, with_training, keys)
+                lookups.append((step, value is not _MISS))
+                if value is not _MISS:
                     continue
-                if frontier[i] and step.has_tensor:
-                    value = looked_up[i] if i in looked_up else self._look_up(
-                        plan, analysis, step, env, fresh, with_training, keys)
-                    lookups.append((step, value is not _MISS))
-                    if value is not _MISS:
-                        continue
-                run.append(step)
-                for j in step.inputs:
-                    needed[j] = 1
-            program, n_run = analysis.program(plan, run, varying), len(run)
-            analysis.demand = (plan.epoch, lookups, program, n_run)
-        # 3. Run what is needed, in graph order. The others were served by the cache or lie inside
-        # a subgraph that was (values whose last use is skipped live until the call returns).
-        reused = plan.n_nodes - n_run
+            run.append(step)
+            for j in step.inputs:
+                needed[j] = 1
+        program, n_run = analysis.program(plan, run, varying), len(run)
+        analysis.demand = (plan.epoch, lookups, program, n_run)
+        return program, n_run
+
+    def _execute(self, plan: _Plan, analysis: _Analysis, program: list, env: list, status: list, keys: dict,
+                 varying: int, grad_enabled: bool) -> tuple[int, int]:
+        """Run what is needed, in graph order. The others were served by the cache or lie inside
+        a subgraph that was (values whose last use is skipped live until the call returns).
+        Returns (nodes computed, nodes served by a per-node lookup)."""
+        perf_counter = time.perf_counter
+        mask = plan.mask
+        closure_ok = analysis.closure_ok
+        computed = reused = 0
         costs = [0.0] * plan.size
         for step in program:
             if step.__class__ is _Segment:  # steps depending on a varying source: just run them
@@ -226,9 +266,8 @@ class LazyExecutor(nn.Module):
                 computed += step.count
                 continue
             i = step.index
-            op = step.op
-            if closure_ok[i]:
-                module = step.parent._modules[step.attr] if op == "call_module" else None
+            if closure_ok[i]:  # in a reusable subgraph: a frontier miss is stored under its closure key
+                module = step.parent._modules[step.attr] if step.op == "call_module" else None
                 start = perf_counter()
                 value = self._call(step, env, module)
                 cost = perf_counter() - start
@@ -239,105 +278,113 @@ class LazyExecutor(nn.Module):
                 st = VARYING if mask[i] & varying else FRESH
                 entry = keys.get(i)
                 if entry is not None:
-                    key, n_sources = entry
-                    if len(key) > n_sources and self._source_status(step, key[n_sources:]) == VARYING:
-                        st = VARYING  # parameters that change at every call (training)
-                    tensors = _tensors_of(value)
-                    if not tensors:
-                        step.has_tensor = False
-                        plan.epoch += 1
-                    elif st == VARYING:
-                        if step.cached:
-                            cache.invalidate_node(step.node_id)
-                            step.cached = False
-                    else:
-                        step.cached = cache.put(step.node_id, key, value, cost)
-                        if step.cached and grad_enabled:
-                            for tensor in tensors:
-                                if tensor.grad_fn is not None:
-                                    tensor.grad_fn.register_hook(step.on_backward)
+                    st = self._store_frontier(plan, step, entry, value, cost, st, grad_enabled)
                 env[i] = value
                 status[i] = st
-            else:
-                st = STABLE
-                for j in step.inputs:
-                    if status[j] > st:
-                        st = status[j]
-                kind = step.kind
-                module = key_extra = None
-                if op == "call_module":
-                    module = step.parent._modules[step.attr]  # what getattr finds, without its slow path
-                    if module.training and (step.random_in_training or step.buffers):
-                        kind = "random" if step.random_in_training else "side_effect"
-                    elif st != VARYING:
-                        # The module's parameters, buffers and mode are inputs of the node too.
-                        key_extra = [d[k] for d, k in step.state]
-                        key_extra.append(module.training)
-                if step.never and kind == "pure":
-                    kind = "side_effect"
-
-                if (kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS
-                        and module is None):  # a module's result may depend on its state, which st does not cover
-                    value = step.last_value  # a shape or size of unchanged inputs: as it was
-                elif kind != "pure" or st == VARYING or not step.has_tensor:
-                    if step.cached:
-                        cache.invalidate_node(step.node_id)
-                        step.cached = False
-                    value = self._call(step, env, module)
-                    computed += 1
-                    if kind == "random":
-                        st = VARYING
-                    elif kind == "side_effect" and st == STABLE:
-                        st = FRESH
-                    elif kind == "pure" and not step.has_tensor:
-                        st = self._value_status(step, value, st)
-                        if _tensors_of(value):
-                            step.has_tensor = True  # learned wrong once: look it up from now on
-                            plan.epoch += 1
-                else:
-                    key = [env[j] for j in step.inputs]
-                    if key_extra is not None:
-                        key.extend(key_extra)
-                    value = cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
-                    if value is not _MISS:
-                        reused += 1
-                        step.streak = 0  # the module's state is in the key: unchanged
-                    else:
-                        if key_extra is not None:
-                            source = self._source_status(step, key_extra)
-                            if source > st:
-                                st = source
-                        start = perf_counter()
-                        value = self._call(step, env, module)
-                        cost = perf_counter() - start
-                        computed += 1
-                        tensors = _tensors_of(value)
-                        if not tensors:
-                            step.has_tensor = False
-                            plan.epoch += 1
-                            st = self._value_status(step, value, max(st, FRESH))
-                        elif st == VARYING:  # its parameters change at every call (training)
-                            if step.cached:
-                                cache.invalidate_node(step.node_id)
-                                step.cached = False
-                        else:
-                            st = FRESH
-                            step.cached = cache.put(step.node_id, key, value, cost)
-                            if step.cached and grad_enabled:
-                                for tensor in tensors:
-                                    if tensor.grad_fn is not None:
-                                        tensor.grad_fn.register_hook(step.on_backward)
-                env[i] = value
-                status[i] = st
+            else:  # downstream of a random or side-effect node: keyed on its own inputs
+                done, found = self._run_keyed(plan, step, env, status, grad_enabled)
+                computed += done
+                reused += found
             for j in step.release:
                 env[j] = None
-        result = plan.output_build(env)
-        self._calls += 1
-        self._computed += computed
-        self._reused += reused
-        if plan.pytree_io:
-            return plan.codegen.process_outputs(result)
-        return result
+        return computed, reused
+
+    def _store_frontier(self, plan: _Plan, step: _Step, entry: tuple, value: Any, cost: float, st: int,
+                        grad_enabled: bool) -> int:
+        """Store a computed frontier node under its closure key, entry = (key, number of sources);
+        returns its status, VARYING where its module state changes at every call (training)."""
+        key, n_sources = entry
+        if len(key) > n_sources and self._source_status(step, key[n_sources:]) == VARYING:
+            st = VARYING  # parameters that change at every call (training)
+        self._store(plan, step, key, value, cost, st == VARYING, grad_enabled)
+        return st
+
+    def _run_keyed(self, plan: _Plan, step: _Step, env: list, status: list, grad_enabled: bool) -> tuple[int, int]:
+        """A node outside the reusable subgraphs (downstream of a random or side-effect node),
+        looked up on its own inputs and module state, or run. Sets its env and status slots;
+        returns (nodes computed, nodes served by a lookup): (1, 0), (0, 1), or (0, 0) for a shape
+        of unchanged inputs kept from the last call."""
+        i = step.index
+        st = STABLE
+        for j in step.inputs:
+            if status[j] > st:
+                st = status[j]
+        kind = step.kind
+        module = key_extra = None
+        if step.op == "call_module":
+            module = step.parent._modules[step.attr]  # what getattr finds, without its slow path
+            if module.training and (step.random_in_training or step.buffers):
+                kind = "random" if step.random_in_training else "side_effect"
+            elif st != VARYING:
+                # The module's parameters, buffers and mode are inputs of the node too.
+                key_extra = [d[k] for d, k in step.state]
+                key_extra.append(module.training)
+        if step.never and kind == "pure":
+            kind = "side_effect"
+
+        counts = (1, 0)
+        if (kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS
+                and module is None):  # a module's result may depend on its state, which st does not cover
+            value = step.last_value  # a shape or size of unchanged inputs: as it was
+            counts = (0, 0)
+        elif kind != "pure" or st == VARYING or not step.has_tensor:
+            if step.cached:
+                self._cache.invalidate_node(step.node_id)
+                step.cached = False
+            value = self._call(step, env, module)
+            if kind == "random":
+                st = VARYING
+            elif kind == "side_effect" and st == STABLE:
+                st = FRESH
+            elif kind == "pure" and not step.has_tensor:
+                st = self._value_status(step, value, st)
+                if _tensors_of(value):
+                    step.has_tensor = True  # learned wrong once: look it up from now on
+                    plan.epoch += 1
+        else:
+            key = [env[j] for j in step.inputs]
+            if key_extra is not None:
+                key.extend(key_extra)
+            value = self._cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
+            if value is not _MISS:
+                counts = (0, 1)
+                step.streak = 0  # the module's state is in the key: unchanged
+            else:
+                if key_extra is not None:
+                    source = self._source_status(step, key_extra)
+                    if source > st:
+                        st = source
+                start = time.perf_counter()
+                value = self._call(step, env, module)
+                cost = time.perf_counter() - start
+                if not self._store(plan, step, key, value, cost, st == VARYING, grad_enabled):
+                    st = self._value_status(step, value, max(st, FRESH))
+                elif st != VARYING:  # VARYING: its parameters change at every call (training)
+                    st = FRESH
+        env[i] = value
+        status[i] = st
+        return counts
+
+    def _store(self, plan: _Plan, step: _Step, key: list, value: Any, cost: float, varies: bool,
+               grad_enabled: bool) -> bool:
+        """Put a computed value in the cache under key, or, where its key varies, drop the entry it
+        held. False when the value holds no tensor: the step is not looked up from now on."""
+        tensors = _tensors_of(value)
+        if not tensors:
+            step.has_tensor = False
+            plan.epoch += 1
+            return False
+        if varies:
+            if step.cached:
+                self._cache.invalidate_node(step.node_id)
+                step.cached = False
+        else:
+            step.cached = self._cache.put(step.node_id, key, value, cost)
+            if step.cached and grad_enabled:
+                for tensor in tensors:
+                    if tensor.grad_fn is not None:
+                        tensor.grad_fn.register_hook(step.on_backward)
+        return True
 
     def _look_up(self, plan: _Plan, analysis: _Analysis, step: _Step, env: list, fresh: int, with_training: bool,
                  keys: dict) -> Any:
