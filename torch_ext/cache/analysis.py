@@ -39,6 +39,9 @@ class _Step:
 
 
 class _Plan:
+    """A graph prepared for running: a _Step per node (the output node's included), the sources,
+    each node's users and source bits, and the analyses made for it so far."""
+
     def __init__(self, graph_module: fx.GraphModule, root: nn.Module, first_id: int, never_cache: set) -> None:
         self.graph_module = graph_module
         graph = graph_module.graph
@@ -50,37 +53,46 @@ class _Plan:
         self.codegen = graph._codegen
         self.pytree_io = type(self.codegen).__name__ == "_PyTreeCodeGen"
         for i, node in enumerate(nodes):
-            step = _Step(i, first_id + i, node)
-            step.inputs = [index[n] for n in node.all_input_nodes]
-            step.never = node.name in never_cache or node.target in never_cache
-            if node.op == "placeholder":
-                if node.args:
-                    step.placeholder_default = node.args[0]
-                self.placeholders.append(step)
-            elif node.op == "get_attr":
-                step.parent, step.attr = _resolve((root, graph_module), node.target, node.name)
-            elif node.op == "output":
-                build = _compile_arguments(node.args, {}, index)
-                self.output_build = lambda env, build=build: build(env)[0][0]
+            self.steps.append(self._make_step(i, first_id + i, node, (root, graph_module), never_cache))
+        self._set_releases(nodes)
+        self.size = len(nodes)
+        self.ids = [step.node_id for step in self.steps]
+        self.users = [[index[u] for u in node.users] for node in nodes]
+        self.feeds_output = [any(u.op == "output" for u in node.users) for node in nodes]
+        self._find_sources(nodes)
+        self.compute_steps = [step for step in self.steps if not self.is_source[step.index]]
+        self.module_steps = [step for step in self.steps if step.op == "call_module"]
+        self.n_nodes = sum(1 for step in self.compute_steps if step.op != "output")
+        self.analyses: dict = {}
+        self.last_analysis = None
+        self.epoch = 0  # bumped when a step's has_tensor changes: which frontier nodes are looked up
+
+    def _make_step(self, i: int, node_id: int, node: fx.Node, roots: tuple, never_cache: set) -> _Step:
+        """node's step: its inputs, argument builder, kind, and what it reads (placeholder default,
+        attribute owner, module state); the output node's builder becomes output_build."""
+        step = _Step(i, node_id, node)
+        step.inputs = [self.index[n] for n in node.all_input_nodes]
+        step.never = node.name in never_cache or node.target in never_cache
+        if node.op == "placeholder":
+            if node.args:
+                step.placeholder_default = node.args[0]
+            self.placeholders.append(step)
+        elif node.op == "get_attr":
+            step.parent, step.attr = _resolve(roots, node.target, node.name)
+        elif node.op == "output":
+            build = _compile_arguments(node.args, {}, self.index)
+            self.output_build = lambda env, build=build: build(env)[0][0]
+        else:
+            step.build = _compile_arguments(node.args, node.kwargs, self.index)
+            if node.op == "call_module":
+                _describe_module_step(step, roots, never_cache)
             else:
-                step.build = _compile_arguments(node.args, node.kwargs, index)
-                if node.op == "call_module":
-                    step.parent, step.attr = _resolve((root, graph_module), node.target, node.name)
-                    module = step.parent._modules.get(step.attr)
-                    if not isinstance(module, nn.Module):
-                        raise TypeError(f"LazyExecutor: node {node.name} calls {node.target}, which is not an nn.Module")
-                    step.never = step.never or type(module) in never_cache
-                    for owner in module.modules():
-                        step.state.extend((owner._parameters, k) for k in owner._parameters)
-                        step.state.extend((owner._buffers, k) for k in owner._buffers)
-                    step.random_in_training = _random_in_training(module)
-                    if getattr(module, "inplace", False) is True:  # nn.ReLU(inplace=True) and the like
-                        step.kind = "side_effect"
-                    step.buffers = any(True for _ in module.buffers())
-                else:
-                    step.kind = _function_kind(node)
-            self.steps.append(step)
-        # Free each value after its last use, as eager execution does (the output node keeps its own).
+                step.kind = _function_kind(node)
+        return step
+
+    def _set_releases(self, nodes: list) -> None:
+        """Free each value after its last use, as eager execution does (the output node keeps its own)."""
+        index = self.index
         last_use: dict[int, int] = {}
         for i, node in enumerate(nodes):
             for n in node.all_input_nodes:
@@ -91,12 +103,11 @@ class _Plan:
         for i, node in enumerate(nodes):
             if not node.users and node.op not in ("output", "placeholder"):
                 self.steps[i].release.append(i)
-        self.size = len(nodes)
-        self.ids = [step.node_id for step in self.steps]
-        # Subgraph analysis. Sources: placeholders, get_attr nodes and shape-like values of sources
-        # (x.shape, x.size(), x.shape[1], x.device), evaluated before anything else at every call.
-        self.users = [[index[u] for u in node.users] for node in nodes]
-        self.feeds_output = [any(u.op == "output" for u in node.users) for node in nodes]
+
+    def _find_sources(self, nodes: list) -> None:
+        """Sources: placeholders, get_attr nodes and shape-like values of sources (x.shape, x.size(),
+        x.shape[1], x.device), evaluated before anything else at every call; a bit each, and each
+        node's mask of the source bits it depends on."""
         self.is_source = [False] * self.size
         self.mask = [0] * self.size  # bit per source this node depends on
         self.placeholder_bits = 0
@@ -117,12 +128,24 @@ class _Plan:
                 for j in step.inputs:
                     m |= self.mask[j]
                 self.mask[i] = m
-        self.compute_steps = [step for step in self.steps if not self.is_source[step.index]]
-        self.module_steps = [step for step in self.steps if step.op == "call_module"]
-        self.n_nodes = sum(1 for step in self.compute_steps if step.op != "output")
-        self.analyses: dict = {}
-        self.last_analysis = None
-        self.epoch = 0  # bumped when a step's has_tensor changes: which frontier nodes are looked up
+
+
+def _describe_module_step(step: _Step, roots: tuple, never_cache: set) -> None:
+    """A call_module step's module (owner and attribute), its parameters and buffers (inputs of
+    the node too), and whether it is random in training, writes in place or holds buffers."""
+    node = step.node
+    step.parent, step.attr = _resolve(roots, node.target, node.name)
+    module = step.parent._modules.get(step.attr)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"LazyExecutor: node {node.name} calls {node.target}, which is not an nn.Module")
+    step.never = step.never or type(module) in never_cache
+    for owner in module.modules():
+        step.state.extend((owner._parameters, k) for k in owner._parameters)
+        step.state.extend((owner._buffers, k) for k in owner._buffers)
+    step.random_in_training = _random_in_training(module)
+    if getattr(module, "inplace", False) is True:  # nn.ReLU(inplace=True) and the like
+        step.kind = "side_effect"
+    step.buffers = any(True for _ in module.buffers())
 
 
 class _Analysis:
