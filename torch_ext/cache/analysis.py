@@ -217,26 +217,35 @@ class _Analysis:
                          if step.op != "output" and closure_ok[step.index] and not frontier[step.index]]
 
     def program(self, plan: "_Plan", run: list, varying: int) -> list:
-        """The steps of `run` (last first) in graph order, each maximal stretch of steps that just
-        run compiled into one _Segment; cached per run list, since a failed replay often comes back
-        to one seen before."""
+        """The steps of `run` (last first) in graph order: each maximal stretch of steps that just
+        run compiled into one _Segment, each maximal stretch of steps outside the reusable
+        subgraphs (keyed on their own inputs) gathered into one _KeyedStretch, the other steps (in
+        a reusable subgraph, looked up or stored as its frontier) as they are. Cached per run list,
+        since a failed replay often comes back to one seen before."""
         key = tuple(step.index for step in run)
         found = self.programs.get(key)
         if found is None:
             if len(self.programs) >= 16:
                 self.programs.clear()
-            found, stretch = [], []
+            found, stretch, stretch_kind = [], [], None
             for step in reversed(run):
                 i = step.index
-                if self.closure_ok[i] and plan.mask[i] & varying:
-                    stretch.append(step)
-                    continue
-                if stretch:
-                    found.append(_Segment(stretch, plan.index))
+                if not self.closure_ok[i]:
+                    kind = _KeyedStretch
+                elif plan.mask[i] & varying:
+                    kind = _Segment
+                else:
+                    kind = None
+                if stretch and kind is not stretch_kind:
+                    found.append(_stretch(stretch_kind, stretch, plan))
                     stretch = []
-                found.append(step)
+                if kind is None:
+                    found.append(step)
+                else:
+                    stretch.append(step)
+                stretch_kind = kind
             if stretch:
-                found.append(_Segment(stretch, plan.index))
+                found.append(_stretch(stretch_kind, stretch, plan))
             self.programs[key] = found
         return found
 
@@ -263,3 +272,18 @@ class _Analysis:
                         modules.append((step.parent, step.attr))
             found = self.closures[i] = (sources, pairs, modules, frozenset(ordered))
         return found
+
+
+class _KeyedStretch:
+    """Consecutive steps outside the reusable subgraphs (downstream of a random or side-effect
+    node), each looked up on its own inputs or run: one item of a program, so that the executor
+    runs them in one loop."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: list) -> None:
+        self.steps = steps
+
+
+def _stretch(kind: type, steps: list, plan: _Plan):
+    return _Segment(steps, plan.index) if kind is _Segment else _KeyedStretch(steps)

@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from .. import _C
-from .analysis import _Analysis, _Plan, _Step
+from .analysis import _Analysis, _KeyedStretch, _Plan, _Step
 from .classification import _MISS, FRESH, STABLE, VARYING, _is_plain, _tensors_of
 from .codegen import _Segment
 from .tracing import _trace
@@ -257,34 +257,35 @@ class LazyExecutor(nn.Module):
         Returns (nodes computed, nodes served by a per-node lookup)."""
         perf_counter = time.perf_counter
         mask = plan.mask
-        closure_ok = analysis.closure_ok
         computed = reused = 0
         costs = [0.0] * plan.size
         for step in program:
-            if step.__class__ is _Segment:  # steps depending on a varying source: just run them
+            kind = step.__class__
+            if kind is _Segment:  # steps depending on a varying source: just run them
                 step.run(env, status)
                 computed += step.count
                 continue
-            i = step.index
-            if closure_ok[i]:  # in a reusable subgraph: a frontier miss is stored under its closure key
-                module = step.parent._modules[step.attr] if step.op == "call_module" else None
-                start = perf_counter()
-                value = self._call(step, env, module)
-                cost = perf_counter() - start
-                for j in step.inputs:
-                    cost += costs[j]
-                costs[i] = cost
-                computed += 1
-                st = VARYING if mask[i] & varying else FRESH
-                entry = keys.get(i)
-                if entry is not None:
-                    st = self._store_frontier(plan, step, entry, value, cost, st, grad_enabled)
-                env[i] = value
-                status[i] = st
-            else:  # downstream of a random or side-effect node: keyed on its own inputs
-                done, found = self._run_keyed(plan, step, env, status, grad_enabled)
+            if kind is _KeyedStretch:  # downstream of a random or side-effect node
+                done, found = self._run_keyed(plan, step.steps, env, status, grad_enabled)
                 computed += done
                 reused += found
+                continue
+            # In a reusable subgraph: a frontier miss is stored under its closure key.
+            i = step.index
+            module = step.parent._modules[step.attr] if step.op == "call_module" else None
+            start = perf_counter()
+            value = self._call(step, env, module)
+            cost = perf_counter() - start
+            for j in step.inputs:
+                cost += costs[j]
+            costs[i] = cost
+            computed += 1
+            st = VARYING if mask[i] & varying else FRESH
+            entry = keys.get(i)
+            if entry is not None:
+                st = self._store_frontier(plan, step, entry, value, cost, st, grad_enabled)
+            env[i] = value
+            status[i] = st
             for j in step.release:
                 env[j] = None
         return computed, reused
@@ -299,71 +300,76 @@ class LazyExecutor(nn.Module):
         self._store(plan, step, key, value, cost, st == VARYING, grad_enabled)
         return st
 
-    def _run_keyed(self, plan: _Plan, step: _Step, env: list, status: list, grad_enabled: bool) -> tuple[int, int]:
-        """A node outside the reusable subgraphs (downstream of a random or side-effect node),
-        looked up on its own inputs and module state, or run. Sets its env and status slots;
-        returns (nodes computed, nodes served by a lookup): (1, 0), (0, 1), or (0, 0) for a shape
-        of unchanged inputs kept from the last call."""
-        i = step.index
-        st = STABLE
-        for j in step.inputs:
-            if status[j] > st:
-                st = status[j]
-        kind = step.kind
-        module = key_extra = None
-        if step.op == "call_module":
-            module = step.parent._modules[step.attr]  # what getattr finds, without its slow path
-            if module.training and (step.random_in_training or step.buffers):
-                kind = "random" if step.random_in_training else "side_effect"
-            elif st != VARYING:
-                # The module's parameters, buffers and mode are inputs of the node too.
-                key_extra = [d[k] for d, k in step.state]
-                key_extra.append(module.training)
-        if step.never and kind == "pure":
-            kind = "side_effect"
+    def _run_keyed(self, plan: _Plan, steps: list, env: list, status: list, grad_enabled: bool) -> tuple[int, int]:
+        """A stretch of steps outside the reusable subgraphs (downstream of a random or side-effect
+        node), each looked up on its own inputs and module state, or run. Sets their env and
+        status slots; returns (nodes computed, nodes served by a lookup)."""
+        cache = self._cache
+        perf_counter = time.perf_counter
+        computed = reused = 0
+        for step in steps:
+            i = step.index
+            st = STABLE
+            for j in step.inputs:
+                if status[j] > st:
+                    st = status[j]
+            kind = step.kind
+            module = key_extra = None
+            if step.op == "call_module":
+                module = step.parent._modules[step.attr]  # what getattr finds, without its slow path
+                if module.training and (step.random_in_training or step.buffers):
+                    kind = "random" if step.random_in_training else "side_effect"
+                elif st != VARYING:
+                    # The module's parameters, buffers and mode are inputs of the node too.
+                    key_extra = [d[k] for d, k in step.state]
+                    key_extra.append(module.training)
+            if step.never and kind == "pure":
+                kind = "side_effect"
 
-        counts = (1, 0)
-        if (kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS
-                and module is None):  # a module's result may depend on its state, which st does not cover
-            value = step.last_value  # a shape or size of unchanged inputs: as it was
-            counts = (0, 0)
-        elif kind != "pure" or st == VARYING or not step.has_tensor:
-            if step.cached:
-                self._cache.invalidate_node(step.node_id)
-                step.cached = False
-            value = self._call(step, env, module)
-            if kind == "random":
-                st = VARYING
-            elif kind == "side_effect" and st == STABLE:
-                st = FRESH
-            elif kind == "pure" and not step.has_tensor:
-                st = self._value_status(step, value, st)
-                if _tensors_of(value):
-                    step.has_tensor = True  # learned wrong once: look it up from now on
-                    plan.epoch += 1
-        else:
-            key = [env[j] for j in step.inputs]
-            if key_extra is not None:
-                key.extend(key_extra)
-            value = self._cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
-            if value is not _MISS:
-                counts = (0, 1)
-                step.streak = 0  # the module's state is in the key: unchanged
-            else:
-                if key_extra is not None:
-                    source = self._source_status(step, key_extra)
-                    if source > st:
-                        st = source
-                start = time.perf_counter()
+            if (kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS
+                    and module is None):  # a module's result may depend on its state, which st does not cover
+                value = step.last_value  # a shape or size of unchanged inputs: as it was
+            elif kind != "pure" or st == VARYING or not step.has_tensor:
+                if step.cached:
+                    cache.invalidate_node(step.node_id)
+                    step.cached = False
                 value = self._call(step, env, module)
-                cost = time.perf_counter() - start
-                if not self._store(plan, step, key, value, cost, st == VARYING, grad_enabled):
-                    st = self._value_status(step, value, max(st, FRESH))
-                elif st != VARYING:  # VARYING: its parameters change at every call (training)
+                computed += 1
+                if kind == "random":
+                    st = VARYING
+                elif kind == "side_effect" and st == STABLE:
                     st = FRESH
-        env[i] = value
-        status[i] = st
-        return counts
+                elif kind == "pure" and not step.has_tensor:
+                    st = self._value_status(step, value, st)
+                    if _tensors_of(value):
+                        step.has_tensor = True  # learned wrong once: look it up from now on
+                        plan.epoch += 1
+            else:
+                key = [env[j] for j in step.inputs]
+                if key_extra is not None:
+                    key.extend(key_extra)
+                value = cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
+                if value is not _MISS:
+                    reused += 1
+                    step.streak = 0  # the module's state is in the key: unchanged
+                else:
+                    if key_extra is not None:
+                        source = self._source_status(step, key_extra)
+                        if source > st:
+                            st = source
+                    start = perf_counter()
+                    value = self._call(step, env, module)
+                    cost = perf_counter() - start
+                    computed += 1
+                    if not self._store(plan, step, key, value, cost, st == VARYING, grad_enabled):
+                        st = self._value_status(step, value, max(st, FRESH))
+                    elif st != VARYING:  # VARYING: its parameters change at every call (training)
+                        st = FRESH
+            env[i] = value
+            status[i] = st
+            for j in step.release:
+                env[j] = None
+        return computed, reused
 
     def _store(self, plan: _Plan, step: _Step, key: list, value: Any, cost: float, varies: bool,
                grad_enabled: bool) -> bool:
