@@ -34,6 +34,8 @@ _DROPOUT_FUNCTIONS = {
     torch.alpha_dropout: (1, 2, "train"), torch.feature_dropout: (1, 2, "train"),
     torch.feature_alpha_dropout: (1, 2, "train"),
 }
+# NOTE: _function_kind does not consult this set (as in the module it came from): these functions are
+# classified "pure" today, e.g. an operator.setitem node in a hand-built GraphModule is never run.
 _SIDE_EFFECT_FUNCTIONS = {
     operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
     operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
