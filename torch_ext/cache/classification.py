@@ -1,0 +1,162 @@
+"""What a graph node and a value are, as the lazy executor sees them.
+
+Node kinds: "pure", "random" (a new value at every call: never cached) or "side_effect" (writes
+somewhere: never cached, and what runs after it keeps per-node keys), from the function, method
+or module a node calls and its constant arguments; shape nodes (x.shape, x.size(), x.device),
+which are sources like the inputs they describe. Source statuses across calls: STABLE (same as
+last call), FRESH (changed once), VARYING (changed on two calls in a row). Value helpers: plain
+(comparable) values and the tensors a value holds.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.nn import functional as F
+
+STABLE, FRESH, VARYING = 0, 1, 2
+_MISS = object()
+
+_RANDOM_FUNCTIONS = {
+    torch.rand, torch.rand_like, torch.randn, torch.randn_like, torch.randint, torch.randint_like,
+    torch.randperm, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, torch.rrelu,
+    F.gumbel_softmax, F.rrelu,
+}
+# Dropout-like functions: random unless p is the constant 0 or training the constant False.
+# name -> (position of p, position of training, keyword of training)
+_DROPOUT_FUNCTIONS = {
+    F.dropout: (1, 2, "training"), F.dropout1d: (1, 2, "training"), F.dropout2d: (1, 2, "training"),
+    F.dropout3d: (1, 2, "training"), F.alpha_dropout: (1, 2, "training"),
+    F.feature_alpha_dropout: (1, 2, "training"), torch.dropout: (1, 2, "train"),
+    torch.alpha_dropout: (1, 2, "train"), torch.feature_dropout: (1, 2, "train"),
+    torch.feature_alpha_dropout: (1, 2, "train"),
+}
+# NOTE: _function_kind does not consult this set (as in the module it came from): these functions are
+# classified "pure" today, e.g. an operator.setitem node in a hand-built GraphModule is never run.
+_SIDE_EFFECT_FUNCTIONS = {
+    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift, torch.empty, torch.empty_like, torch.empty_strided,
+    print,
+}
+_RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "bernoulli_", "exponential_",
+                   "geometric_", "cauchy_", "log_normal_"}
+_SIDE_EFFECT_METHODS = {"backward", "register_hook", "retain_grad", "new_empty", "new_empty_strided", "record_stream",
+                        "__setitem__", "__delitem__"}
+_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+                   nn.RReLU)
+_PLAIN_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, _PLAIN_TYPES):
+        return True
+    if type(value) in (tuple, list, torch.Size):
+        return all(isinstance(v, _PLAIN_TYPES) for v in value)
+    return False
+
+
+def _tensors_of(value: Any) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_of(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_of(v)]
+    return []
+
+
+def _argument(node: fx.Node, position: int, keyword: str, default: Any) -> Any:
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(keyword, default)
+
+
+def _function_kind(node: fx.Node) -> str:
+    """'pure', 'random' or 'side_effect' for a call_function / call_method node."""
+    target = node.target
+    if node.op == "call_method":
+        if target in _RANDOM_METHODS:
+            return "random"
+        if (target in _SIDE_EFFECT_METHODS or (target.endswith("_") and not target.endswith("__"))
+                or (target.startswith("__i") and target.endswith("__")) or node.kwargs.get("inplace") is not None
+                and node.kwargs.get("inplace") is not False):
+            return "side_effect"
+        return "pure"
+    if "out" in node.kwargs or _writes_in_place(node):
+        return "side_effect"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        overloads = ([target] if isinstance(target, torch._ops.OpOverload)
+                     else [getattr(target, name) for name in target.overloads()])
+        if any(op._schema.is_mutable for op in overloads):
+            return "side_effect"
+        if any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads):
+            if any(op.__name__.split(".")[0] in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout")
+                   for op in overloads) and _argument(node, 2, "train", True) is False:
+                return "pure"
+            return "random"
+        name = target.__name__.split(".")[0]
+        if name.startswith("empty") or name.startswith("new_empty"):
+            return "side_effect"
+        return "pure"
+    if target in _RANDOM_FUNCTIONS:
+        return "random"
+    if target in _DROPOUT_FUNCTIONS:
+        p_position, training_position, training_keyword = _DROPOUT_FUNCTIONS[target]
+        if _argument(node, 3, "inplace", False) is not False:
+            return "side_effect"
+        p = _argument(node, p_position, "p", 0.5)
+        training = _argument(node, training_position, training_keyword, True)
+        return "pure" if training is False or (isinstance(p, (int, float)) and p == 0) else "random"
+    if target is F.scaled_dot_product_attention:
+        p = _argument(node, 4, "dropout_p", 0.0)
+        return "pure" if isinstance(p, (int, float)) and p == 0 else "random"
+    return "pure"
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """torch.relu_-style functions, and functions called with inplace=True (or an inplace
+    argument that is not the constant False)."""
+    target = node.target
+    name = getattr(target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+    if "inplace" not in parameters:
+        return False
+    position = list(parameters).index("inplace")
+    value = node.args[position] if len(node.args) > position else node.kwargs.get("inplace", False)
+    return value is not False
+
+
+def _random_in_training(module: nn.Module) -> bool:
+    for m in module.modules():
+        if isinstance(m, _RANDOM_MODULES):
+            return True
+        dropout = getattr(m, "dropout", None)
+        if isinstance(dropout, float) and dropout > 0:
+            return True
+    return False
+
+
+
+_SHAPE_ATTRIBUTES = {"shape", "ndim", "dtype", "device", "is_cuda", "layout"}
+
+
+def _is_shape_node(node: fx.Node) -> bool:
+    """x.shape, x.size(), x.dim(), x.numel(), x.shape[1], x.device ...: values that say what a
+    tensor is, not what it holds (torch.fx and torch.export spell them these ways)."""
+    if node.op == "call_method":
+        return node.target in ("size", "dim", "numel")
+    if node.op == "call_function":
+        if node.target is getattr:
+            return len(node.args) == 2 and node.args[1] in _SHAPE_ATTRIBUTES
+        if node.target is operator.getitem:
+            return isinstance(node.args[0], fx.Node) and _is_shape_node(node.args[0])
+    return False

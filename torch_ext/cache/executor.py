@@ -1,0 +1,507 @@
+"""LazyExecutor: runs a graph node by node, looking up and storing node outputs in the C++
+NodeCache (torch_ext._C.cache.NodeCache); see the torch_ext.cache package docstring."""
+from __future__ import annotations
+
+import inspect
+import operator
+import threading
+import time
+import weakref
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from torch import fx, nn
+
+from .. import _C
+from .analysis import _Analysis, _KeyedStretch, _Plan, _Step
+from .classification import _MISS, FRESH, STABLE, VARYING, _is_plain, _tensors_of
+from .codegen import _Segment
+from .tracing import _trace
+
+NodeCache = _C.cache.NodeCache
+
+_training = operator.attrgetter("training")
+_UNLIMITED = 2**63 - 1
+
+
+class LazyExecutor(nn.Module):
+    """Runs a module's graph node by node, reusing node outputs whose inputs are unchanged.
+
+    module: an nn.Module (traced with torch.fx, once per training-mode setting), a
+    torch.fx.GraphModule (run as is), or a torch.export.ExportedProgram (its .module()).
+    capacity_bytes: the most bytes of cached outputs to hold (None: no limit).
+    never_cache: node names, callables or module classes never to cache, for functions with
+    effects the executor cannot see.
+
+    Calls are serialised by a lock; the cache itself may be invalidated from any thread.
+    See the torch_ext.cache package docstring for what is reused, what never is, and the limitations.
+    """
+
+    def __init__(self, module: Union[nn.Module, fx.GraphModule, "torch.export.ExportedProgram"],
+                 capacity_bytes: Optional[int] = None, never_cache: Iterable[Any] = ()) -> None:
+        super().__init__()
+        if isinstance(module, torch.export.ExportedProgram):
+            module = module.module()
+            self._trace = False
+        elif isinstance(module, fx.GraphModule):
+            self._trace = False
+        elif isinstance(module, nn.Module):
+            self._trace = True
+        else:
+            raise TypeError(f"LazyExecutor: expected an nn.Module, torch.fx.GraphModule or torch.export."
+                            f"ExportedProgram, got {type(module).__name__}")
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes < 0):
+            raise ValueError(f"LazyExecutor: capacity_bytes must be None or an int >= 0, got {capacity_bytes!r}")
+        self.module = module
+        self._cache = NodeCache(_UNLIMITED if capacity_bytes is None else capacity_bytes)
+        self._never_cache = set(never_cache)
+        self._lock = threading.Lock()
+        self._plans: dict = {}
+        self._names: dict[int, str] = {}
+        self._next_id = 0
+        self._all_modules = list(module.modules())
+        self._calls = self._computed = self._reused = 0
+        try:
+            self._signature = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            self._signature = None
+        self._plan()  # trace now: errors surface at construction
+
+    # ---- plans ----
+    def _plan(self) -> _Plan:
+        key = tuple(map(_training, self._all_modules)) if self._trace else None
+        plan = self._plans.get(key)
+        if plan is None:
+            if self._trace:
+                graph_module = _trace(self.module)
+            else:
+                graph_module = self.module
+            plan = _Plan(graph_module, self.module, self._next_id, self._never_cache)
+            self._next_id += plan.size
+            for step in plan.steps:
+                self._names[step.node_id] = step.name
+                step.on_backward = self._backward_hook(step)
+            self._plans[key] = plan
+        return plan
+
+    def _backward_hook(self, step: _Step):
+        cache_ref = weakref.ref(self._cache)
+        node_id = step.node_id
+
+        def on_backward(grad_inputs, grad_outputs):
+            # The graph behind the cached output is being freed (or was used once): recompute.
+            cache = cache_ref()
+            if cache is not None:
+                cache.invalidate_node(node_id)
+        return on_backward
+
+    def _bind(self, plan: _Plan, args: tuple, kwargs: dict) -> list:
+        if kwargs:
+            if self._signature is None:
+                raise TypeError(f"LazyExecutor: {type(self.module).__name__} takes no keyword arguments")
+            try:
+                bound = self._signature.bind(*args, **kwargs)
+            except TypeError as error:
+                raise TypeError(f"LazyExecutor({type(self.module).__name__}): {error}") from None
+            bound.apply_defaults()
+            args = tuple(bound.args) + tuple(bound.kwargs.values())
+        if plan.pytree_io:
+            return list(plan.codegen.process_inputs(*args))
+        values = []
+        positional = list(args)
+        for step in plan.placeholders:
+            if step.target.startswith("**"):
+                values.append({})
+            elif step.target.startswith("*"):
+                values.append(tuple(positional))
+                positional = []
+            elif positional:
+                values.append(positional.pop(0))
+            elif step.placeholder_default is not _MISS:
+                values.append(step.placeholder_default)
+            else:
+                raise TypeError(f"LazyExecutor({type(self.module).__name__}): missing argument {step.target!r}")
+        if positional:
+            raise TypeError(f"LazyExecutor({type(self.module).__name__}): takes {len(plan.placeholders)} "
+                            f"arguments, got {len(args)}")
+        return values
+
+    # ---- running ----
+    def _source_status(self, step: _Step, inputs: list) -> int:
+        if not self._cache.observe(step.node_id, inputs):
+            step.streak = 0
+            return STABLE
+        step.streak += 1
+        return VARYING if step.streak >= 2 else FRESH
+
+    def forward(self, *args, **kwargs):
+        with self._lock:
+            plan = self._plan()
+            return self._run(plan, self._bind(plan, args, kwargs))
+
+    def _run(self, plan: _Plan, placeholder_values: list):
+        """One call, in four passes: 1. the sources' values and statuses; 2. the analysis of that
+        pattern; 3. demand, from the output back, with every frontier lookup (a replay of the last
+        call's when its lookups come out the same); 4. the program: what must run, in graph order."""
+        env: list = [None] * plan.size
+        status = [STABLE] * plan.size
+        grad_enabled = torch.is_grad_enabled()
+        varying, fresh = self._read_sources(plan, env, status, placeholder_values)
+        analysis = self._analysis_for(plan, varying, fresh)
+        keys: dict = {}  # frontier index -> (key, number of sources), for the misses
+        looked_up: dict = {}  # frontier index -> what its lookup found
+        with_training = not self._trace
+        demand = self._replay_demand(plan, analysis, env, fresh, with_training, keys, looked_up)
+        if demand is None:
+            demand = self._walk_demand(plan, analysis, env, fresh, varying, with_training, keys, looked_up)
+        program, n_run = demand
+        computed, reused = self._execute(plan, analysis, program, env, status, keys, varying, grad_enabled)
+        result = plan.output_build(env)
+        self._calls += 1
+        self._computed += computed
+        self._reused += plan.n_nodes - n_run + reused  # not run: served, or inside a served subgraph
+        if plan.pytree_io:
+            return plan.codegen.process_outputs(result)
+        return result
+
+    def _read_sources(self, plan: _Plan, env: list, status: list, placeholder_values: list) -> tuple[int, int]:
+        """Sources (inputs, attributes, shapes of those): their values and whether they changed.
+        Fills their slots of env and status; returns the bits of the varying and of the fresh
+        (changed this call) sources."""
+        mask = plan.mask
+        next_placeholder = iter(placeholder_values)
+        varying = fresh = 0
+        for step in plan.sources:
+            i = step.index
+            if step.op == "placeholder":
+                value = next(next_placeholder)
+            elif step.op == "get_attr":
+                value = getattr(step.parent, step.attr)
+            else:
+                value = self._call(step, env, None)
+            env[i] = value
+            st = status[i] = self._source_status(step, [value])
+            if st == VARYING:
+                varying |= mask[i]
+            elif st == FRESH:
+                fresh |= mask[i]
+        return varying, fresh
+
+    def _analysis_for(self, plan: _Plan, varying: int, fresh: int) -> _Analysis:
+        """The analysis of this pattern of varying and fresh sources (and, for graphs not traced
+        here, of the modules' training flags), made on its first use."""
+        key = (varying, fresh) if self._trace else (
+            varying, fresh, tuple(s.parent._modules[s.attr].training for s in plan.module_steps))
+        analysis = plan.analyses.get(key)
+        if analysis is None:
+            if len(plan.analyses) >= 64:
+                plan.analyses.clear()
+            analysis = plan.analyses[key] = _Analysis(plan, varying, fresh)
+        if analysis is not plan.last_analysis:
+            # Nodes that are now interior (or vary) hold no entry: drop what earlier calls stored.
+            plan.last_analysis = analysis
+            stale = [s.node_id for s in analysis.interior if s.cached]
+            for s in analysis.interior:
+                s.cached = False
+            if stale:
+                self._cache.invalidate_nodes(stale)
+        return analysis
+
+    def _replay_demand(self, plan: _Plan, analysis: _Analysis, env: list, fresh: int, with_training: bool,
+                       keys: dict, looked_up: dict) -> Optional[tuple[list, int]]:
+        """The last call's (program, steps in it) when this call's lookups, done in that call's
+        order, come out as that call's did: they demand the same steps. None when one differs (the
+        lookups done so far are in looked_up, the misses' keys in keys)."""
+        memo = analysis.demand
+        if memo is None or memo[0] != plan.epoch:
+            return None
+        for step, hit in memo[1]:
+            value = looked_up[step.index] = self._look_up(plan, analysis, step, env, fresh, with_training, keys)
+            if (value is not _MISS) != hit:
+                return None
+        return memo[2], memo[3]
+
+    def _walk_demand(self, plan: _Plan, analysis: _Analysis, env: list, fresh: int, varying: int,
+                     with_training: bool, keys: dict, looked_up: dict) -> tuple[list, int]:
+        """Demand, from the output back: a frontier node found in the cache needs nothing of its
+        closure; one that must be computed needs its inputs. Keys are closure sources and module
+        state, all known now, so every lookup happens before anything runs (a failed replay's
+        lookups are reused; the misses' keys go to keys). Returns the program (the steps to run in
+        graph order, stretches that just run compiled into _Segments) and how many steps it runs,
+        and remembers them and the lookups for the next call's replay."""
+        frontier = analysis.frontier
+        needed = analysis.roots[:]
+        run = []  # the steps to run, last first
+        lookups = []
+        for step in reversed(plan.compute_steps):
+            i = step.index
+            if not needed[i]:
+                continue
+            if frontier[i] and step.has_tensor:
+                value = looked_up[i] if i in looked_up else self._look_up(
+                    plan, analysis, step, env, fresh, with_training, keys)
+                lookups.append((step, value is not _MISS))
+                if value is not _MISS:
+                    continue
+            run.append(step)
+            for j in step.inputs:
+                needed[j] = 1
+        program, n_run = analysis.program(plan, run, varying), len(run)
+        analysis.demand = (plan.epoch, lookups, program, n_run)
+        return program, n_run
+
+    def _execute(self, plan: _Plan, analysis: _Analysis, program: list, env: list, status: list, keys: dict,
+                 varying: int, grad_enabled: bool) -> tuple[int, int]:
+        """Run what is needed, in graph order. The others were served by the cache or lie inside
+        a subgraph that was (values whose last use is skipped live until the call returns).
+        Returns (nodes computed, nodes served by a per-node lookup)."""
+        perf_counter = time.perf_counter
+        mask = plan.mask
+        computed = reused = 0
+        costs = [0.0] * plan.size
+        for step in program:
+            kind = step.__class__
+            if kind is _Segment:  # steps depending on a varying source: just run them
+                step.run(env, status)
+                computed += step.count
+                continue
+            if kind is _KeyedStretch:  # downstream of a random or side-effect node
+                done, found = self._run_keyed(plan, step.steps, env, status, grad_enabled)
+                computed += done
+                reused += found
+                continue
+            # In a reusable subgraph: a frontier miss is stored under its closure key.
+            i = step.index
+            module = step.parent._modules[step.attr] if step.op == "call_module" else None
+            start = perf_counter()
+            value = self._call(step, env, module)
+            cost = perf_counter() - start
+            for j in step.inputs:
+                cost += costs[j]
+            costs[i] = cost
+            computed += 1
+            st = VARYING if mask[i] & varying else FRESH
+            entry = keys.get(i)
+            if entry is not None:
+                st = self._store_frontier(plan, step, entry, value, cost, st, grad_enabled)
+            env[i] = value
+            status[i] = st
+            for j in step.release:
+                env[j] = None
+        return computed, reused
+
+    def _store_frontier(self, plan: _Plan, step: _Step, entry: tuple, value: Any, cost: float, st: int,
+                        grad_enabled: bool) -> int:
+        """Store a computed frontier node under its closure key, entry = (key, number of sources);
+        returns its status, VARYING where its module state changes at every call (training)."""
+        key, n_sources = entry
+        if len(key) > n_sources and self._source_status(step, key[n_sources:]) == VARYING:
+            st = VARYING  # parameters that change at every call (training)
+        self._store(plan, step, key, value, cost, st == VARYING, grad_enabled)
+        return st
+
+    def _run_keyed(self, plan: _Plan, steps: list, env: list, status: list, grad_enabled: bool) -> tuple[int, int]:
+        """A stretch of steps outside the reusable subgraphs (downstream of a random or side-effect
+        node), each looked up on its own inputs and module state, or run. Sets their env and
+        status slots; returns (nodes computed, nodes served by a lookup)."""
+        cache = self._cache
+        perf_counter = time.perf_counter
+        computed = reused = 0
+        for step in steps:
+            i = step.index
+            st = STABLE
+            for j in step.inputs:
+                if status[j] > st:
+                    st = status[j]
+            kind = step.kind
+            module = key_extra = None
+            if step.op == "call_module":
+                module = step.parent._modules[step.attr]  # what getattr finds, without its slow path
+                if module.training and (step.random_in_training or step.buffers):
+                    kind = "random" if step.random_in_training else "side_effect"
+                elif st != VARYING:
+                    # The module's parameters, buffers and mode are inputs of the node too.
+                    key_extra = [d[k] for d, k in step.state]
+                    key_extra.append(module.training)
+            if step.never and kind == "pure":
+                kind = "side_effect"
+
+            if (kind == "pure" and st == STABLE and not step.has_tensor and step.last_value is not _MISS
+                    and module is None):  # a module's result may depend on its state, which st does not cover
+                value = step.last_value  # a shape or size of unchanged inputs: as it was
+            elif kind != "pure" or st == VARYING or not step.has_tensor:
+                if step.cached:
+                    cache.invalidate_node(step.node_id)
+                    step.cached = False
+                value = self._call(step, env, module)
+                computed += 1
+                if kind == "random":
+                    st = VARYING
+                elif kind == "side_effect" and st == STABLE:
+                    st = FRESH
+                elif kind == "pure" and not step.has_tensor:
+                    st = self._value_status(step, value, st)
+                    if _tensors_of(value):
+                        step.has_tensor = True  # learned wrong once: look it up from now on
+                        plan.epoch += 1
+            else:
+                key = [env[j] for j in step.inputs]
+                if key_extra is not None:
+                    key.extend(key_extra)
+                value = cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
+                if value is not _MISS:
+                    reused += 1
+                    step.streak = 0  # the module's state is in the key: unchanged
+                else:
+                    if key_extra is not None:
+                        source = self._source_status(step, key_extra)
+                        if source > st:
+                            st = source
+                    start = perf_counter()
+                    value = self._call(step, env, module)
+                    cost = perf_counter() - start
+                    computed += 1
+                    if not self._store(plan, step, key, value, cost, st == VARYING, grad_enabled):
+                        st = self._value_status(step, value, max(st, FRESH))
+                    elif st != VARYING:  # VARYING: its parameters change at every call (training)
+                        st = FRESH
+            env[i] = value
+            status[i] = st
+            for j in step.release:
+                env[j] = None
+        return computed, reused
+
+    def _store(self, plan: _Plan, step: _Step, key: list, value: Any, cost: float, varies: bool,
+               grad_enabled: bool) -> bool:
+        """Put a computed value in the cache under key, or, where its key varies, drop the entry it
+        held. False when the value holds no tensor: the step is not looked up from now on."""
+        tensors = _tensors_of(value)
+        if not tensors:
+            step.has_tensor = False
+            plan.epoch += 1
+            return False
+        if varies:
+            if step.cached:
+                self._cache.invalidate_node(step.node_id)
+                step.cached = False
+        else:
+            step.cached = self._cache.put(step.node_id, key, value, cost)
+            if step.cached and grad_enabled:
+                for tensor in tensors:
+                    if tensor.grad_fn is not None:
+                        tensor.grad_fn.register_hook(step.on_backward)
+        return True
+
+    def _look_up(self, plan: _Plan, analysis: _Analysis, step: _Step, env: list, fresh: int, with_training: bool,
+                 keys: dict) -> Any:
+        """A frontier node's cached value (also put in env), or _MISS with its key put in keys."""
+        i = step.index
+        sources, pairs, modules, _ = analysis.closure(plan, i, with_training)
+        key = [env[j] for j in sources]
+        if pairs:
+            key.extend([d[k] for d, k in pairs])
+        if modules:
+            key.extend([parent._modules[attr].training for parent, attr in modules])
+        if not plan.mask[i] & fresh:
+            value = self._cache.get(step.node_id, key, _MISS)
+            if value is not _MISS:
+                env[i] = value
+                step.streak = 0  # its module state is in the key: unchanged
+                return value
+        keys[i] = (key, len(sources))
+        return _MISS
+
+    @staticmethod
+    def _call(step: _Step, env: list, module: Optional[nn.Module]) -> Any:
+        args, kwargs = step.build(env)
+        if module is not None:
+            return module(*args, **kwargs)
+        if step.op == "call_method":
+            return getattr(args[0], step.target)(*args[1:], **kwargs)
+        return step.target(*args, **kwargs)
+
+    @staticmethod
+    def _value_status(step: _Step, value: Any, status: int) -> int:
+        """A non-tensor output equal to the last one is as good as cached."""
+        if not _is_plain(value):
+            step.last_value = _MISS
+            return status
+        last = step.last_value
+        step.last_value = value
+        if last is not _MISS and type(last) is type(value) and last == value:
+            return STABLE
+        return status
+
+    # ---- inspection and control ----
+    def stats(self) -> dict:
+        """The NodeCache's counters (hits, misses, tensors_recomputed, evictions, invalidations,
+        entries, cached_bytes, capacity_bytes) and the executor's: calls, nodes_computed,
+        nodes_reused (nodes not run: served by a lookup, or inside a subgraph whose frontier was),
+        hit_rate (nodes_reused / (nodes_reused + nodes_computed)). hits + misses counts lookups:
+        one per frontier node of a reused subgraph, not one per node."""
+        stats = dict(self._cache.stats())
+        # No lock: a forward hook may ask mid-call; the counters are updated once per call.
+        stats.update(calls=self._calls, nodes_computed=self._computed, nodes_reused=self._reused)
+        done = stats["nodes_reused"] + stats["nodes_computed"]
+        stats["hit_rate"] = stats["nodes_reused"] / done if done else 0.0
+        return stats
+
+    def reset_stats(self) -> None:
+        self._cache.reset_stats()
+        with self._lock:
+            self._calls = self._computed = self._reused = 0
+
+    def invalidate(self) -> None:
+        """Drop every cached output: the next call recomputes every node."""
+        self._cache.invalidate()
+
+    def invalidate_node(self, name: str) -> None:
+        """Drop the cached output of the node called name (in every traced plan), and of every
+        node whose reused subgraph contains it: the next call recomputes the node and what depends
+        on it. Interior nodes of a reused subgraph hold no entry of their own (only its frontier
+        nodes do), so invalidating one drops the frontier entries that cover it."""
+        ids = [node_id for node_id, node_name in self._names.items() if node_name == name]
+        for plan in list(self._plans.values()):
+            for step in plan.steps:
+                if step.name != name:
+                    continue
+                for analysis in list(plan.analyses.values()):
+                    for frontier, closure in list(analysis.closures.items()):
+                        if step.index in closure[3]:
+                            ids.append(plan.steps[frontier].node_id)
+        if not ids:
+            known = sorted(set(self._names.values()))
+            raise ValueError(f"LazyExecutor: no node named {name!r}; nodes are {known[:20]}"
+                             f"{' ...' if len(known) > 20 else ''}")
+        self._cache.invalidate_nodes(ids)
+
+    def cached_nodes(self) -> list[str]:
+        """Names of the nodes whose outputs are cached now, in graph order."""
+        return [self._names[node_id] for node_id in self._cache.cached_node_ids()]
+
+    def memory_estimate(self) -> int:
+        """Bytes the cacheable nodes' outputs took when last stored (an upper bound on what caching
+        all of them holds: storages shared between nodes count per node)."""
+        return self._cache.memory_estimate(list(self._names))
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        capacity = self._cache.capacity_bytes
+        return None if capacity == _UNLIMITED else capacity
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: Optional[int]) -> None:
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"LazyExecutor: capacity_bytes must be None or an int >= 0, got {value!r}")
+        self._cache.capacity_bytes = _UNLIMITED if value is None else value
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The graph run for the module's current training mode."""
+        with self._lock:
+            return self._plan().graph_module
+
+
+def lazy(module, capacity_bytes: Optional[int] = None, never_cache: Iterable[Any] = ()) -> LazyExecutor:
+    """Shorthand for LazyExecutor(module, capacity_bytes, never_cache)."""
+    return LazyExecutor(module, capacity_bytes=capacity_bytes, never_cache=never_cache)
