@@ -107,7 +107,7 @@ def main() -> None:
                 "denoiser alone": lambda: sample(lambda x, t, _: model.denoise(x, t, cond), latent, tokens, steps),
             }, warmup=1, repeat=repeat)
             assert torch.equal(sample(model, latent, tokens, 3), sample(executor, latent, tokens, 3))
-            stats = executor.stats()
+            stats = executor.stats().as_dict()
             plain, lazy, alone = (timings[k].median_seconds / steps for k in ("plain", "lazy", "denoiser alone"))
             fastest = timings["lazy"].min_seconds / timings["denoiser alone"].min_seconds
             report.add_row({
@@ -141,7 +141,7 @@ def main() -> None:
         executor.reset_stats()
         timings = measure_interleaved({"plain": call("plain", model), "lazy": call("lazy", executor)},
                                       warmup=2, repeat=repeat * 3)
-        stats = executor.stats()
+        stats = executor.stats().as_dict()
         plain, lazy = timings["plain"].median_seconds, timings["lazy"].median_seconds
         report.add_row({
             "workload": f"weight-norm + int8-dequant MLP, {layers} x {width}, batch {batch} (per forward)",
@@ -166,7 +166,7 @@ def main() -> None:
 
         timings = measure_interleaved({"plain": fresh(model), "lazy": fresh(executor)}, warmup=1,
                                       repeat=repeat * 2)
-        stats = executor.stats()
+        stats = executor.stats().as_dict()
         plain, lazy = timings["plain"].median_seconds, timings["lazy"].median_seconds
         overhead = lazy / plain - 1
         report.add_row({

@@ -201,7 +201,7 @@ def demo_cache(progress) -> None:
         start = time.perf_counter()
         got = sample(executor, latent, tokens, steps, progress)
         lazy_seconds = (time.perf_counter() - start) / steps
-        stats = executor.stats()
+        stats = executor.stats().as_dict()
         start = time.perf_counter()
         sample(lambda x, t, _: model.denoise(x, t, cond), latent, tokens, steps, progress)
         alone_seconds = (time.perf_counter() - start) / steps

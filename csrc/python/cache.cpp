@@ -1,12 +1,13 @@
-// torch_ext._C.cache.NodeCache: the node cache with Python values, for the LazyExecutor.
-// Inputs convert to IValues without type inference (tensors, numbers, strings, devices,
-// tuples and lists; any other object is keyed by identity); outputs are held as the Python
-// objects they are, with their tensors handed to the cache for accounting.
+// torch_ext._C.cache.PythonValues: Python values on a torch.classes.torch_ext.NodeCache, for the
+// LazyExecutor. Inputs convert to IValues without type inference (tensors, numbers, strings,
+// devices, tuples and lists; any other object is keyed by identity); outputs are held as the
+// Python objects they are, with their tensors handed to the cache for accounting.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "torch_ext/cache/node_cache.h"
@@ -152,67 +153,53 @@ py::object to_python(const c10::IValue& value) {
   return py::none();
 }
 
-py::dict stats_dict(const torch_ext::cache::CacheStats& s) {
-  py::dict d;
-  d["hits"] = s.hits;
-  d["misses"] = s.misses;
-  d["tensors_recomputed"] = s.tensors_recomputed;
-  d["evictions"] = s.evictions;
-  d["invalidations"] = s.invalidations;
-  d["entries"] = s.entries;
-  d["cached_bytes"] = s.cached_bytes;
-  d["capacity_bytes"] = s.capacity_bytes;
-  return d;
+// The cache of a torch.classes.torch_ext.NodeCache object.
+c10::intrusive_ptr<NodeCache> cache_of(const py::handle& script_object) {
+  static const auto type = c10::getCustomClassType<c10::intrusive_ptr<NodeCache>>();
+  return torch::jit::toIValue(script_object, type).toCustomClass<NodeCache>();
 }
+
+// Python values on a NodeCache: what torch.classes cannot carry (any Python object as a value or
+// an input, converted without TorchScript's type inference), for the LazyExecutor's hot path.
+struct PythonValues {
+  c10::intrusive_ptr<NodeCache> cache;
+};
 
 }  // namespace
 
 void bind_cache(py::module_& m) {
   auto cache = m.def_submodule("cache", "Lazy node cache");
-  py::class_<NodeCache, c10::intrusive_ptr<NodeCache>>(cache, "NodeCache",
-                                                       "Node outputs reused only while their inputs are unchanged "
-                                                       "(see csrc/torch_ext/cache/node_cache.h)")
-      .def(py::init([](int64_t capacity_bytes) { return c10::make_intrusive<NodeCache>(capacity_bytes); }),
-           py::arg("capacity_bytes") = NodeCache::kUnlimited)
+  py::class_<PythonValues>(cache, "PythonValues",
+                           "get / put / observe of Python values on a torch.classes.torch_ext.NodeCache")
+      .def(py::init([](const py::object& script_object) { return PythonValues{cache_of(script_object)}; }),
+           py::arg("cache"))
       .def(
           "get",
-          [](NodeCache& self, int64_t node_id, const py::object& inputs, py::object default_value) -> py::object {
-            auto value = self.get(node_id, to_inputs(inputs));
+          [](PythonValues& self, int64_t node_id, const py::object& inputs, py::object default_value) -> py::object {
+            auto value = self.cache->get(node_id, to_inputs(inputs));
             return value ? to_python(*value) : default_value;
           },
           py::arg("node_id"), py::arg("inputs"), py::arg("default") = py::none(),
           "The cached output for these inputs, or default")
       .def(
           "put",
-          [](NodeCache& self, int64_t node_id, const py::object& inputs, py::object value, double cost_seconds) {
+          [](PythonValues& self, int64_t node_id, const py::object& inputs, py::object value, double cost_seconds) {
             std::vector<at::Tensor> tensors;
             collect_tensors(value, tensors);
-            return self.put(node_id, to_inputs(inputs), held(std::move(value), tensors), cost_seconds, tensors);
+            return self.cache->put(node_id, to_inputs(inputs), held(std::move(value), tensors), cost_seconds, tensors);
           },
           py::arg("node_id"), py::arg("inputs"), py::arg("value"), py::arg("cost_seconds") = 0.0,
           "Cache value for these inputs; False when not stored")
       .def(
           "observe",
-          [](NodeCache& self, int64_t source_id, const py::object& inputs) {
-            return self.observe(source_id, to_inputs(inputs));
+          [](PythonValues& self, int64_t source_id, const py::object& inputs) {
+            return self.cache->observe(source_id, to_inputs(inputs));
           },
           py::arg("source_id"), py::arg("inputs"))
-      .def("invalidate_node", &NodeCache::invalidate_node, py::arg("node_id"))
       .def(
-          "invalidate_nodes",
-          [](NodeCache& self, const std::vector<int64_t>& node_ids) { self.invalidate_nodes(node_ids); },
-          py::arg("node_ids"))
-      .def("invalidate", &NodeCache::invalidate)
-      .def("cached_count", &NodeCache::cached_count)
-      .def("cached_bytes", &NodeCache::cached_bytes)
-      .def("cached_node_ids", &NodeCache::cached_node_ids)
-      .def_property("capacity_bytes", &NodeCache::capacity_bytes, &NodeCache::set_capacity_bytes)
-      .def(
-          "memory_estimate",
-          [](const NodeCache& self, std::optional<std::vector<int64_t>> node_ids) {
-            return node_ids ? self.memory_estimate(*node_ids) : self.memory_estimate();
+          "record_call",
+          [](PythonValues& self, int64_t nodes_computed, int64_t nodes_reused) {
+            self.cache->record_call(nodes_computed, nodes_reused);
           },
-          py::arg("node_ids") = py::none())
-      .def("stats", [](const NodeCache& self) { return stats_dict(self.stats()); })
-      .def("reset_stats", &NodeCache::reset_stats);
+          py::arg("nodes_computed"), py::arg("nodes_reused"));
 }

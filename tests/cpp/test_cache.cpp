@@ -166,7 +166,7 @@ TEST(Cache, SharedStoragesAreCountedOnce) {
 }
 
 TEST(Cache, EvictionPrefersTheCheapestPerByteThenTheLeastRecent) {
-  NodeCache cache(3 * 100 * kFloat);
+  NodeCache cache({.capacity_bytes = 3 * 100 * kFloat});
   std::vector<at::Tensor> inputs{floats(1), floats(1), floats(1), floats(1), floats(1)};
   ASSERT_TRUE(cache.put(0, {inputs[0]}, floats(100), 5.0));  // expensive
   ASSERT_TRUE(cache.put(1, {inputs[1]}, floats(100), 0.1));  // cheap
@@ -185,11 +185,11 @@ TEST(Cache, EvictionPrefersTheCheapestPerByteThenTheLeastRecent) {
   // Larger than the whole capacity: not stored.
   EXPECT_FALSE(cache.put(6, {inputs[0]}, floats(400), 100.0));
   EXPECT_EQ(cache.cached_count(), 3);
-  EXPECT_LE(cache.cached_bytes(), cache.capacity_bytes());
+  EXPECT_LE(cache.cached_bytes(), *cache.capacity_bytes());
 }
 
 TEST(Cache, EntriesOfFreedInputsAreEvictedFirst) {
-  NodeCache cache(2 * 100 * kFloat);
+  NodeCache cache({.capacity_bytes = 2 * 100 * kFloat});
   at::Tensor keep = floats(1);
   ASSERT_TRUE(cache.put(0, {keep}, floats(100), 0.0));  // cheap but live
   {
@@ -258,20 +258,20 @@ TEST(Cache, ObserveTellsChangedInputsFromStableOnes) {
 }
 
 TEST(Cache, BadArgumentsAreRejectedWithoutChangingState) {
-  EXPECT_THROW(NodeCache(-1), c10::Error);
+  EXPECT_THROW(NodeCache({.capacity_bytes = -1}), c10::Error);
   NodeCache cache;
   at::Tensor x = floats(4);
   EXPECT_THROW(cache.put(0, {x}, x, -1.0), c10::Error);
   EXPECT_THROW(cache.put(0, {x}, x, std::nan("")), c10::Error);
   EXPECT_THROW(cache.set_capacity_bytes(-5), c10::Error);
   EXPECT_EQ(cache.cached_count(), 0);
-  EXPECT_EQ(cache.capacity_bytes(), NodeCache::kUnlimited);
+  EXPECT_FALSE(cache.capacity_bytes().has_value());
 }
 
 TEST(Cache, ConcurrentUseKeepsCountsAndBudgetConsistent) {
   constexpr int kThreads = 4;
   constexpr int kIterations = 2000;
-  NodeCache cache(8 * 64 * kFloat);
+  NodeCache cache({.capacity_bytes = 8 * 64 * kFloat});
   std::vector<at::Tensor> inputs;
   for (int i = 0; i < 16; ++i) {
     inputs.push_back(floats(1));

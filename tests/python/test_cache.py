@@ -84,12 +84,12 @@ def test_repeated_inputs_are_reused_and_outputs_equal_the_plain_module():
     idx = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         first = executor(idx)
-        assert executor.stats()["nodes_reused"] == 0
+        assert executor.stats().nodes_reused == 0
         second = executor(idx)
         assert same(first, model(idx)) and same(second, model(idx))
     stats = executor.stats()
     # The whole graph is one reused subgraph: one lookup (its output) serves every node.
-    assert stats["hits"] == 1 and stats["nodes_reused"] > stats["hits"]
+    assert stats.hits == 1 and stats.nodes_reused > stats.hits
     assert "wpe" in executor.cached_nodes()  # depends on idx's shape only: its own entry
 
 
@@ -110,9 +110,9 @@ def test_diffusion_loop_reuses_the_conditioning_and_recomputes_the_rest():
     assert not {"encoder_fc1", "gelu"} & set(cached)  # its interior is neither run nor held
     assert "inp" not in cached and "out" not in cached  # x varies: never stored after the second step
     stats = executor.stats()
-    assert stats["hits"] == 4  # steps 2..5: one lookup serves the encoder's three nodes
-    assert stats["nodes_reused"] == 4 * 3
-    assert stats["misses"] == 0
+    assert stats.hits == 4  # steps 2..5: one lookup serves the encoder's three nodes
+    assert stats.nodes_reused == 4 * 3
+    assert stats.misses == 0
 
 
 class Arguments(nn.Module):
@@ -144,7 +144,7 @@ def test_steps_that_just_run_are_compiled_into_segments_that_equal_the_plain_mod
     segments = [part for programs in (a.programs for a in plan.analyses.values())
                 for program in programs.values() for part in program if hasattr(part, "count")]
     assert segments and max(part.count for part in segments) >= 5
-    assert executor.stats()["hits"] >= 4  # fc(cond) is looked up once per call and found
+    assert executor.stats().hits >= 4  # fc(cond) is looked up once per call and found
 
 
 def test_in_place_edits_of_inputs_parameters_and_buffers_recompute_dependents():
@@ -263,7 +263,7 @@ def test_training_outputs_gradients_and_parameters_equal_the_plain_module():
     for p, q in zip(plain.parameters(), lazy_model.parameters()):
         assert same(p, q)
     # x * scale depends on the input and a buffer only: reused at every step after the first.
-    assert executor.stats()["hits"] >= 3
+    assert executor.stats().hits >= 3
     # Parameters changed at every step: their dependents are no longer stored.
     assert executor.cached_nodes() == ["mul"]
 
@@ -275,7 +275,7 @@ def test_under_inference_mode_nothing_is_reused_and_outputs_stay_exact():
     with torch.inference_mode():
         for _ in range(3):
             assert same(executor(x, cond), model(x, cond))
-    assert executor.stats()["hits"] == 0
+    assert executor.stats().hits == 0
 
 
 def test_the_executor_is_freed_with_grad_outputs_cached():
@@ -316,7 +316,7 @@ def test_gradients_through_an_output_reused_within_one_graph():
     for _ in range(4):
         x_plain = x_plain - 0.1 * plain(x_plain, cond)
         x_lazy = x_lazy - 0.1 * executor(x_lazy, cond)
-    assert executor.stats()["hits"] > 0
+    assert executor.stats().hits > 0
     x_plain.sum().backward()
     x_lazy.sum().backward()
     # The reused encoder output gets its four uses' gradients summed before one backward;
@@ -364,9 +364,9 @@ def test_an_unchanged_subgraph_costs_one_lookup_and_trains_exactly():
             assert same(got, expected)
             x = x + 0.1 * got
         after = executor.stats()
-    lookups = (after["hits"] + after["misses"]) - (before["hits"] + before["misses"])
-    assert lookups == 5 and after["hits"] - before["hits"] == 5  # one per call: the encoder's output
-    assert after["nodes_reused"] - before["nodes_reused"] == 5 * 16  # its 16 nodes were not run
+    lookups = (after.hits + after.misses) - (before.hits + before.misses)
+    assert lookups == 5 and after.hits - before.hits == 5  # one per call: the encoder's output
+    assert after.nodes_reused - before.nodes_reused == 5 * 16  # its 16 nodes were not run
     cached = executor.cached_nodes()
     assert cached == ["tanh_7"], cached  # the interior is not held
 
@@ -379,10 +379,10 @@ def test_an_unchanged_subgraph_costs_one_lookup_and_trains_exactly():
         # does, so that gradients are summed in the same order and compare exactly.
         c = plain.encode(cond)
         out_plain = plain.head(x1, c) + plain.head(x2, c)
-        hits = executor.stats()["hits"]
+        hits = executor.stats().hits
         out_lazy = executor(x1, cond) + executor(x2, cond)
         assert same(out_plain, out_lazy)
-        assert executor.stats()["hits"] == hits + 1  # the second call reuses the encoder (with its graph)
+        assert executor.stats().hits == hits + 1  # the second call reuses the encoder (with its graph)
         out_plain.square().sum().backward()
         out_lazy.square().sum().backward()
         for p, q in zip(plain.parameters(), lazy_model.parameters()):
@@ -488,7 +488,7 @@ def test_graph_modules_and_exported_programs_run_with_reuse():
             for step in range(3):
                 x = x + 0.01
                 assert same(executor(x, cond=cond), model(x, cond))
-        assert executor.stats()["hits"] > 0, type(source)
+        assert executor.stats().hits > 0, type(source)
 
 
 def test_keyword_arguments_and_argument_errors():
@@ -517,8 +517,8 @@ def test_invalidate_node_invalidate_and_stats():
         before = executor.stats()
         assert same(executor(x, cond), model(x, cond))
         after = executor.stats()
-        assert after["misses"] == before["misses"] + 2  # out, then encoder_fc2; inp hits
-        assert after["tensors_recomputed"] == before["tensors_recomputed"] + 2
+        assert after.misses == before.misses + 2  # out, then encoder_fc2; inp hits
+        assert after.tensors_recomputed == before.tensors_recomputed + 2
         # An interior node (gelu, inside encoder_fc2's subgraph) holds no entry: invalidating it
         # drops the entries that cover it, and the next call recomputes it.
         assert "gelu" not in executor.cached_nodes()
@@ -527,12 +527,12 @@ def test_invalidate_node_invalidate_and_stats():
         assert same(executor(x, cond), model(x, cond))
         executor.invalidate()
         assert executor.cached_nodes() == []
-        assert executor.stats()["cached_bytes"] == 0
+        assert executor.stats().cached_bytes == 0
     assert executor.memory_estimate() > 0
     with pytest.raises(ValueError, match="no node named 'nope'"):
         executor.invalidate_node("nope")
     executor.reset_stats()
-    assert executor.stats()["hits"] == 0 and executor.stats()["calls"] == 0
+    assert executor.stats().hits == 0 and executor.stats().calls == 0
 
 
 def test_capacity_bytes_bounds_what_is_held_and_results_stay_exact():
@@ -542,15 +542,15 @@ def test_capacity_bytes_bounds_what_is_held_and_results_stay_exact():
     x = torch.randn(64, 8)
     with torch.no_grad():
         unlimited(x), unlimited(x)
-    need = unlimited.stats()["cached_bytes"]
+    need = unlimited.stats().cached_bytes
     executor = LazyExecutor(model, capacity_bytes=need // 2)
     with torch.no_grad():
         for _ in range(4):
             assert same(executor(x), model(x))
-            assert executor.stats()["cached_bytes"] <= need // 2
+            assert executor.stats().cached_bytes <= need // 2
     assert 0 < len(executor.cached_nodes()) < len(unlimited.cached_nodes())
     executor.capacity_bytes = 0
-    assert executor.stats()["cached_bytes"] == 0 and executor.capacity_bytes == 0
+    assert executor.stats().cached_bytes == 0 and executor.capacity_bytes == 0
     executor.capacity_bytes = None
     assert executor.capacity_bytes is None
 
@@ -560,6 +560,8 @@ def test_bad_arguments_are_rejected_with_clear_errors():
         LazyExecutor(3)
     with pytest.raises(ValueError, match="capacity_bytes"):
         LazyExecutor(Denoiser(), capacity_bytes=-1)
+    with pytest.raises(RuntimeError, match="Unknown keyword argument 'capacity'"):
+        LazyExecutor(Denoiser(), capacity=1)
 
     class Untraceable(nn.Module):
         def forward(self, x):
@@ -570,10 +572,8 @@ def test_bad_arguments_are_rejected_with_clear_errors():
     cache = NodeCache()
     with pytest.raises(RuntimeError, match="cost_seconds"):
         cache.put(0, [torch.ones(1)], torch.ones(1), -1.0)
-    with pytest.raises(TypeError, match="list or tuple"):
-        cache.get(0, torch.ones(1))
-    with pytest.raises(RuntimeError, match="capacity_bytes"):
-        NodeCache(-1)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        NodeCache(capacity_bytes=-1)
 
 
 def test_concurrent_calls_are_serialised_and_exact():
@@ -598,7 +598,7 @@ def test_concurrent_calls_are_serialised_and_exact():
     for t in threads:
         t.join()
     assert errors == []
-    assert executor.stats()["calls"] == 80
+    assert executor.stats().calls == 80
 
 
 # ---- the NodeCache itself, from Python and TorchScript ----
@@ -606,18 +606,19 @@ def test_node_cache_keys_by_identity_version_and_value():
     cache = NodeCache()
     x = torch.randn(4)
     y = x * 2
-    assert cache.put(7, [x, 3, (1, 2), "s", torch.float32], y, 0.5)
-    assert cache.get(7, [x, 3, (1, 2), "s", torch.float32]) is y
-    assert cache.get(7, [x, 3, (1, 2), "s", torch.float64], "miss") == "miss"
-    cache.put(7, [x, 3], y, 0.5)
-    assert cache.get(7, [x.clone(), 3], "miss") == "miss"
-    cache.put(7, [x, 3], y, 0.5)
+    assert cache.put(7, (x, 3, (1, 2), "s"), y, 0.5)
+    assert cache._type().qualified_name() == "__torch__.torch.classes.torch_ext.NodeCache"  # one class for all
+    assert cache.get(7, (x, 3, (1, 2), "s")) is y
+    assert cache.get(7, (x, 3, (1, 2), "t")) is None
+    cache.put(7, [x, x], y, 0.5)
+    assert cache.get(7, [x.clone(), x]) is None
+    cache.put(7, [x, x], y, 0.5)
     x.add_(1)
-    assert cache.get(7, [x, 3], "miss") == "miss"
+    assert cache.get(7, [x, x]) is None
     stats = cache.stats()
-    assert set(stats) == {"hits", "misses", "tensors_recomputed", "evictions", "invalidations", "entries",
-                          "cached_bytes", "capacity_bytes"}
-    assert stats["hits"] == 1 and stats["misses"] == 3
+    assert stats.fields() == ["hits", "misses", "tensors_recomputed", "evictions", "invalidations", "entries",
+                              "cached_bytes", "capacity_bytes", "calls", "nodes_computed", "nodes_reused", "hit_rate"]
+    assert stats.hits == 1 and stats.misses == 3 and stats.capacity_bytes is None
 
 
 def test_torchscript_uses_the_registered_class():
@@ -636,7 +637,7 @@ def test_torchscript_uses_the_registered_class():
     first = cached_double(cache, x)
     second = cached_double(cache, x)
     assert same(first, x * 2) and first.data_ptr() == second.data_ptr()
-    assert cache.stats()["hits"] == 1 and cache.cached_bytes() == x.nbytes
+    assert cache.stats().hits == 1 and cache.cached_bytes() == x.nbytes
     x.add_(1)
     assert same(cached_double(cache, x), x * 2)
     assert cache.get(0, [torch.randn(8)]) is None
@@ -672,7 +673,7 @@ def test_a_scripted_module_with_a_cache_saves_and_loads_in_a_fresh_process(tmp_p
         with torch.no_grad():
             a, b = loaded(x), loaded(x)
         assert torch.equal(a, x @ loaded.weight.softmax(dim=1)) and torch.equal(a, b)
-        assert loaded.cache.capacity_bytes() == 4096 and loaded.cache.stats()["hits"] == 1
+        assert loaded.cache.capacity_bytes == 4096 and loaded.cache.stats().hits == 1
         print("ok")
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)

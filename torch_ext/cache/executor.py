@@ -1,5 +1,6 @@
 """LazyExecutor: runs a graph node by node, looking up and storing node outputs in the C++
-NodeCache (torch_ext._C.cache.NodeCache); see the torch_ext.cache package docstring."""
+NodeCache (torch.classes.torch_ext.NodeCache, reached for Python values through
+torch_ext._C.cache.PythonValues); see the torch_ext.cache package docstring."""
 from __future__ import annotations
 
 import inspect
@@ -18,10 +19,9 @@ from .classification import _MISS, FRESH, STABLE, VARYING, _is_plain, _tensors_o
 from .codegen import _Segment
 from .tracing import _trace
 
-NodeCache = _C.cache.NodeCache
+NodeCache = torch.classes.torch_ext.NodeCache
 
 _training = operator.attrgetter("training")
-_UNLIMITED = 2**63 - 1
 
 
 class LazyExecutor(nn.Module):
@@ -29,7 +29,8 @@ class LazyExecutor(nn.Module):
 
     module: an nn.Module (traced with torch.fx, once per training-mode setting), a
     torch.fx.GraphModule (run as is), or a torch.export.ExportedProgram (its .module()).
-    capacity_bytes: the most bytes of cached outputs to hold (None: no limit).
+    Keyword options are the NodeCache's (capacity_bytes: the most bytes of cached outputs to
+    hold; None, the default: no limit); `cache` is that NodeCache (torch.classes.torch_ext).
     never_cache: node names, callables or module classes never to cache, for functions with
     effects the executor cannot see.
 
@@ -38,7 +39,7 @@ class LazyExecutor(nn.Module):
     """
 
     def __init__(self, module: Union[nn.Module, fx.GraphModule, "torch.export.ExportedProgram"],
-                 capacity_bytes: Optional[int] = None, never_cache: Iterable[Any] = ()) -> None:
+                 never_cache: Iterable[Any] = (), **options: Any) -> None:
         super().__init__()
         if isinstance(module, torch.export.ExportedProgram):
             module = module.module()
@@ -50,17 +51,15 @@ class LazyExecutor(nn.Module):
         else:
             raise TypeError(f"LazyExecutor: expected an nn.Module, torch.fx.GraphModule or torch.export."
                             f"ExportedProgram, got {type(module).__name__}")
-        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes < 0):
-            raise ValueError(f"LazyExecutor: capacity_bytes must be None or an int >= 0, got {capacity_bytes!r}")
         self.module = module
-        self._cache = NodeCache(_UNLIMITED if capacity_bytes is None else capacity_bytes)
+        self.cache = NodeCache(**options)
+        self._values = _C.cache.PythonValues(self.cache)
         self._never_cache = set(never_cache)
         self._lock = threading.Lock()
         self._plans: dict = {}
         self._names: dict[int, str] = {}
         self._next_id = 0
         self._all_modules = list(module.modules())
-        self._calls = self._computed = self._reused = 0
         try:
             self._signature = inspect.signature(module.forward)
         except (TypeError, ValueError):
@@ -85,7 +84,7 @@ class LazyExecutor(nn.Module):
         return plan
 
     def _backward_hook(self, step: _Step):
-        cache_ref = weakref.ref(self._cache)
+        cache_ref = weakref.ref(self.cache)
         node_id = step.node_id
 
         def on_backward(grad_inputs, grad_outputs):
@@ -128,7 +127,7 @@ class LazyExecutor(nn.Module):
 
     # ---- running ----
     def _source_status(self, step: _Step, inputs: list) -> int:
-        if not self._cache.observe(step.node_id, inputs):
+        if not self._values.observe(step.node_id, inputs):
             step.streak = 0
             return STABLE
         step.streak += 1
@@ -157,9 +156,7 @@ class LazyExecutor(nn.Module):
         program, n_run = demand
         computed, reused = self._execute(plan, analysis, program, env, status, keys, varying, grad_enabled)
         result = plan.output_build(env)
-        self._calls += 1
-        self._computed += computed
-        self._reused += plan.n_nodes - n_run + reused  # not run: served, or inside a served subgraph
+        self._values.record_call(computed, plan.n_nodes - n_run + reused)  # not run: served, or in a served subgraph
         if plan.pytree_io:
             return plan.codegen.process_outputs(result)
         return result
@@ -204,7 +201,7 @@ class LazyExecutor(nn.Module):
             for s in analysis.interior:
                 s.cached = False
             if stale:
-                self._cache.invalidate_nodes(stale)
+                self.cache.invalidate_nodes(stale)
         return analysis
 
     def _replay_demand(self, plan: _Plan, analysis: _Analysis, env: list, fresh: int, with_training: bool,
@@ -304,7 +301,7 @@ class LazyExecutor(nn.Module):
         """A stretch of steps outside the reusable subgraphs (downstream of a random or side-effect
         node), each looked up on its own inputs and module state, or run. Sets their env and
         status slots; returns (nodes computed, nodes served by a lookup)."""
-        cache = self._cache
+        values = self._values
         perf_counter = time.perf_counter
         computed = reused = 0
         for step in steps:
@@ -331,7 +328,7 @@ class LazyExecutor(nn.Module):
                 value = step.last_value  # a shape or size of unchanged inputs: as it was
             elif kind != "pure" or st == VARYING or not step.has_tensor:
                 if step.cached:
-                    cache.invalidate_node(step.node_id)
+                    self.cache.invalidate_node(step.node_id)
                     step.cached = False
                 value = self._call(step, env, module)
                 computed += 1
@@ -348,7 +345,7 @@ class LazyExecutor(nn.Module):
                 key = [env[j] for j in step.inputs]
                 if key_extra is not None:
                     key.extend(key_extra)
-                value = cache.get(step.node_id, key, _MISS) if st == STABLE else _MISS
+                value = values.get(step.node_id, key, _MISS) if st == STABLE else _MISS
                 if value is not _MISS:
                     reused += 1
                     step.streak = 0  # the module's state is in the key: unchanged
@@ -382,10 +379,10 @@ class LazyExecutor(nn.Module):
             return False
         if varies:
             if step.cached:
-                self._cache.invalidate_node(step.node_id)
+                self.cache.invalidate_node(step.node_id)
                 step.cached = False
         else:
-            step.cached = self._cache.put(step.node_id, key, value, cost)
+            step.cached = self._values.put(step.node_id, key, value, cost)
             if step.cached and grad_enabled:
                 for tensor in tensors:
                     if tensor.grad_fn is not None:
@@ -403,7 +400,7 @@ class LazyExecutor(nn.Module):
         if modules:
             key.extend([parent._modules[attr].training for parent, attr in modules])
         if not plan.mask[i] & fresh:
-            value = self._cache.get(step.node_id, key, _MISS)
+            value = self._values.get(step.node_id, key, _MISS)
             if value is not _MISS:
                 env[i] = value
                 step.streak = 0  # its module state is in the key: unchanged
@@ -433,27 +430,20 @@ class LazyExecutor(nn.Module):
         return status
 
     # ---- inspection and control ----
-    def stats(self) -> dict:
-        """The NodeCache's counters (hits, misses, tensors_recomputed, evictions, invalidations,
-        entries, cached_bytes, capacity_bytes) and the executor's: calls, nodes_computed,
-        nodes_reused (nodes not run: served by a lookup, or inside a subgraph whose frontier was),
-        hit_rate (nodes_reused / (nodes_reused + nodes_computed)). hits + misses counts lookups:
-        one per frontier node of a reused subgraph, not one per node."""
-        stats = dict(self._cache.stats())
-        # No lock: a forward hook may ask mid-call; the counters are updated once per call.
-        stats.update(calls=self._calls, nodes_computed=self._computed, nodes_reused=self._reused)
-        done = stats["nodes_reused"] + stats["nodes_computed"]
-        stats["hit_rate"] = stats["nodes_reused"] / done if done else 0.0
-        return stats
+    def stats(self) -> torch.ScriptObject:
+        """The NodeCache's CacheStats: its counters (hits, misses, tensors_recomputed, evictions,
+        invalidations, entries, cached_bytes, capacity_bytes) and this executor's (calls,
+        nodes_computed, nodes_reused: nodes not run, served by a lookup or inside a subgraph whose
+        frontier was; hit_rate). hits + misses counts lookups: one per frontier node of a reused
+        subgraph, not one per node. A forward hook may ask mid-call: calls are counted when they end."""
+        return self.cache.stats()
 
     def reset_stats(self) -> None:
-        self._cache.reset_stats()
-        with self._lock:
-            self._calls = self._computed = self._reused = 0
+        self.cache.reset_stats()
 
     def invalidate(self) -> None:
         """Drop every cached output: the next call recomputes every node."""
-        self._cache.invalidate()
+        self.cache.invalidate()
 
     def invalidate_node(self, name: str) -> None:
         """Drop the cached output of the node called name (in every traced plan), and of every
@@ -473,27 +463,24 @@ class LazyExecutor(nn.Module):
             known = sorted(set(self._names.values()))
             raise ValueError(f"LazyExecutor: no node named {name!r}; nodes are {known[:20]}"
                              f"{' ...' if len(known) > 20 else ''}")
-        self._cache.invalidate_nodes(ids)
+        self.cache.invalidate_nodes(ids)
 
     def cached_nodes(self) -> list[str]:
         """Names of the nodes whose outputs are cached now, in graph order."""
-        return [self._names[node_id] for node_id in self._cache.cached_node_ids()]
+        return [self._names[node_id] for node_id in self.cache.cached_node_ids()]
 
     def memory_estimate(self) -> int:
         """Bytes the cacheable nodes' outputs took when last stored (an upper bound on what caching
         all of them holds: storages shared between nodes count per node)."""
-        return self._cache.memory_estimate(list(self._names))
+        return self.cache.memory_estimate(list(self._names))
 
     @property
     def capacity_bytes(self) -> Optional[int]:
-        capacity = self._cache.capacity_bytes
-        return None if capacity == _UNLIMITED else capacity
+        return self.cache.capacity_bytes
 
     @capacity_bytes.setter
     def capacity_bytes(self, value: Optional[int]) -> None:
-        if value is not None and (not isinstance(value, int) or value < 0):
-            raise ValueError(f"LazyExecutor: capacity_bytes must be None or an int >= 0, got {value!r}")
-        self._cache.capacity_bytes = _UNLIMITED if value is None else value
+        self.cache.set_capacity_bytes(value)
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -502,6 +489,6 @@ class LazyExecutor(nn.Module):
             return self._plan().graph_module
 
 
-def lazy(module, capacity_bytes: Optional[int] = None, never_cache: Iterable[Any] = ()) -> LazyExecutor:
-    """Shorthand for LazyExecutor(module, capacity_bytes, never_cache)."""
-    return LazyExecutor(module, capacity_bytes=capacity_bytes, never_cache=never_cache)
+def lazy(module, never_cache: Iterable[Any] = (), **options: Any) -> LazyExecutor:
+    """Shorthand for LazyExecutor(module, never_cache, **options)."""
+    return LazyExecutor(module, never_cache=never_cache, **options)

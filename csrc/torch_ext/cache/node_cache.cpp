@@ -36,8 +36,13 @@ void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out) {
 
 }  // namespace
 
-NodeCache::NodeCache(int64_t capacity_bytes) : capacity_bytes_(capacity_bytes) {
-  TORCH_CHECK(capacity_bytes >= 0, "NodeCache: capacity_bytes must be >= 0, got ", capacity_bytes);
+void NodeCacheOptions::validate() const {
+  TORCH_CHECK_VALUE(!capacity_bytes || *capacity_bytes >= 0, "NodeCache: capacity_bytes must be None or >= 0, got ",
+                    *capacity_bytes);
+}
+
+NodeCache::NodeCache(NodeCacheOptions options) : capacity_bytes_(options.capacity_bytes.value_or(kUnlimited)) {
+  options.validate();
 }
 
 NodeCache::~NodeCache() = default;
@@ -266,18 +271,18 @@ std::vector<int64_t> NodeCache::cached_node_ids() const {
   return ids;
 }
 
-int64_t NodeCache::capacity_bytes() const {
+std::optional<int64_t> NodeCache::capacity_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return capacity_bytes_;
+  return capacity_bytes_ == kUnlimited ? std::nullopt : std::optional<int64_t>(capacity_bytes_);
 }
 
-void NodeCache::set_capacity_bytes(int64_t capacity_bytes) {
-  TORCH_CHECK(capacity_bytes >= 0, "NodeCache.set_capacity_bytes: capacity_bytes must be >= 0, got ", capacity_bytes);
+void NodeCache::set_capacity_bytes(std::optional<int64_t> capacity_bytes) {
+  NodeCacheOptions{capacity_bytes}.validate();
   std::vector<Entry> dead;
   std::lock_guard<std::mutex> lock(mutex_);
-  capacity_bytes_ = capacity_bytes;
+  capacity_bytes_ = capacity_bytes.value_or(kUnlimited);
   // Nothing incoming: every entry is a candidate (an infinite score admits all).
-  const bool fits = make_room_locked(capacity_bytes, std::numeric_limits<double>::infinity(), {}, {}, dead);
+  const bool fits = make_room_locked(capacity_bytes_, std::numeric_limits<double>::infinity(), {}, {}, dead);
   TORCH_INTERNAL_ASSERT(fits, "NodeCache.set_capacity_bytes: evicting every entry must fit");
 }
 
@@ -302,12 +307,21 @@ int64_t NodeCache::memory_estimate() const {
   return total;
 }
 
+void NodeCache::record_call(int64_t nodes_computed, int64_t nodes_reused) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.calls += 1;
+  stats_.nodes_computed += nodes_computed;
+  stats_.nodes_reused += nodes_reused;
+}
+
 CacheStats NodeCache::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   CacheStats s = stats_;
   s.entries = static_cast<int64_t>(entries_.size());
   s.cached_bytes = cached_bytes_;
-  s.capacity_bytes = capacity_bytes_;
+  if (capacity_bytes_ != kUnlimited) s.capacity_bytes = capacity_bytes_;
+  const int64_t done = s.nodes_reused + s.nodes_computed;
+  s.hit_rate = done > 0 ? static_cast<double>(s.nodes_reused) / static_cast<double>(done) : 0.0;
   return s;
 }
 

@@ -29,26 +29,56 @@
 #include <ATen/core/ivalue.h>
 
 #include "torch_ext/cache/input_key.h"
+#include "torch_ext/fields.h"
 
 namespace torch_ext::cache {
 
 struct CacheStats {
-  int64_t hits = 0;                // get() calls answered from the cache
-  int64_t misses = 0;              // get() calls that found no valid entry
-  int64_t tensors_recomputed = 0;  // tensors put for nodes that had been cached before (stale,
-                                   // invalidated or evicted entries)
-  int64_t evictions = 0;           // entries dropped to stay within capacity_bytes
-  int64_t invalidations = 0;       // entries dropped by invalidate_node() / invalidate()
-  int64_t entries = 0;             // entries held now
-  int64_t cached_bytes = 0;        // bytes held now (each storage once)
-  int64_t capacity_bytes = 0;
+  int64_t hits = 0;
+  int64_t misses = 0;
+  int64_t tensors_recomputed = 0;
+  int64_t evictions = 0;
+  int64_t invalidations = 0;
+  int64_t entries = 0;
+  int64_t cached_bytes = 0;
+  std::optional<int64_t> capacity_bytes;
+  int64_t calls = 0;
+  int64_t nodes_computed = 0;
+  int64_t nodes_reused = 0;
+  double hit_rate = 0;
+
+  static constexpr auto fields() {
+    return std::make_tuple(
+        field("hits", &CacheStats::hits, "lookups answered from the cache"),
+        field("misses", &CacheStats::misses, "lookups that found no valid entry"),
+        field("tensors_recomputed", &CacheStats::tensors_recomputed,
+              "tensors put for nodes that had been cached before (stale, invalidated or evicted entries)"),
+        field("evictions", &CacheStats::evictions, "entries dropped to stay within capacity_bytes"),
+        field("invalidations", &CacheStats::invalidations, "entries dropped by invalidate_node(s) / invalidate"),
+        field("entries", &CacheStats::entries, "entries held now"),
+        field("cached_bytes", &CacheStats::cached_bytes, "bytes held now (each storage once)"),
+        field("capacity_bytes", &CacheStats::capacity_bytes, "the byte budget (None: unlimited)"),
+        field("calls", &CacheStats::calls, "executor calls recorded with record_call()"),
+        field("nodes_computed", &CacheStats::nodes_computed, "nodes those calls ran"),
+        field("nodes_reused", &CacheStats::nodes_reused,
+              "nodes those calls did not run: served by a lookup, or inside a subgraph whose frontier was"),
+        field("hit_rate", &CacheStats::hit_rate, "nodes_reused / (nodes_reused + nodes_computed)"));
+  }
+};
+
+struct NodeCacheOptions {
+  std::optional<int64_t> capacity_bytes;
+
+  static constexpr auto fields() {
+    return std::make_tuple(field("capacity_bytes", &NodeCacheOptions::capacity_bytes,
+                                 "the most bytes of cached outputs to hold (None: no limit)"));
+  }
+  void validate() const;
 };
 
 class NodeCache : public torch::CustomClassHolder {
  public:
-  static constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
-
-  explicit NodeCache(int64_t capacity_bytes = kUnlimited);
+  explicit NodeCache(NodeCacheOptions options = {});
   ~NodeCache() override;
   NodeCache(const NodeCache&) = delete;
   NodeCache& operator=(const NodeCache&) = delete;
@@ -80,9 +110,10 @@ class NodeCache : public torch::CustomClassHolder {
   int64_t cached_count() const;
   int64_t cached_bytes() const;
   std::vector<int64_t> cached_node_ids() const;
-  int64_t capacity_bytes() const;
-  // Evicts (cheapest per byte first) until the cache fits the new capacity.
-  void set_capacity_bytes(int64_t capacity_bytes);
+  std::optional<int64_t> capacity_bytes() const;
+  NodeCacheOptions options() const { return {capacity_bytes()}; }
+  // Evicts (cheapest per byte first) until the cache fits the new capacity (nullopt: unlimited).
+  void set_capacity_bytes(std::optional<int64_t> capacity_bytes);
 
   // Bytes the given nodes' outputs took when last put (each node's distinct storages;
   // storages shared between nodes count per node, so this bounds the cache from above).
@@ -90,8 +121,11 @@ class NodeCache : public torch::CustomClassHolder {
   int64_t memory_estimate(c10::ArrayRef<int64_t> node_ids) const;
   int64_t memory_estimate() const;
 
+  // Counts one call of an executor that ran nodes_computed nodes and reused nodes_reused (stats).
+  void record_call(int64_t nodes_computed, int64_t nodes_reused);
+
   CacheStats stats() const;
-  // Zeroes hits, misses, tensors_recomputed, evictions and invalidations.
+  // Zeroes the counters (hits through nodes_reused); entries, bytes and capacity stay.
   void reset_stats();
 
  private:
@@ -129,8 +163,10 @@ class NodeCache : public torch::CustomClassHolder {
   bool make_room_locked(int64_t limit, double incoming_score, const std::vector<const void*>& incoming_storages,
                         const std::vector<int64_t>& incoming_nbytes, std::vector<Entry>& dead);
 
+  static constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
+
   mutable std::mutex mutex_;
-  int64_t capacity_bytes_;
+  int64_t capacity_bytes_;  // kUnlimited: no limit
   int64_t cached_bytes_ = 0;
   uint64_t clock_ = 0;
   std::unordered_map<int64_t, Entry> entries_;
