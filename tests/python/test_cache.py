@@ -1,4 +1,5 @@
 import copy
+import operator
 import subprocess
 import sys
 import textwrap
@@ -443,6 +444,25 @@ def test_nodes_with_side_effects_are_never_cached():
     assert same(model.bn.running_mean, reference.bn.running_mean)
     assert model.bn.num_batches_tracked.item() == 3
     assert not {"add_", "bn"} & set(executor.cached_nodes())
+
+
+def test_setitem_and_empty_in_a_graph_module_are_side_effects_that_always_run():
+    # A hand-built graph: y = x * 2; y[0] = 0 (operator.setitem); out = y + empty_like(y) * 0.
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(operator.mul, (x, 2))
+    graph.call_function(operator.setitem, (y, 0, 0.0))
+    scratch = graph.call_function(torch.empty_like, (y,))
+    graph.output(graph.call_function(operator.add, (y, graph.call_function(operator.mul, (scratch, 0)))))
+    module = fx.GraphModule(nn.Module(), graph)
+    executor = LazyExecutor(module)
+    inputs = torch.arange(1.0, 5.0)
+    with torch.no_grad():
+        for _ in range(3):
+            # empty_like's garbage times 0 could be NaN: compare where the graph defines the value.
+            assert torch.equal(executor(inputs).nan_to_num(), module(inputs).nan_to_num())
+            assert executor(inputs)[0].item() == 0.0  # the setitem ran on every call
+    assert not {"setitem", "empty_like"} & set(executor.cached_nodes())
 
 
 def test_in_place_activations_are_never_cached():

@@ -34,8 +34,6 @@ _DROPOUT_FUNCTIONS = {
     torch.alpha_dropout: (1, 2, "train"), torch.feature_dropout: (1, 2, "train"),
     torch.feature_alpha_dropout: (1, 2, "train"),
 }
-# NOTE: _function_kind does not consult this set (as in the module it came from): these functions are
-# classified "pure" today, e.g. an operator.setitem node in a hand-built GraphModule is never run.
 _SIDE_EFFECT_FUNCTIONS = {
     operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
     operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
@@ -86,7 +84,7 @@ def _function_kind(node: fx.Node) -> str:
                 and node.kwargs.get("inplace") is not False):
             return "side_effect"
         return "pure"
-    if "out" in node.kwargs or _writes_in_place(node):
+    if "out" in node.kwargs or target in _SIDE_EFFECT_FUNCTIONS or _writes_in_place(node):
         return "side_effect"
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         overloads = ([target] if isinstance(target, torch._ops.OpOverload)
