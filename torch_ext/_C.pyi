@@ -1,0 +1,36 @@
+"""Type stubs for torch_ext._C, the pybind11 module: what torch.ops and torch.classes cannot carry
+(Python callables as checkpoint segments, Python objects as cached values). Internal: use the
+torch_ext package. tests/python/test_layout.py checks that these stubs name every attribute."""
+from typing import Any, Callable, Sequence
+
+import torch
+
+build_info: dict[str, Any]  # cuda (bool), cplusplus (int), compiler (str), torch_version (str)
+
+class _CheckpointModule:
+    def apply(
+        self,
+        fn: Callable[[list[torch.Tensor]], torch.Tensor | list[torch.Tensor]],
+        inputs: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
+        options: torch.ScriptObject,
+        name: str,
+    ) -> list[torch.Tensor]:
+        """Run fn(inputs) as a checkpointed segment; params are the other tensors it reads;
+        options: a torch.classes.torch_ext.CheckpointOptions."""
+
+checkpoint: _CheckpointModule
+
+class PythonValues:
+    """get / put / observe of Python values on a torch.classes.torch_ext.NodeCache."""
+
+    def __init__(self, cache: torch.ScriptObject) -> None: ...
+    def get(self, node_id: int, inputs: list[Any] | tuple[Any, ...], default: Any = None) -> Any: ...
+    def put(self, node_id: int, inputs: list[Any] | tuple[Any, ...], value: Any, cost_seconds: float = 0.0) -> bool: ...
+    def observe(self, source_id: int, inputs: list[Any] | tuple[Any, ...]) -> bool: ...
+    def record_call(self, nodes_computed: int, nodes_reused: int) -> None: ...
+
+class _CacheModule:
+    PythonValues: type[PythonValues]
+
+cache: _CacheModule
