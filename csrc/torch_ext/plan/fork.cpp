@@ -1,0 +1,59 @@
+// The at-fork handlers: one pthread_atfork registration for every ForkAware object.
+#include "torch_ext/plan/fork.h"
+
+#include <pthread.h>
+
+#include <mutex>
+#include <unordered_set>
+
+namespace torch_ext::plan {
+
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::unordered_set<ForkAware*> objects;
+};
+
+Registry& registry() {
+  static auto* r = new Registry();  // never destroyed: handlers may run during exit
+  return *r;
+}
+
+void prepare() {
+  auto& r = registry();
+  r.mutex.lock();  // held across fork: no registration is half done in the child
+  for (ForkAware* object : r.objects) object->before_fork();
+}
+
+void parent() {
+  auto& r = registry();
+  for (ForkAware* object : r.objects) object->after_fork_parent();
+  r.mutex.unlock();
+}
+
+void child() {
+  auto& r = registry();
+  for (ForkAware* object : r.objects) object->after_fork_child();
+  r.mutex.unlock();
+}
+
+void install() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(prepare, parent, child); });
+}
+
+}  // namespace
+
+void register_fork_aware(ForkAware* object) {
+  install();
+  std::lock_guard<std::mutex> lock(registry().mutex);
+  registry().objects.insert(object);
+}
+
+void unregister_fork_aware(ForkAware* object) {
+  std::lock_guard<std::mutex> lock(registry().mutex);
+  registry().objects.erase(object);
+}
+
+}  // namespace torch_ext::plan
