@@ -75,6 +75,7 @@ class AotiExecutable final : public Executable {
   }
 
   std::string file() const override { return file_; }
+  std::vector<std::string> call_spec() const override { return loader_->get_call_spec(); }
 
  private:
   std::string file_;
@@ -121,11 +122,14 @@ class ExportSourceImpl final : public PlanSource {
                                                 std::to_string(++packages_) + ".pt2"))
                  .string();
     }
-    compiler(CompileRequest{spec.upper.vec(), spec.lower.vec(), spec.dynamic, example, path});
+    compiler(CompileRequest{spec.upper.vec(), spec.lower.vec(), spec.dynamic, example, path, spec.background,
+                            [this] { return cancelled_.load(std::memory_order_relaxed); }});
     ++compiles;
     TORCH_CHECK(fs::is_regular_file(path), "PlanCache: the compiler returned without writing ", path);
     return std::make_unique<AotiExecutable>(path, options_.runners);
   }
+
+  void cancel_builds() override { cancelled_.store(true, std::memory_order_relaxed); }
 
   bool has_source() const override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -203,6 +207,7 @@ class ExportSourceImpl final : public PlanSource {
   const PlanCacheOptions options_;
   std::string fingerprint_;
   const pid_t pid_;
+  std::atomic<bool> cancelled_{false};
   mutable std::mutex mutex_;  // guards the members below; never held while compiling or running
   CompileFn compiler_;
   SourceFn runner_;

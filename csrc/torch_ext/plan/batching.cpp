@@ -62,7 +62,7 @@ std::optional<PlanCache::Route> PlanCache::choose_route(const Bucket& sizes) con
     for (const auto& entry : plans_) cached.push_back(entry.second);
   }
   if (cached.empty()) return std::nullopt;
-  std::sort(cached.begin(), cached.end(), [](const auto& a, const auto& b) { return a->bucket().vec() < b->bucket().vec(); });
+  std::sort(cached.begin(), cached.end(), [](const auto& a, const auto& b) { return a->bucket() < b->bucket(); });
   // Pad: the plan whose run holds the request with the fewest elements.
   std::optional<Route> pad;
   double pad_cost = 0;

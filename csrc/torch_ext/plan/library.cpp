@@ -97,6 +97,7 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
            "Blocks until no build is queued or running; timeout_seconds < 0: the option's",
            {torch::arg("timeout_seconds") = -1.0})
       .def("kind", [](const Self& self) { return std::string(self->kind()); })
+      .def("call_spec", [](const Self& self) { return self->call_spec(); })
       .def("save", [](const Self& self, std::string dir) { self->save(dir); })
       .def("load", [](const Self& self, std::string dir) { return self->load(dir); });
 }

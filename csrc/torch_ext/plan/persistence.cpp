@@ -75,7 +75,7 @@ void PlanCache::save(const std::string& dir) const {
     example = example_;
   }
   TORCH_CHECK(!example.empty(), "PlanCache.save: nothing to save to ", dir, "; no plan was built yet");
-  std::sort(plans.begin(), plans.end(), [](const auto& a, const auto& b) { return a->bucket().vec() < b->bucket().vec(); });
+  std::sort(plans.begin(), plans.end(), [](const auto& a, const auto& b) { return a->bucket() < b->bucket(); });
   fs::create_directories(fs::path(dir) / "plans");
   Manifest manifest;
   manifest.kind = source_->kind();

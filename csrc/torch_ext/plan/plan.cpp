@@ -78,11 +78,13 @@ void PlanCache::make_executable(Plan& plan, const std::vector<c10::IValue>& exam
   plan.record->compiles.fetch_add(compiles, std::memory_order_relaxed);
 }
 
-std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(const Bucket& bucket, const std::vector<c10::IValue>& example) {
+std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(const Bucket& bucket, const std::vector<c10::IValue>& example,
+                                                       bool background) {
   const auto start = Clock::now();
   auto plan = std::make_shared<Plan>();
   plan->spec.upper = bucket;
   plan->spec.lower = layout_->lower_of(bucket);
+  plan->spec.background = background;
   plan->record = record(bucket);
   try {
     make_executable(*plan, example);

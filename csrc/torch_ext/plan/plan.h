@@ -52,12 +52,15 @@ class Executable {
   virtual Constants constants() const = 0;
   virtual std::optional<torch::jit::Module> module() const { return std::nullopt; }
   virtual std::string file() const { return {}; }  // an exported program's package
+  // An exported program's package: its inputs' and outputs' pytree specs, serialised.
+  virtual std::vector<std::string> call_spec() const { return {}; }
 };
 
 // What one build makes: a plan for `upper`, static or over the range [lower, upper].
 struct PlanSpec {
   Bucket upper, lower;
   bool dynamic = false;
+  bool background = false;  // built by the worker: a compile must not hold up request threads
 };
 
 // The fastest of `calls` runs after the first (the first may profile, compile or fill caches).
@@ -80,6 +83,8 @@ class PlanSource {
   // The executable for spec from example (inputs at spec.upper); counts its compiles.
   virtual std::unique_ptr<Executable> build(const PlanSpec& spec, const std::vector<c10::IValue>& example,
                                             int64_t& compiles) = 0;
+  // Asks builds in progress to give up (the cache is being destroyed).
+  virtual void cancel_builds() {}
   // Runs the source on a request no plan serves; whether there is one.
   virtual bool has_source() const = 0;
   virtual c10::IValue run_source(const std::vector<c10::IValue>& inputs) = 0;

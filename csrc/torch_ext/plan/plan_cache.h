@@ -20,6 +20,7 @@
 // another thread's build are bounded by timeout_seconds. Evicted plans stay alive until the calls
 // running them finish. A forked child may destroy an inherited cache; it cannot use background
 // builds (their thread is not in the child) and gets an error saying so.
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -40,7 +41,7 @@
 #include <torch/csrc/jit/api/module.h>
 
 #include "torch_ext/fields.h"
-#include "torch_ext/plan/fork.h"
+#include "torch_ext/plan/threads.h"
 
 namespace torch_ext::plan {
 
@@ -98,6 +99,10 @@ struct Bucket {
   int64_t operator[](int d) const { return size[d]; }
   int64_t& operator[](int d) { return size[d]; }
   bool operator==(const Bucket& other) const { return rank == other.rank && size == other.size; }
+  bool operator<(const Bucket& other) const {
+    return std::lexicographical_compare(size.begin(), size.begin() + rank, other.size.begin(),
+                                        other.size.begin() + other.rank);
+  }
   std::vector<int64_t> vec() const { return {size.begin(), size.begin() + rank}; }
   static Bucket of(const std::vector<int64_t>& sizes);
   std::string str() const;  // "8", "8x64"
@@ -349,6 +354,8 @@ struct CompileRequest {
   bool dynamic = false;
   std::vector<c10::IValue> example;
   std::string package_path;
+  bool background = false;          // for the worker: compile where request threads do not wait for it
+  std::function<bool()> cancelled;  // true once the cache is being destroyed: give up
 };
 // Throws with the reason when the package cannot be built; called from any thread.
 using CompileFn = std::function<void(const CompileRequest&)>;
@@ -398,6 +405,9 @@ class PlanCache : public torch::CustomClassHolder, private ForkAware {
   // TorchScript: the plan's module (frozen, optimised, warmed at batch_size); nullopt when not
   // cached or not a TorchScript plan.
   std::optional<torch::jit::Module> plan_module(int64_t batch_size) const;
+  // An exported program's cached plans: the pytree specs of their inputs and outputs, serialised
+  // (torch.utils._pytree.treespec_loads); empty when no plan is cached.
+  std::vector<std::string> call_spec() const;
   PlanCacheStats stats() const;
   void reset_stats();
   void clear();
@@ -454,7 +464,8 @@ class PlanCache : public torch::CustomClassHolder, private ForkAware {
   std::vector<c10::IValue> example_at(const Bucket& sizes) const;
 
   // Plans, whatever runs them (plan.cpp).
-  std::shared_ptr<Plan> build_plan(const Bucket& bucket, const std::vector<c10::IValue>& example);
+  std::shared_ptr<Plan> build_plan(const Bucket& bucket, const std::vector<c10::IValue>& example,
+                                   bool background = false);
   void make_executable(Plan& plan, const std::vector<c10::IValue>& example);
   c10::IValue run_plan(Plan& plan, const std::vector<c10::IValue>& inputs);
   c10::IValue run_on(Plan& plan, const std::vector<c10::IValue>& inputs, const Bucket& sizes, SizeRecord& rec);

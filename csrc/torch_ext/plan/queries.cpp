@@ -131,6 +131,12 @@ std::optional<torch::jit::Module> PlanCache::plan_module(int64_t batch_size) con
   return std::nullopt;
 }
 
+std::vector<std::string> PlanCache::call_spec() const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  for (const auto& entry : plans_) return entry.second->exec->call_spec();
+  return {};
+}
+
 namespace {
 
 SizeStats size_stats(const PlanCache::SizeRecord& rec) {

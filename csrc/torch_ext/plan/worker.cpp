@@ -39,7 +39,7 @@ void PlanCache::build_job(Job& job) {
   try {
     // No capture on this thread: a capture fails device-wide synchronisations in other
     // threads (a CUDA rule), and request threads may be synchronising right now.
-    auto plan = build_plan(bucket, job.example);
+    auto plan = build_plan(bucket, job.example, /*background=*/true);
     remember_example(job.example);
     insert_plan(plan);
     job.promise->set_value(plan);
@@ -107,7 +107,8 @@ void PlanCache::stop_worker() {
     stopping_ = true;
   }
   worker_cv_.notify_all();
-  if (worker_ && worker_->joinable()) worker_->join();
+  source_->cancel_builds();  // a compile in progress gives up rather than make the join wait for it
+  if (worker_ && worker_->joinable()) blocking_section([this] { worker_->join(); });
 }
 
 void PlanCache::before_fork() {

@@ -1,10 +1,12 @@
-// The at-fork handlers: one pthread_atfork registration for every ForkAware object.
-#include "torch_ext/plan/fork.h"
+// The at-fork handlers (one pthread_atfork registration for every ForkAware object) and the
+// blocking section.
+#include "torch_ext/plan/threads.h"
 
 #include <pthread.h>
 
 #include <mutex>
 #include <unordered_set>
+#include <utility>
 
 namespace torch_ext::plan {
 
@@ -54,6 +56,31 @@ void register_fork_aware(ForkAware* object) {
 void unregister_fork_aware(ForkAware* object) {
   std::lock_guard<std::mutex> lock(registry().mutex);
   registry().objects.erase(object);
+}
+
+namespace {
+
+std::mutex section_mutex;
+BlockingSection section;  // guarded by section_mutex
+
+}  // namespace
+
+void set_blocking_section(BlockingSection fn) {
+  std::lock_guard<std::mutex> lock(section_mutex);
+  section = std::move(fn);
+}
+
+void blocking_section(const std::function<void()>& wait) {
+  BlockingSection fn;
+  {
+    std::lock_guard<std::mutex> lock(section_mutex);
+    fn = section;
+  }
+  if (fn) {
+    fn(wait);
+  } else {
+    wait();
+  }
 }
 
 }  // namespace torch_ext::plan
