@@ -18,12 +18,12 @@ def test_the_stubs_of_torch_ext_C_name_every_attribute_it_has():
     import torch_ext
 
     tree = ast.parse((Path(torch_ext.__file__).parent / "_C.pyi").read_text())
-    stubbed = {"": set(), "checkpoint": set(), "cache": set()}
+    stubbed = {"": set(), "checkpoint": set(), "cache": set(), "plan": set()}
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     for node in tree.body:
         if isinstance(node, ast.AnnAssign):
             stubbed[""].add(node.target.id)
-    for submodule, namespace in (("checkpoint", "_CheckpointModule"), ("cache", "_CacheModule")):
+    for submodule, namespace in (("checkpoint", "_CheckpointModule"), ("cache", "_CacheModule"), ("plan", "_PlanModule")):
         for node in classes[namespace].body:
             if isinstance(node, ast.FunctionDef):
                 stubbed[submodule].add(node.name)
@@ -33,9 +33,10 @@ def test_the_stubs_of_torch_ext_C_name_every_attribute_it_has():
     def public(module):
         return {name for name in dir(module) if not name.startswith("_")}
 
-    assert public(torch_ext._C) == stubbed[""] | {"checkpoint", "cache"}
+    assert public(torch_ext._C) == stubbed[""] | {"checkpoint", "cache", "plan"}
     assert public(torch_ext._C.checkpoint) == stubbed["checkpoint"]
     assert public(torch_ext._C.cache) == stubbed["cache"]
+    assert public(torch_ext._C.plan) == stubbed["plan"]
     methods = {node.name for node in classes["PythonValues"].body if isinstance(node, ast.FunctionDef)}
     assert public(torch_ext._C.cache.PythonValues) == methods - {"__init__"}
 
