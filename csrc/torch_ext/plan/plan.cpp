@@ -46,7 +46,19 @@ std::string shapes_of(const std::vector<c10::IValue>& example) {
 void PlanCache::make_executable(Plan& plan, const std::vector<c10::IValue>& example) {
   int64_t compiles = 0;
   const bool ranged = source_->builds_dynamic() && !(plan.spec.lower == plan.spec.upper);
-  const PlanShapes shapes = ranged ? options_.plan_shapes : PlanShapes::static_;
+  // A static plan serves a bucket's smaller sizes padded: not along a dimension never padded.
+  int unpadded = -1;
+  for (int k = 1; k < plan.spec.upper.rank; ++k) {
+    if (plan.spec.lower[k] < plan.spec.upper[k] && !layout_->pads(k)) unpadded = k;
+  }
+  PlanShapes shapes = ranged ? options_.plan_shapes : PlanShapes::static_;
+  if (unpadded >= 0) {
+    TORCH_CHECK(ranged && shapes != PlanShapes::static_, "the bucket spans ", layout_->name(unpadded), " sizes ",
+                plan.spec.lower[unpadded], "..", plan.spec.upper[unpadded], ", which a static plan serves only padded, and ",
+                layout_->name(unpadded), " is not padded (no pad_values): give pad_values, use plan_shapes='dynamic', "
+                "or bucket every ", layout_->name(unpadded), " size on its own");
+    shapes = PlanShapes::dynamic;
+  }
   if (shapes != PlanShapes::auto_) {
     plan.spec.dynamic = shapes == PlanShapes::dynamic;
     plan.exec = source_->build(plan.spec, example, compiles);
