@@ -23,6 +23,7 @@
 #include <torch/csrc/jit/api/module.h>
 
 #include "torch_ext/plan/plan_cache.h"
+#include "torch_ext/plan/sha256.h"
 
 namespace plan = torch_ext::plan;
 using plan::MissMode;
@@ -610,4 +611,18 @@ TEST(Plan, CudaGraphPlansReplayFreshInputsAndReturnCopies) {
   EXPECT_EQ(size_stats(s, 8)->graph_replays, 3);  // 8, 5 (padded to 8), 8
   EXPECT_GT(size_stats(s, 2)->graph_bytes, 0);
   EXPECT_GE(s.plan_bytes, size_stats(s, 2)->graph_bytes + size_stats(s, 8)->graph_bytes);
+}
+
+TEST(Plan, Sha256MatchesTheStandardsTestVectors) {
+  EXPECT_EQ(plan::sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(plan::sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(plan::sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  // A million 'a's fed in uneven pieces: the block boundaries fall everywhere.
+  plan::Sha256 h;
+  const std::string piece(997, 'a');
+  int64_t fed = 0;
+  for (; fed + 997 <= 1000000; fed += 997) h.update(piece);
+  h.update(std::string(1000000 - fed, 'a'));
+  EXPECT_EQ(h.hex_digest(), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
 }

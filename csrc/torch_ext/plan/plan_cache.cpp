@@ -308,8 +308,12 @@ c10::IValue PlanCache::serve_miss(const Bucket& bucket, const Bucket& sizes, con
   }
   if (route) return run_route(*route, inputs, sizes);
   TORCH_CHECK(source_->has_source(), "PlanCache: no cached plan serves ", layout_->describe(sizes), " (bucket ",
-              bucket.str(), ")", buildable ? "" : ", and " + why_not,
-              buildable ? "; it is not admitted yet (admit_after) and there is no source to run it" : "");
+              bucket.str(), ")",
+              !buildable                   ? ", and " + why_not
+              : options_.background_builds ? std::string("; its plan builds in the background and there is no source to "
+                                                         "run the request meanwhile (preload the buckets you serve)")
+                                           : std::string("; it is not admitted yet (admit_after) and there is no "
+                                                         "source to run it"));
   rec.fallback_calls.fetch_add(1, std::memory_order_relaxed);
   auto output = run_source(inputs);
   remember_example(inputs);

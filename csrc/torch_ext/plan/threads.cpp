@@ -5,6 +5,7 @@
 #include <pthread.h>
 
 #include <mutex>
+#include <new>
 #include <unordered_set>
 #include <utility>
 
@@ -37,7 +38,7 @@ void parent() {
 void child() {
   auto& r = registry();
   for (ForkAware* object : r.objects) object->after_fork_child();
-  r.mutex.unlock();
+  new (&r.mutex) std::mutex();  // made afresh: the parent's thread locked it
 }
 
 void install() {

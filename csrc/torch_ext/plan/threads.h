@@ -3,9 +3,8 @@
 //
 // Fork: such objects register to survive fork(): before a fork their locks are taken, so the
 // child never inherits one held by a thread it does not have; after it the parent releases them,
-// and the child releases them and learns its threads are gone (after_fork_child, which must only
-// flip flags: no locks, no allocation). Registration is thread-safe; handlers run in the forking
-// thread.
+// and the child makes them afresh and learns its threads are gone (after_fork_child: no locks,
+// no allocation). Registration is thread-safe; handlers run in the forking thread.
 #include <functional>
 
 namespace torch_ext::plan {
@@ -15,7 +14,7 @@ class ForkAware {
   virtual ~ForkAware() = default;
   virtual void before_fork() = 0;       // take the locks a child must not inherit held
   virtual void after_fork_parent() = 0;  // release them
-  virtual void after_fork_child() = 0;   // release them; the object's threads do not exist here
+  virtual void after_fork_child() = 0;   // make them afresh; the object's threads do not exist here
 };
 
 // Adds or removes an object from the set the at-fork handlers visit (installed on first use).

@@ -6,6 +6,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -124,8 +125,13 @@ void PlanCache::after_fork_parent() {
 }
 
 void PlanCache::after_fork_child() {
-  mutex_.unlock();
-  worker_mutex_.unlock();
+  // Made afresh rather than unlocked: glibc's rwlock knows its writer by thread id, which fork
+  // changes, so an unlock here would be taken for a reader's and leave it locked. No thread of
+  // the child holds or waits on any of them.
+  new (&mutex_) std::shared_mutex();
+  new (&worker_mutex_) std::mutex();
+  new (&worker_cv_) std::condition_variable();
+  new (&idle_cv_) std::condition_variable();
   if (worker_ || !pending_.empty()) forked_.store(true, std::memory_order_relaxed);
 }
 

@@ -2,7 +2,14 @@
 // Python saved (save_export_cache.py, run first by CTest as this test's fixture), with no Python
 // and no compile. The folder comes in TORCH_EXT_PLAN_EXPORT_DIR.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <chrono>
+#include <future>
+#include <memory>
+#include <thread>
 
 #include <cstdlib>
 #include <filesystem>
@@ -143,4 +150,93 @@ TEST(PlanExport, LayoutOptionsThatDisagreeWithTheSavedOnesAreRefused) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("was saved with"), std::string::npos) << e.what();
   }
+}
+
+namespace {
+
+// A compiler that blocks until released, then fails: a compile in progress for as long as a test
+// needs one.
+struct BlockingCompiler {
+  std::shared_ptr<std::promise<void>> started = std::make_shared<std::promise<void>>();
+  std::shared_ptr<std::promise<void>> release = std::make_shared<std::promise<void>>();
+  std::shared_future<void> released = release->get_future().share();
+
+  plan::CompileFn fn() {
+    return [started = started, released = released](const plan::CompileRequest& request) {
+      try {
+        started->set_value();
+      } catch (const std::future_error&) {  // a second compile
+      }
+      while (released.wait_for(std::chrono::milliseconds(20)) != std::future_status::ready) {
+        if (request.cancelled()) break;
+      }
+      TORCH_CHECK(false, "released without a package");
+    };
+  }
+};
+
+std::vector<c10::IValue> tokens(int64_t n, int64_t length) {
+  return {at::ones({n, length}, at::kLong), at::ones({n, length}, at::kLong)};
+}
+
+}  // namespace
+
+TEST(PlanExport, WaitsForAnotherThreadsCompileAreBounded) {
+  REQUIRE_FIXTURE();
+  plan::PlanCacheOptions options = serving(plan::MissMode::exact);
+  options.timeout_seconds = 0.2;
+  plan::PlanCache cache(plan::ExportSource{(fs::path(cache_dir()) / "program.pt2").string()}, options);
+  BlockingCompiler compiler;
+  cache.set_compiler(compiler.fn());
+  std::thread first([&] { EXPECT_THROW(cache.infer(tokens(2, 8)), c10::Error); });
+  compiler.started->get_future().wait();
+  try {
+    cache.infer(tokens(2, 8));
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("waited timeout_seconds=0.2 s for another thread's build"), std::string::npos)
+        << e.what();
+  }
+  compiler.release->set_value();
+  first.join();
+  EXPECT_EQ(cache.stats().build_failures, 1);
+}
+
+TEST(PlanExport, AForkedChildGetsAnErrorInsteadOfWaitingForTheParentsWorker) {
+  REQUIRE_FIXTURE();
+  plan::PlanCacheOptions options = serving(plan::MissMode::pad);
+  options.background_builds = true;
+  auto cache = std::make_unique<plan::PlanCache>(plan::ExportSource{cache_dir()}, options);
+  BlockingCompiler compiler;
+  cache->set_compiler(compiler.fn());
+  cache->clear();
+  // Queued for the worker, whose compile blocks; nothing in a C++ process serves it meanwhile.
+  EXPECT_THROW(cache->infer(tokens(4, 8)), c10::Error);
+  compiler.started->get_future().wait();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    int status = 1;
+    try {
+      cache->wait_for_builds();  // used to wait for the parent's worker, which the child does not have
+    } catch (const c10::Error& e) {
+      status = std::string(e.what()).find("forked") != std::string::npos ? 0 : 2;
+    }
+    cache.reset();  // must not join that worker either
+    _exit(status);
+  }
+  int status = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      compiler.release->set_value();
+      FAIL() << "the forked child hung";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  compiler.release->set_value();
+  cache->wait_for_builds();
+  EXPECT_EQ(cache->stats().build_failures, 1);
 }
