@@ -29,7 +29,7 @@ from .cache import LazyExecutor, NodeCache, lazy  # noqa: E402
 from .checkpointing import (  # noqa: E402
     CheckpointedSequential, CheckpointPlan, checkpoint, checkpoint_sequential, plan_checkpoints)
 from .paging import LayerPager, SafetensorsSource, page_weights, save_pageable, unpage  # noqa: E402
-from .plan import PlanCache  # noqa: E402
+from .plan import Batcher, PlanCache  # noqa: E402
 
 __all__ = [
     "library_path", "memory",
@@ -40,5 +40,5 @@ __all__ = [
     # lazy node cache
     "cache", "LazyExecutor", "NodeCache", "lazy",
     # dynamic-batch plan cache
-    "plan", "PlanCache",
+    "plan", "PlanCache", "Batcher",
 ]

@@ -3,6 +3,8 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <future>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -22,6 +24,7 @@
 #include <c10/util/irange.h>
 #include <torch/csrc/jit/api/module.h>
 
+#include "torch_ext/plan/batcher.h"
 #include "torch_ext/plan/plan_cache.h"
 #include "torch_ext/plan/sha256.h"
 
@@ -625,4 +628,62 @@ TEST(Plan, Sha256MatchesTheStandardsTestVectors) {
   for (; fed + 997 <= 1000000; fed += 997) h.update(piece);
   h.update(std::string(1000000 - fed, 'a'));
   EXPECT_EQ(h.hex_digest(), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+TEST(Plan, BatcherGathersConcurrentRequestsAndHandsEachCallerItsRows) {
+  auto m = rowwise();
+  PlanCacheOptions o = options(MissMode::pad);
+  o.max_batch_size = 16;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  plan::BatcherOptions b;
+  b.max_batch_size = 8;
+  b.max_delay_ms = 600000;  // a batch runs when full: the counts below do not depend on timing
+  plan::Batcher batcher(cache, b);
+  constexpr int kThreads = 8, kRounds = 5;
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> clients;
+  for (int t = 0; t < kThreads; ++t) {
+    clients.emplace_back([&] {
+      for (int r = 0; r < kRounds; ++r) {
+        auto x = input(1);
+        if (!at::equal(batcher.infer({x}).toTensor(), reference(m, x))) ++wrong;
+      }
+    });
+  }
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(wrong.load(), 0);
+  const auto s = batcher.stats();
+  EXPECT_EQ(s.requests, kThreads * kRounds);
+  EXPECT_EQ(s.batches, kRounds);  // every round's 8 requests ran as one batch
+  EXPECT_EQ(s.max_batch_rows, 8);
+  EXPECT_EQ(cache->stats().calls, kRounds);
+}
+
+TEST(Plan, BatcherQueueIsBoundedAndAFullQueueRaises) {
+  auto m = rowwise();
+  PlanCacheOptions o = options();
+  o.max_batch_size = 16;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  plan::BatcherOptions b;
+  b.max_delay_ms = 600000;
+  b.max_queue = 3;
+  auto batcher = std::make_unique<plan::Batcher>(cache, b);
+  std::vector<at::Tensor> xs;
+  std::vector<std::future<c10::IValue>> futures;
+  for (int i = 0; i < 3; ++i) {
+    xs.push_back(input(2));
+    futures.push_back(batcher->submit({xs.back()}));
+  }
+  try {
+    batcher->submit({input(1)});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the queue is full (3 requests waiting, max_queue=3)"), std::string::npos);
+  }
+  EXPECT_EQ(batcher->stats().rejected, 1);
+  batcher->close();  // runs what was queued
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(futures[i].wait_for(std::chrono::seconds(0)), std::future_status::ready);
+    EXPECT_TRUE(at::equal(futures[i].get().toTensor(), reference(m, xs[i])));
+  }
 }

@@ -241,3 +241,34 @@ def test_batch_and_sequence_are_bucketed_together_and_padded_positions_are_maske
 def test_infer_batch_splits_a_large_batch_along_the_batch_only(encoder, encoder_cache):
     inputs = tokens(10, 12, 12)
     close(encoder_cache.infer_batch(*inputs), eager(encoder, *inputs))
+
+
+def test_the_batcher_pads_requests_of_different_lengths_into_one_batch_and_slices_each_back(encoder, encoder_cache):
+    import random
+    import threading
+
+    from torch_ext import Batcher
+
+    errors = []
+    with Batcher(encoder_cache, max_batch_size=4, max_delay_ms=600_000) as batcher:
+        def client(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(3):
+                    length = rng.randint(2, 16)
+                    inputs = tokens(1, length, rng.randint(1, length))
+                    got = batcher(*inputs)
+                    assert got.shape == (1, length, 5)
+                    close(got, eager(encoder, *inputs))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        workers = [threading.Thread(target=client, args=(seed,)) for seed in range(8)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        s = batcher.stats()
+    assert not errors, errors[:3]
+    # 8 clients, one request at a time each, batches of 4 rows: full batches only.
+    assert s.requests == 24 and s.batches == 6 and s.max_batch_rows == 4 and s.failed == 0

@@ -133,16 +133,20 @@ class PlanCache(ScriptObjectFace):
             raise TypeError(f"PlanCache: the inputs' structure {spec} is not the exported program's {self._in_spec}")
         return flat
 
-    def _infer_program(self, inputs: tuple, kwargs: dict) -> Any:
-        out = self._infer_tensors(self._flat(inputs, kwargs))
+    def _structured(self, out: Any) -> Any:
+        """A plan's output in the program's output structure (TorchScript: as it is)."""
+        if self._out_spec is None:
+            return out
         return pytree.tree_unflatten([out] if isinstance(out, torch.Tensor) else list(out), self._out_spec)
+
+    def _infer_program(self, inputs: tuple, kwargs: dict) -> Any:
+        return self._structured(self._infer_tensors(self._flat(inputs, kwargs)))
 
     def infer_batch(self, *inputs: Any, **kwargs: Any) -> Any:
         """Any number of elements: split into calls of select_batch_size(remaining), outputs concatenated."""
         if self._in_spec is None:
             return self.script_object.infer_batch(tuple(inputs))
-        out = self.script_object.infer_batch(self._flat(inputs, kwargs))
-        return pytree.tree_unflatten([out] if isinstance(out, torch.Tensor) else list(out), self._out_spec)
+        return self._structured(self.script_object.infer_batch(self._flat(inputs, kwargs)))
 
     def preload(self, sizes: Iterable[Union[int, Sequence[int]]], example_inputs: Optional[Sequence[Any]] = None,
                 progress: bool = True) -> None:

@@ -26,6 +26,12 @@ struct PlanCache::Signature {
   std::vector<Input> inputs;
 };
 
+Bucket PlanCache::check_request(const std::vector<c10::IValue>& inputs) const {
+  const Bucket sizes = layout_->sizes_of(inputs);
+  check_signature(inputs, sizes);
+  return sizes;
+}
+
 void PlanCache::check_signature(const std::vector<c10::IValue>& inputs, const Bucket& sizes) const {
   std::shared_ptr<const Signature> signature;
   {

@@ -9,10 +9,14 @@
 #include <torch/library.h>
 
 #include "torch_ext/class_fields.h"
+#include "torch_ext/plan/batcher.h"
 #include "torch_ext/plan/plan_cache.h"
 
 namespace {
 
+using torch_ext::plan::Batcher;
+using torch_ext::plan::BatcherOptions;
+using torch_ext::plan::BatcherStats;
 using torch_ext::plan::PlanCache;
 using torch_ext::plan::PlanCacheOptions;
 using torch_ext::plan::PlanCacheStats;
@@ -49,6 +53,35 @@ Self make_cache(const c10::IValue& module, PlanCacheOptions options) {
               "PlanCache: expected a scripted module, the path of a saved one, a saved cache's folder or an exported "
               "program's .pt2 file; got ", module.tagKind());
   return c10::make_intrusive<PlanCache>(torch::jit::Module(module.toObject()), std::move(options));
+}
+
+// The request's output, or its batch's error, in a future TorchScript and Python can wait on.
+c10::IValue submit(const c10::intrusive_ptr<Batcher>& self, const c10::IValue& inputs) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  self->submit(as_inputs(inputs), [future](c10::IValue output, std::exception_ptr error) {
+    if (error) {
+      future->setError(error);
+    } else {
+      future->markCompleted(std::move(output));
+    }
+  });
+  return future;
+}
+
+void register_batcher(torch::Library& m) {
+  torch_ext::register_stats<BatcherStats>(m, "BatcherStats");
+  auto cls = m.class_<Batcher>("Batcher");
+  torch_ext::def_options_init<BatcherOptions, Self>(
+      cls, {"cache"},
+      [](const Self& cache, BatcherOptions options) { return c10::make_intrusive<Batcher>(cache, options); },
+      "A dynamic batcher in front of a PlanCache: single requests gathered into batches of max_batch_size rows or "
+      "max_delay_ms, each caller handed its rows");
+  torch_ext::def_option_properties<BatcherOptions>(
+      cls, [](const c10::intrusive_ptr<Batcher>& self) { return self->options(); });
+  cls.def("submit", &submit, "Queues a request; returns a Future of its output (raises when the queue is full)")
+      .def("infer", [](const c10::intrusive_ptr<Batcher>& self, c10::IValue inputs) { return self->infer(as_inputs(inputs)); })
+      .def("stats", [](const c10::intrusive_ptr<Batcher>& self) { return torch_ext::box(self->stats()); })
+      .def("close", [](const c10::intrusive_ptr<Batcher>& self) { self->close(); });
 }
 
 }  // namespace
@@ -100,4 +133,5 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
       .def("call_spec", [](const Self& self) { return self->call_spec(); })
       .def("save", [](const Self& self, std::string dir) { self->save(dir); })
       .def("load", [](const Self& self, std::string dir) { return self->load(dir); });
+  register_batcher(m);  // after PlanCache, which its constructor takes
 }

@@ -430,6 +430,10 @@ class PlanCache : public torch::CustomClassHolder, private ForkAware {
 
   const PlanCacheOptions& options() const { return options_; }
   const char* kind() const;
+  // The checks infer() makes before running a request (sizes in range, the inputs' signature),
+  // and the request's sizes; where its dynamic dimensions are (layout.h).
+  Bucket check_request(const std::vector<c10::IValue>& inputs) const;
+  const Layout& layout() const { return *layout_; }
 
   // Internal to the plan cache's sources (plan.h).
   struct Plan;
