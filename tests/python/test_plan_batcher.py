@@ -68,17 +68,24 @@ def test_eight_threads_of_single_requests_are_batched_and_each_gets_its_rows(cac
     assert plans.stats().calls == rounds  # the cache saw the batches, not the requests
 
 
-def test_futures_are_concurrent_futures_and_requests_of_several_rows_keep_their_rows(cache):
+def test_futures_and_requests_of_several_rows_keep_their_rows(cache):
     module, plans = cache
     inputs = [torch.randn(n, 8) for n in (1, 3, 2, 2)]
     with Batcher(plans, max_batch_size=8, max_delay_ms=NEVER_MS) as batcher:
-        futures = [batcher.submit(x) for x in inputs]  # 8 rows: one batch
-        done, _ = concurrent.futures.wait(futures, timeout=60)
-        assert len(done) == 4
+        called = []
+        futures = [batcher.submit(x) for x in inputs[:3]]
+        futures[0].add_done_callback(lambda f: called.append(f.result(0)))
+        assert not any(f.done() for f in futures)  # 6 rows of 8: the batch waits
+        with pytest.raises(concurrent.futures.TimeoutError):
+            futures[0].result(timeout=0.1)
+        futures.append(batcher.submit(inputs[3]))  # 8 rows: one batch
         for x, future in zip(inputs, futures):
-            assert isinstance(future, concurrent.futures.Future)
-            assert torch.equal(future.result(), module(x))
+            assert torch.equal(future.result(timeout=60), module(x)) and future.exception() is None
         assert batcher.stats().batches == 1
+        deadline = time.monotonic() + 60
+        while not called and time.monotonic() < deadline:  # the callback runs on the batcher's thread
+            time.sleep(0.01)
+        assert len(called) == 1 and torch.equal(called[0], module(inputs[0]))
 
 
 def test_a_full_queue_raises_at_once_and_close_runs_what_was_queued(cache):
@@ -115,6 +122,7 @@ def test_a_batch_that_raises_fails_its_requests_only():
         for future in (bad, neighbour):
             with pytest.raises(RuntimeError, match="poisoned row"):
                 future.result(timeout=60)
+            assert "poisoned row" in str(future.exception())
         x = torch.randn(2, 8)
         assert torch.equal(batcher(x), x * 2.0)
         assert batcher.stats().failed == 2 and batcher.stats().batches == 2

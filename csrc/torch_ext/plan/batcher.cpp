@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
@@ -94,28 +95,67 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback) {
   cv_.notify_one();
 }
 
-std::future<c10::IValue> Batcher::submit(std::vector<c10::IValue> inputs) {
-  auto promise = std::make_shared<std::promise<c10::IValue>>();
-  auto future = promise->get_future();
-  submit(std::move(inputs), [promise](c10::IValue output, std::exception_ptr error) {
+void BatchResult::complete(c10::IValue value, std::exception_ptr error) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+    value_ = std::move(value);
+    error_ = error;
+    future = future_;
+  }
+  cv_.notify_all();
+  if (future) {
     if (error) {
-      promise->set_exception(error);
+      future->setError(error);
     } else {
-      promise->set_value(std::move(output));
+      future->markCompleted(value_);
     }
-  });
-  return future;
+  }
 }
 
-c10::IValue Batcher::infer(std::vector<c10::IValue> inputs) {
-  auto future = submit(std::move(inputs));
+bool BatchResult::wait(double timeout_seconds) {
   bool ready = false;
   blocking_section([&] {
-    ready = future.wait_for(std::chrono::duration<double>(options_.timeout_seconds)) == std::future_status::ready;
+    std::unique_lock<std::mutex> lock(mutex_);
+    ready = cv_.wait_for(lock, std::chrono::duration<double>(std::max(0.0, timeout_seconds)), [this] { return done_; });
   });
-  TORCH_CHECK(ready, "Batcher.infer: no result after timeout_seconds=", options_.timeout_seconds,
-              " s; the batcher is still running earlier batches (raise timeout_seconds or max_batch_size)");
-  return future.get();
+  return ready;
+}
+
+c10::IValue BatchResult::result(double timeout_seconds) {
+  TORCH_CHECK(wait(timeout_seconds), "Batcher: no result after ", timeout_seconds,
+              " s; the batcher is still running earlier batches (wait longer, or raise max_batch_size)");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (error_) std::rethrow_exception(error_);
+  return value_;
+}
+
+bool BatchResult::done() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> BatchResult::future() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    if (done_ && error_) future_->setError(error_);
+    if (done_ && !error_) future_->markCompleted(value_);
+  }
+  return future_;
+}
+
+c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs) {
+  auto result = c10::make_intrusive<BatchResult>();
+  submit(std::move(inputs), [result](c10::IValue output, std::exception_ptr error) {
+    result->complete(std::move(output), error);
+  });
+  return result;
+}
+
+c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_seconds) {
+  return submit(std::move(inputs))->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
 }
 
 bool Batcher::joins(const Request& first, const Request& other) const {
@@ -154,6 +194,7 @@ std::vector<Batcher::Request> Batcher::take_batch_locked() {
 }
 
 void Batcher::loop() {
+  at::init_num_threads();  // this thread computes with torch's intra-op thread count, as callers' do
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     // Predicate waits: a request queued before the wait is seen, one queued after it notifies.

@@ -13,7 +13,6 @@
 #include <deque>
 #include <exception>
 #include <functional>
-#include <future>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -74,6 +73,28 @@ struct BatcherStats {
   }
 };
 
+// One request's result: filled once by the batcher's thread, waited for with a timeout by any
+// number of threads. future() is a torch Future completed with it (made on first use: for
+// TorchScript's wait and for callbacks).
+class BatchResult : public torch::CustomClassHolder {
+ public:
+  void complete(c10::IValue value, std::exception_ptr error);
+  // Whether the result is in after waiting at most timeout_seconds.
+  bool wait(double timeout_seconds);
+  // The output, or the error of the request's batch; raises if it is not in after timeout_seconds.
+  c10::IValue result(double timeout_seconds);
+  bool done();
+  c10::intrusive_ptr<c10::ivalue::Future> future();
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  c10::IValue value_;
+  std::exception_ptr error_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
 class Batcher : public torch::CustomClassHolder, private ForkAware {
  public:
   // Runs on the batcher's thread with the request's output, or the error its batch raised.
@@ -87,9 +108,9 @@ class Batcher : public torch::CustomClassHolder, private ForkAware {
   // Queues one request: inputs as PlanCache::infer takes them, any batch size up to
   // max_batch_size. Checked here (a bad request never joins a batch); raises when the queue is full.
   void submit(std::vector<c10::IValue> inputs, Callback callback);
-  std::future<c10::IValue> submit(std::vector<c10::IValue> inputs);
-  // submit() and wait for the result, at most timeout_seconds.
-  c10::IValue infer(std::vector<c10::IValue> inputs);
+  c10::intrusive_ptr<BatchResult> submit(std::vector<c10::IValue> inputs);
+  // submit() and wait for the result, at most timeout_seconds (< 0: the option's).
+  c10::IValue infer(std::vector<c10::IValue> inputs, double timeout_seconds = -1);
 
   BatcherStats stats() const;
   const BatcherOptions& options() const { return options_; }

@@ -55,20 +55,17 @@ Self make_cache(const c10::IValue& module, PlanCacheOptions options) {
   return c10::make_intrusive<PlanCache>(torch::jit::Module(module.toObject()), std::move(options));
 }
 
-// The request's output, or its batch's error, in a future TorchScript and Python can wait on.
-c10::IValue submit(const c10::intrusive_ptr<Batcher>& self, const c10::IValue& inputs) {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  self->submit(as_inputs(inputs), [future](c10::IValue output, std::exception_ptr error) {
-    if (error) {
-      future->setError(error);
-    } else {
-      future->markCompleted(std::move(output));
-    }
-  });
-  return future;
-}
-
 void register_batcher(torch::Library& m) {
+  using torch_ext::plan::BatchResult;
+  using Result = c10::intrusive_ptr<BatchResult>;
+  m.class_<BatchResult>("BatchResult")
+      .def("wait", [](const Result& self, double timeout_seconds) { return self->wait(timeout_seconds); },
+           "Whether the result is in after waiting at most timeout_seconds")
+      .def("result", [](const Result& self, double timeout_seconds) { return self->result(timeout_seconds); },
+           "The output (or the batch's error), waiting at most timeout_seconds")
+      .def("done", [](const Result& self) { return self->done(); })
+      .def("future", [](const Result& self) { return c10::IValue(self->future()); },
+           "A torch Future completed with the result (torch.jit.wait, callbacks)");
   torch_ext::register_stats<BatcherStats>(m, "BatcherStats");
   auto cls = m.class_<Batcher>("Batcher");
   torch_ext::def_options_init<BatcherOptions, Self>(
@@ -78,8 +75,19 @@ void register_batcher(torch::Library& m) {
       "max_delay_ms, each caller handed its rows");
   torch_ext::def_option_properties<BatcherOptions>(
       cls, [](const c10::intrusive_ptr<Batcher>& self) { return self->options(); });
-  cls.def("submit", &submit, "Queues a request; returns a Future of its output (raises when the queue is full)")
-      .def("infer", [](const c10::intrusive_ptr<Batcher>& self, c10::IValue inputs) { return self->infer(as_inputs(inputs)); })
+  cls.def("submit", [](const c10::intrusive_ptr<Batcher>& self, c10::IValue inputs) { return self->submit(as_inputs(inputs)); },
+          "Queues a request; returns its BatchResult (raises when the queue is full)")
+      .def("infer",
+           [](const c10::intrusive_ptr<Batcher>& self, c10::IValue inputs, double timeout_seconds) {
+             return self->infer(as_inputs(inputs), timeout_seconds);
+           },
+           "submit() and wait for the output, at most timeout_seconds (< 0: the option's)",
+           {torch::arg("inputs"), torch::arg("timeout_seconds") = -1.0})
+      .def("infer_tensors",
+           [](const c10::intrusive_ptr<Batcher>& self, std::vector<at::Tensor> inputs, double timeout_seconds) {
+             return self->infer(std::vector<c10::IValue>(inputs.begin(), inputs.end()), timeout_seconds);
+           },
+           "infer() for tensor-only inputs (no type inference of an Any argument)")
       .def("stats", [](const c10::intrusive_ptr<Batcher>& self) { return torch_ext::box(self->stats()); })
       .def("close", [](const c10::intrusive_ptr<Batcher>& self) { self->close(); });
 }

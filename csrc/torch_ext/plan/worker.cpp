@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 namespace torch_ext::plan {
@@ -55,6 +56,7 @@ void PlanCache::build_job(Job& job) {
 }
 
 void PlanCache::worker_loop() {
+  at::init_num_threads();  // builds warm up and time plans with torch's intra-op thread count
   std::unique_lock<std::mutex> lock(worker_mutex_);
   while (true) {
     // A predicate wait: a job pushed (under worker_mutex_) before this wait is seen by the
