@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
-from torch.library import opcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_ext
@@ -726,17 +725,6 @@ def test_scripted_code_checkpoints_a_scripted_submodule(tmp_path):
     assert torch.equal(loaded(x), ckpt(x))
     with pytest.raises(RuntimeError, match="expected a TorchScript module"):
         torch.ops.torch_ext.checkpoint_module(3, [x])
-
-
-def test_ops_pass_opcheck():
-    x = torch.randn(4, 16, requires_grad=True)
-    opcheck(torch.ops.torch_ext.checkpoint_boundary_bytes.default, ([x], "bf16"))
-    block = torch.jit.script(nn.Linear(16, 16))
-    # checkpoint_module's module argument holds real parameters, which fake-tensor tracing cannot
-    # convert, so the fake-tensor and AOT tests cannot apply to it; torch.compile goes through the
-    # Python front door instead (a graph break at each checkpoint).
-    opcheck(torch.ops.torch_ext.checkpoint_module.default, (block, [x], "keep", True),
-            test_utils=("test_schema", "test_autograd_registration"))
 
 
 def test_torch_compile_of_checkpointed_blocks_matches_eager():
