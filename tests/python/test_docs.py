@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import torch_ext
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
