@@ -215,8 +215,6 @@ def run(device: torch.device, quick: bool, command: str) -> None:
             f"{label}: batch {tuple(d['batch'])}, (a)'s layer activations {harness.format_bytes(d['activation_bytes'])}"
             for label, d in data.items()) + ". Right-padded rows; labels -100 on padding. Compiled rows include "
         "nothing of their compile time (first call, in the JSON).")
-    report.notes.append("")
-    for text, ok in checks:
-        report.notes.append(f"- {'met' if ok else 'NOT met'}: {text}")
-    report.data = {"models": data, "checks": [{"target": text, "met": ok} for text, ok in checks]}
+    report.data = {"models": data}
+    report.add_checks(checks)
     report.write()

@@ -193,6 +193,12 @@ class Report:
             raise KeyError(f"Report {self.name}: unknown columns {sorted(unknown)}")
         self.rows.append({"cells": cells, "raw": raw})
 
+    def add_checks(self, checks: Sequence[tuple[str, bool]]) -> None:
+        """Targets and whether this run met them: a list in the notes and data["checks"]."""
+        self.notes.append("")
+        self.notes.extend(f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in checks)
+        self.data["checks"] = [{"target": text, "met": ok} for text, ok in checks]
+
     def markdown(self) -> str:
         lines = [f"| {' | '.join(self.columns)} |", f"|{'|'.join('---' for _ in self.columns)}|"]
         for row in self.rows:

@@ -68,9 +68,10 @@ struct CheckpointOptions {
               "save and restore the RNG state of the CPU and of every device the inputs and params live on, "
               "so that the replay draws the same random numbers (dropout masks) as the forward"),
         field("early_stop", &CheckpointOptions::early_stop,
-              "end a replay as soon as every tensor its backward needs has been recomputed (a count of saved "
-              "tensors, never a timing); off, the replay runs the whole segment. The C++ and TorchScript "
-              "front doors always replay the whole segment"));
+              "end a replay once every tensor its backward needs has been recomputed, when the recorded "
+              "graph's ops after the last of them are worth skipping (by their sizes, never a timing); off, "
+              "the replay runs the whole segment. The C++ and TorchScript front doors always replay the "
+              "whole segment"));
   }
 };
 
