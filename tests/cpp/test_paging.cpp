@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <cstdlib>
 #include <fstream>
@@ -117,12 +118,16 @@ c10::intrusive_ptr<pg::LayerPager> make_pager(const c10::intrusive_ptr<pg::Safet
 }  // namespace
 
 TEST(PagingJson, ParsesObjectsArraysStringsIntegers) {
-  const auto v = pg::parse_json(R"( {"a": [1, -2, 9223372036854775807], "s": "x\"\u00e9\ud83d\ude00", "t": true} )", "j");
-  ASSERT_EQ(v.kind, pg::JsonValue::Kind::Object);
-  EXPECT_EQ(v.find("a")->array[2].integer, INT64_MAX);
-  EXPECT_EQ(v.find("a")->array[1].integer, -2);
-  EXPECT_EQ(v.find("s")->string, "x\"\xc3\xa9\xf0\x9f\x98\x80");
-  EXPECT_TRUE(v.find("t")->boolean);
+  const auto doc = pg::parse_json(R"( {"a": [1, -2, 9223372036854775807], "s": "x\"\u00e9\ud83d\ude00", "t": true} )", "j");
+  const auto v = doc.root();
+  ASSERT_EQ(v.kind(), pg::JsonValue::Kind::Object);
+  EXPECT_EQ(v.size(), 3);
+  EXPECT_EQ(v.find("a")->elements()[2].integer(), INT64_MAX);
+  EXPECT_EQ(v.find("a")->elements()[1].integer(), -2);
+  EXPECT_EQ(v.find("s")->string(), "x\"\xc3\xa9\xf0\x9f\x98\x80");
+  EXPECT_TRUE(v.find("t")->boolean());
+  EXPECT_FALSE(v.find("u").has_value());
+  EXPECT_EQ(pg::parse_json("{\"k\": \"\xc3\xa9\"}", "raw").root().find("k")->string(), "\xc3\xa9");
 }
 
 TEST(PagingJson, RejectsMalformedInput) {
@@ -133,6 +138,23 @@ TEST(PagingJson, RejectsMalformedInput) {
   }
   std::string deep(100, '[');
   expect_error([&] { pg::parse_json(deep, "deep"); }, {"nesting"});
+}
+
+TEST(PagingJson, RejectsInvalidUtf8AndDuplicatesInLinearTime) {
+  // Invalid or overlong UTF-8, surrogates encoded raw, code points above U+10FFFF, truncated sequences.
+  for (const char* bad : {"{\"\xff\":1}", "{\"\xc0\xaf\":1}", "{\"\xe0\x80\xaf\":1}", "{\"\xed\xa0\x80\":1}",
+                          "{\"\xf4\x90\x80\x80\":1}", "{\"\xe2\x82\":1}", "{\"a\":\"\x80\"}"}) {
+    expect_error([&] { pg::parse_json(bad, "utf8.json"); }, {"utf8.json", "invalid UTF-8"});
+  }
+  // 200,000 keys with one duplicate at the end: found, and quickly (a linear scan per key took
+  // minutes; this bound only catches that, it is not a benchmark).
+  std::string text = "{";
+  for (int i = 0; i < 200000; ++i) text += "\"tensor." + std::to_string(i) + "\":" + std::to_string(i) + ",";
+  const auto start = std::chrono::steady_clock::now();
+  const auto doc = pg::parse_json(text.substr(0, text.size() - 1) + "}", "many.json");
+  EXPECT_EQ(doc.root().size(), 200000);
+  expect_error([&] { pg::parse_json(text + "\"tensor.7\":1}", "dup.json"); }, {"dup.json", "duplicate key \"tensor.7\""});
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
 }
 
 TEST(PagingSource, ReadsNamesShapesDataAndMetadata) {
