@@ -59,18 +59,24 @@ void pread_exact(int fd, void* dst, int64_t n, int64_t offset, const std::string
   }
 }
 
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 // The tensor's byte size. Its strides (the products of trailing dimensions, zeros counted as
 // ones, as at::empty computes them) must fit in 64 bits too, even when a zero dimension makes
 // it empty.
-int64_t checked_numel_bytes(const std::vector<int64_t>& shape, int64_t itemsize, const std::string& what,
-                            const std::string& shape_string) {
+template <class What>
+int64_t checked_numel_bytes(const std::vector<int64_t>& shape, int64_t itemsize, const What& what) {
   int64_t total = itemsize;
   int64_t strides = itemsize;
   for (const int64_t d : shape) {
-    TORCH_CHECK(d >= 0, what, ": negative dimension ", d, " in shape");
+    TORCH_CHECK(d >= 0, what(), ": negative dimension ", d, " in shape");
     TORCH_CHECK(!__builtin_mul_overflow(strides, std::max<int64_t>(d, 1), &strides) &&
                     !__builtin_mul_overflow(total, d, &total),
-                what, ": shape ", shape_string, "'s element count or strides overflow 64 bits");
+                what(), ": shape ", shape_text(shape), "'s element count or strides overflow 64 bits");
   }
   return total;
 }
@@ -91,11 +97,6 @@ std::string printable(std::string_view text) {
   return out;
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
 
 // Fresh multi-MB buffers about to be filled: transparent huge pages (where the system allows
 // them) fault in 2 MiB at a time instead of 4 KiB. Advisory; failures are ignored.
@@ -317,39 +318,41 @@ void read_metadata(const JsonValue& value, const std::string& what, std::map<std
 // One tensor's header entry, validated against the data buffer's size.
 TensorInfo read_tensor(const std::string& name, const JsonValue& value, const std::string& what, int64_t data_bytes,
                        int64_t& begin) {
-  const std::string tensor_what = what + ": tensor \"" + printable(name) + "\"";
+  // Built only for an error message (TORCH_CHECK evaluates its message on failure only): a header
+  // may hold 100,000s of tensors.
+  const auto tensor = [&] { return what + ": tensor \"" + printable(name) + "\""; };
   check_no_nul(name, what, "tensor name");
-  TORCH_CHECK(value.kind() == JsonValue::Kind::Object, tensor_what, ": entry must be an object, found ",
+  TORCH_CHECK(value.kind() == JsonValue::Kind::Object, tensor(), ": entry must be an object, found ",
               JsonValue::kind_name(value.kind()));
   for (const auto& [k, v] : value.members()) {
-    TORCH_CHECK(k == "dtype" || k == "shape" || k == "data_offsets", tensor_what, ": unexpected field \"",
+    TORCH_CHECK(k == "dtype" || k == "shape" || k == "data_offsets", tensor(), ": unexpected field \"",
                 printable(k), "\" (expected dtype, shape, data_offsets)");
   }
   const auto dtype = value.find("dtype");
   const auto shape = value.find("shape");
   const auto offsets = value.find("data_offsets");
-  TORCH_CHECK(dtype && dtype->kind() == JsonValue::Kind::String, tensor_what, ": \"dtype\" must be a string");
-  TORCH_CHECK(shape && shape->kind() == JsonValue::Kind::Array, tensor_what, ": \"shape\" must be an array of integers");
-  TORCH_CHECK(offsets && offsets->kind() == JsonValue::Kind::Array && offsets->size() == 2, tensor_what,
+  TORCH_CHECK(dtype && dtype->kind() == JsonValue::Kind::String, tensor(), ": \"dtype\" must be a string");
+  TORCH_CHECK(shape && shape->kind() == JsonValue::Kind::Array, tensor(), ": \"shape\" must be an array of integers");
+  TORCH_CHECK(offsets && offsets->kind() == JsonValue::Kind::Array && offsets->size() == 2, tensor(),
               ": \"data_offsets\" must be an array [begin, end]");
   TensorInfo info;
   info.name = name;
-  info.dtype = safetensors_dtype(std::string(dtype->string()), tensor_what);
+  info.dtype = safetensors_dtype(std::string(dtype->string()), tensor());
   for (const auto& d : shape->elements()) {
-    TORCH_CHECK(d.kind() == JsonValue::Kind::Int && d.integer() >= 0, tensor_what,
+    TORCH_CHECK(d.kind() == JsonValue::Kind::Int && d.integer() >= 0, tensor(),
                 ": shape entries must be non-negative integers");
     info.shape.push_back(d.integer());
   }
   const auto bounds = offsets->elements();
   for (const auto& o : bounds) {
-    TORCH_CHECK(o.kind() == JsonValue::Kind::Int, tensor_what, ": data_offsets must be integers");
+    TORCH_CHECK(o.kind() == JsonValue::Kind::Int, tensor(), ": data_offsets must be integers");
   }
   begin = bounds[0].integer();
   const int64_t end = bounds[1].integer();
-  TORCH_CHECK(0 <= begin && begin <= end && end <= data_bytes, tensor_what, ": data_offsets [", begin, ", ", end,
+  TORCH_CHECK(0 <= begin && begin <= end && end <= data_bytes, tensor(), ": data_offsets [", begin, ", ", end,
               "] are out of range: the data buffer holds ", data_bytes, " bytes");
-  info.nbytes = checked_numel_bytes(info.shape, c10::elementSize(info.dtype), tensor_what, shape_text(info.shape));
-  TORCH_CHECK(end - begin == info.nbytes, tensor_what, ": data_offsets [", begin, ", ", end, "] span ", end - begin,
+  info.nbytes = checked_numel_bytes(info.shape, c10::elementSize(info.dtype), tensor);
+  TORCH_CHECK(end - begin == info.nbytes, tensor(), ": data_offsets [", begin, ", ", end, "] span ", end - begin,
               " bytes but dtype ", dtype->string(), " and shape ", shape_text(info.shape), " need ", info.nbytes);
   return info;
 }
