@@ -240,8 +240,8 @@ def run(device: torch.device, quick: bool, command: str) -> None:
         report = harness.Report(CUDA_REPORT + ("_quick" if quick else ""),
                                 f"Segment checkpointing: GPT-2-style decoder training step ({where})", columns, command)
     else:
-        report = harness.Report("checkpoint", "Segment checkpointing: GPT-2-style decoder training step (CPU)",
-                                columns, command)
+        report = harness.Report("checkpoint" + ("_quick" if quick else ""),
+                                "Segment checkpointing: GPT-2-style decoder training step (CPU)", columns, command)
     base_time = timings[a].median_seconds if a in timings else float("nan")
     for name in steps:
         t = timings[name]

@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,12 +37,19 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    try:
+        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
     info = {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "torch_ext": torch_ext.__version__,
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
         "python": platform.python_version(),
     }
     if torch.cuda.is_available():
