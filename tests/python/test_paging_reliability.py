@@ -73,7 +73,8 @@ def test_released_tensors_bring_the_pager_back_within_its_budget(tmp_path):
     # The case: 8 threads held tensors past a 512 KiB budget; the pager then stayed at
     # 8 MiB through 32,000 hits with no eviction, since it evicted only on a miss.
     path = layers(tmp_path, n=8, floats=256 << 10)
-    pager = torch_ext.LayerPager(path, budget_bytes=512 << 10, prefetch=0)
+    with pytest.warns(UserWarning, match="smaller than the largest tensor"):
+        pager = torch_ext.LayerPager(path, budget_bytes=512 << 10, prefetch=0)
     held = [None] * 8
     threads = [threading.Thread(target=lambda i=i: held.__setitem__(i, pager.acquire(f"t{i}"))) for i in range(8)]
     for t in threads:
