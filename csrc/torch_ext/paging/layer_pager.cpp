@@ -5,12 +5,10 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
-#include <cstring>
-#include <sstream>
 #include <cmath>
 #include <limits>
 #include <new>
+#include <sstream>
 #include <unordered_set>
 
 #include <ATen/core/ivalue.h>
@@ -411,8 +409,9 @@ at::Tensor LayerPager::read_into_own_pages(const std::string& id) {
   const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   const size_t length = (static_cast<size_t>(info.nbytes) + page - 1) / page * page;
   void* data = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(data != MAP_FAILED, "LayerPager(", source_->describe(), "): cannot map ", length,
-              " bytes for tensor \"", id, "\": ", std::strerror(errno));
+  // Refused (out of memory, or vm.max_map_count mappings reached with many resident tensors):
+  // c10's allocator may still serve it.
+  if (data == MAP_FAILED) return source_->load(id, /*pin_memory=*/false);
   auto* pages = new OwnPages{data, length};
   at::Tensor out;
   try {
