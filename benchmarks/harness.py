@@ -154,10 +154,12 @@ def measure_interleaved(variants: dict[str, Callable[[], Any]], *, warmup: int =
 
 
 def peak_memory(fn: Callable[[], Any], device=None) -> int:
-    """Peak bytes of live tensor memory above the start while fn runs (torch_ext.memory)."""
-    with memory.track(device) as tracked:
-        fn()
-    return tracked.peak_delta_bytes
+    """Peak bytes of live tensor memory above the start while fn runs (torch_ext.memory; no
+    saved-tensor hooks, which would change what torch.compile traces)."""
+    memory.reset_peak(device)
+    start = memory.stats(device).current_bytes
+    fn()
+    return memory.stats(device).peak_bytes - start
 
 
 def format_bytes(nbytes: float) -> str:

@@ -3,7 +3,6 @@ import gc
 import itertools
 import os
 import pickle
-import sys
 import threading
 import weakref
 
@@ -11,8 +10,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
-from torch.library import opcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_ext
 from torch_ext import memory
@@ -728,29 +725,31 @@ def test_scripted_code_checkpoints_a_scripted_submodule(tmp_path):
         torch.ops.torch_ext.checkpoint_module(3, [x])
 
 
-def test_ops_pass_opcheck():
-    x = torch.randn(4, 16, requires_grad=True)
-    opcheck(torch.ops.torch_ext.checkpoint_boundary_bytes.default, ([x], "bf16"))
-    block = torch.jit.script(nn.Linear(16, 16))
-    # checkpoint_module's module argument holds real parameters, which fake-tensor tracing cannot
-    # convert, so the fake-tensor and AOT tests cannot apply to it; torch.compile goes through the
-    # Python front door instead (a graph break at each checkpoint).
-    opcheck(torch.ops.torch_ext.checkpoint_module.default, (block, [x], "keep", True),
-            test_utils=("test_schema", "test_autograd_registration"))
-
-
-def test_torch_compile_of_checkpointed_blocks_matches_eager():
+def test_fullgraph_compile_traces_the_checkpoints_and_matches_eager_gradients():
     plain = tiny_gpt(dropout=0.0)
     ckpt = copy.deepcopy(plain)
     for block in ckpt.blocks:
         torch_ext.checkpoint(block)
-    compiled = torch.compile(ckpt, backend="aot_eager")
+    graphs = []
+
+    def inductor_recording_graphs(graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        graphs.append(graph_module)
+        return compile_fx(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ckpt, fullgraph=True, backend=inductor_recording_graphs)
     idx = torch.randint(0, 64, (2, 16))
     loss_plain = gpt_step(plain, idx)
     loss_compiled = gpt_step(compiled, idx)
-    # aot_eager runs the same ATen kernels as eager; graph breaks at each checkpoint.
-    assert torch.equal(loss_plain, loss_compiled)
-    assert_same_grads(plain, ckpt)
+    # One graph, with each block traced as torch.utils.checkpoint's region (recomputed in backward).
+    (graph,) = graphs
+    regions = [node for node in graph.graph.nodes if node.target is torch.ops.higher_order.tag_activation_checkpoint]
+    assert len(regions) == len(ckpt.blocks)
+    torch.testing.assert_close(loss_compiled, loss_plain)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
 def _ddp_worker(rank, world_size, port, results):
@@ -772,21 +771,53 @@ def _ddp_worker(rank, world_size, port, results):
             ddp = DDP(model)
             language_model_loss(ddp(idx[:, :-1]), idx[:, 1:]).backward()
             grads.append([p.grad for p in model.parameters()])
-        results[rank] = all(torch.equal(a, b) for a, b in zip(*grads))
+        results[rank] = [i for i, (a, b) in enumerate(zip(*grads)) if not torch.equal(a, b)]
     finally:
         dist.destroy_process_group()
 
 
-def test_distributed_data_parallel_on_two_cpu_processes_gives_equal_gradients():
+def _fsdp2_worker(rank, world_size, port, results):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    try:
+        plain = tiny_gpt(dropout=0.0, n_layer=2)
+        sharded = copy.deepcopy(plain)
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in sharded.blocks:
+            torch_ext.checkpoint(block)
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        torch.manual_seed(100 + rank)
+        idx = torch.randint(0, 64, (2, 16))
+        for model in (plain, sharded):
+            language_model_loss(model(idx[:, :-1]), idx[:, 1:]).backward()
+        for p in plain.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        results[rank] = [name for (name, p), q in zip(sharded.named_parameters(), plain.parameters())
+                         if not torch.equal(p.grad.full_tensor(), q.grad)]
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port():
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_ddp_worker, args=(2, port, results), nprocs=2, join=True)
-    assert dict(results) == {0: True, 1: True}
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("worker", [_ddp_worker, _fsdp2_worker], ids=["ddp", "fsdp2"])
+def test_two_cpu_processes_give_the_unwrapped_models_gradients(worker):
+    results = mp.Manager().dict()
+    mp.spawn(worker, args=(2, free_port(), results), nprocs=2, join=True)
+    assert dict(results) == {0: [], 1: []}
 
 
 # ---- demo -----------------------------------------------------------------------------------

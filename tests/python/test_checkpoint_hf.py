@@ -136,3 +136,39 @@ def test_checkpoint_layers_refuses_what_would_checkpoint_twice_or_is_underspecif
         hf.checkpoint_layers(model, every=1)
     with pytest.raises(TypeError, match="unknown option.*stroage"):
         hf.gradient_checkpointing_enable(gpt2(), stroage="bf16")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_checkpointed_decoder_layer_compiles_in_one_graph_with_the_models_keyword_arguments(name):
+    """What the model passes a layer (mask, position ids, rotary embeddings, its cache) traces in
+    one graph: recognising the cache costs dynamo no graph break."""
+    model = MODELS[name]().eval()  # no dropout: compiled and eager draw different masks
+    layers = hf.decoder_layers(model)
+    seen = []
+    handle = layers[1].register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model(**batch(padded=True))
+    handle.remove()
+    ((args, kwargs),) = seen
+
+    def fresh_cache(value):
+        return transformers.DynamicCache(config=model.config) if isinstance(value, transformers.Cache) else value
+
+    args = [fresh_cache(a) for a in args]
+    kwargs = {k: fresh_cache(v) for k, v in kwargs.items()}
+    assert any(isinstance(v, transformers.Cache) for v in [*args, *kwargs.values()])
+    reference = copy.deepcopy(layers[1])
+    layer = torch_ext.checkpoint(layers[1])
+    hidden = args[0].detach().requires_grad_()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cache warning
+        out = torch.compile(layer, fullgraph=True, backend="aot_eager")(hidden, *args[1:], **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.sum().backward()
+    expected = reference(hidden.detach(), *args[1:], **kwargs)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for (n, p), q in zip(layer.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)

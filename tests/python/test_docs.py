@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import torch_ext
+import torch_ext  # noqa: F401  (registers torch.classes.torch_ext.*)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -66,9 +66,13 @@ def checkpoint_options(owner: str, **options: Any) -> Options:
 _WARNED: set = set()
 
 
+@torch.compiler.assume_constant_result  # a property of the class, which dynamo guards on
+def _is_hf_cache_class(cls: type) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in cls.__mro__)
+
+
 def _is_hf_cache(value: Any) -> bool:
-    return value is not None and any(c.__name__ == "Cache" and c.__module__.startswith("transformers.")
-                                     for c in type(value).__mro__)
+    return value is not None and _is_hf_cache_class(type(value))
 
 
 def _without_caches(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
