@@ -31,7 +31,7 @@ run_sanitize() {
   echo "== ASan+UBSan: the GoogleTest suite (stress tests ${stress} s each) and the fuzz targets' seeds"
   cmake_clang build-asan -DTORCH_EXT_SANITIZE=address,undefined -DTORCH_EXT_BUILD_TESTS=ON -DTORCH_EXT_BUILD_FUZZERS=ON
   cmake --build build-asan --parallel "$MAX_JOBS" --target torch_ext_tests fuzz_json_header fuzz_safetensors_source
-  TORCH_EXT_STRESS_SECONDS="$stress" ASAN_OPTIONS=detect_leaks=1:suppressions="$PWD/.ci/lsan.supp" \
+  TORCH_EXT_STRESS_SECONDS="$stress" ASAN_OPTIONS=detect_leaks=1 \
     LSAN_OPTIONS=suppressions="$PWD/.ci/lsan.supp" UBSAN_OPTIONS=print_stacktrace=1 \
     build-asan/torch_ext_tests --gtest_output="xml:$PWD/$results/asan.xml" || status=1
   ctest --test-dir build-asan --output-on-failure -R '\.seeds$' --output-junit "$PWD/$results/asan-seeds.xml" || status=1

@@ -255,7 +255,6 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
 
   // Recorded order: recording_ while the first pass runs, then frozen in order_.
   bool recording_ = false;
-  int64_t passes_ = 0;
   std::vector<std::string> recorded_;
   std::vector<std::string> order_;
   std::unordered_map<std::string, std::vector<int64_t>> positions_;
