@@ -31,7 +31,6 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Report, format_bytes, format_seconds, measure_interleaved  # noqa: E402
 
-import torch_ext  # noqa: E402
 from torch_ext.cache import LazyExecutor  # noqa: E402
 from torch_ext.demos import ConditionedDenoiser, sample  # noqa: E402
 from torch_ext.demos import GPT, GPTConfig  # noqa: E402

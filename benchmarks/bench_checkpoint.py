@@ -1,34 +1,31 @@
-"""Segment checkpointing on a GPT-2-style decoder training step (CPU, or CUDA with --device cuda), in one run:
+"""Segment checkpointing benchmarks, in three parts (--part, default all):
 
+gpt: a GPT-2-style decoder training step (torch_ext.demos.GPT) through torch_ext's chain API:
   (a) no checkpointing
   (b) torch.utils.checkpoint per block (use_reentrant=False)
-  (b') the same with early_stop=False: torch replays the whole block (reference for how much of
-       (b)'s step time its early stop saves; torch_ext's replays stop early too, on CPU)
+  (b') the same with early_stop=False: torch replays the whole block (how much of (b)'s step
+       time its early stop saves; torch_ext's replays stop early by the recorded graph's tail)
   (c) torch_ext per block (CheckpointedSequential(every=1))
   (d) torch_ext planned (plan_checkpoints) at 50% and 25% of (a)'s activation memory
+  Peak memory: torch_ext.memory.track around one step (peak above the step's start; parameter
+  gradients are preallocated and accumulate in place, so the peak is activations and temporaries).
+  "Blocks peak" runs only the block chain forward and backward: the memory the planner budgets.
+  Step time: harness.measure_interleaved (rounds of a b c d, median); (c) against (b): further
+  rounds of (b) and (c) alone in alternating order, judged by a 95% sign-test interval on the
+  per-round difference.
+hf: Hugging Face GPT-2 and Llama with padded batches, eager and compiled (checkpoint_hf.py).
+overhead: per-region overhead on a Linear and a parameter-free function region (checkpoint_overhead.py).
 
-Peak memory: torch_ext.memory.track around one step (peak above the step's start; parameter
-gradients are preallocated and accumulate in place, so the peak is activations and temporaries).
-"Blocks peak" runs only the block chain forward and backward: the memory the planner budgets.
-Step time: harness.measure_interleaved (rounds of a b c d, median), one torch thread by default;
-(c) against (b): further rounds of (b) and (c) alone in alternating order, judged by a 95% sign-test
-interval on the per-round difference. Per-region overhead: a chain of tiny regions (Linear 32x32
-on 8 rows) timed forward + backward with and without checkpointing, in rounds of alternating order;
-(time - plain time) / regions.
+--device cuda runs the same code on the GPU (torch.cuda peak memory, steps synchronised); the gpt
+part then uses a GPT-2-small-width model and adds (c-offload) and (c-bf16)
+(CheckpointedSequential(every=1, storage=...)), the whole step's absolute peak and each variant's
+gradient difference from (a). Results: results/checkpoint{,_hf,_overhead}[_cuda][_quick].{md,json}.
 
---device cuda runs the same code on the GPU (torch.cuda peak memory through
-torch_ext.memory.track("cuda"), steps synchronised) with a GPT-2-small-width model, adds
-(c-offload) and (c-bf16) (CheckpointedSequential(every=1, storage=...)), the whole step's
-absolute peak and each variant's gradient difference from (a), and writes
-results/checkpoint_cuda.{md,json} (checkpoint_cuda_quick with --quick).
-
-    python benchmarks/bench_checkpoint.py [--quick]
-    python benchmarks/bench_checkpoint.py --device cuda [--quick]
+    python benchmarks/bench_checkpoint.py [--part gpt|hf|overhead] [--quick] [--device cuda]
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 
@@ -37,6 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkpoint_hf  # noqa: E402
+import checkpoint_overhead  # noqa: E402
 import harness  # noqa: E402
 
 import torch_ext  # noqa: E402
@@ -64,7 +63,9 @@ CUDA_REPORT = "checkpoint_cuda"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer repeats")
+    parser.add_argument("--part", choices=("all", "gpt", "hf", "overhead"), default="all",
+                        help="which part to run (default all)")
+    parser.add_argument("--quick", action="store_true", help="smaller models and fewer repeats")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared 2-core machine, OpenMP workers spinning "
                              "against other processes make multi-threaded timings erratic)")
@@ -77,9 +78,11 @@ def main() -> None:
                      f"torch.version.cuda={torch.version.cuda}, torch.cuda.device_count()={torch.cuda.device_count()})")
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    command = ("python benchmarks/bench_checkpoint.py" + (" --device cuda" if args.device == "cuda" else "")
+    options = ((f" --part {args.part}" if args.part != "all" else "") + (" --device cuda" if args.device == "cuda" else "")
                + (" --quick" if args.quick else ""))
-    run(device, args.quick, command)
+    for part, run_part in (("gpt", run), ("hf", checkpoint_hf.run), ("overhead", checkpoint_overhead.run)):
+        if args.part in ("all", part):
+            run_part(device, args.quick, "python benchmarks/bench_checkpoint.py" + options)
 
 
 def run(device: torch.device, quick: bool, command: str) -> None:
@@ -87,16 +90,16 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     torch.manual_seed(0)
     if device_mode and quick:
         config = GPTConfig(n_layer=12, n_embd=256, n_head=4, vocab_size=1024, block_size=128)
-        batch, warmup, repeat, pair_repeat, regions, region_repeat = 4, 1, 3, 6, 20, 20
+        batch, warmup, repeat, pair_repeat = 4, 1, 3, 6
     elif device_mode:
         config = GPTConfig(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, block_size=512)
-        batch, warmup, repeat, pair_repeat, regions, region_repeat = 8, 2, 12, 30, 50, 60
+        batch, warmup, repeat, pair_repeat = 8, 2, 12, 30
     elif quick:
         config = GPTConfig(n_layer=12, n_embd=64, n_head=4, vocab_size=256, block_size=64)
-        batch, warmup, repeat, pair_repeat, regions, region_repeat = 2, 1, 3, 6, 20, 20
+        batch, warmup, repeat, pair_repeat = 2, 1, 3, 6
     else:
         config = GPTConfig(n_layer=12, n_embd=192, n_head=6, vocab_size=1024, block_size=256)
-        batch, warmup, repeat, pair_repeat, regions, region_repeat = 4, 1, 15, 30, 50, 60
+        batch, warmup, repeat, pair_repeat = 4, 1, 15, 30
     model = GPT(config).to(device)
     tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -195,41 +198,6 @@ def run(device: torch.device, quick: bool, command: str) -> None:
                                         before_each={b: zero_grads, c: zero_grads}, alternate=True)
             if b in steps and c in steps else {})
 
-    # ---- per-region overhead on tiny segments
-    torch.manual_seed(0)
-    tiny = [nn.Linear(32, 32).to(device) for _ in range(regions)]
-    ours = [torch_ext.checkpoint(copy.deepcopy(layer)) for layer in tiny]
-    x_tiny = torch.randn(8, 32, requires_grad=True, device=device)
-
-    def region_chain(kind):
-        def run():
-            x = x_tiny
-            if kind == "plain":
-                for layer in tiny:
-                    x = layer(x)
-            elif kind == "torch":
-                for layer in tiny:
-                    x = torch_checkpoint(layer, x, use_reentrant=False)
-            else:
-                for layer in ours:
-                    x = layer(x)
-            x.sum().backward()
-        return run
-
-    def region_forward():
-        with torch.enable_grad():
-            x = x_tiny
-            for layer in tiny:
-                x = layer(x)
-
-    # Alternating order: in a fixed one, torch_ext's chain always ran right after torch's.
-    region_timings = harness.measure_interleaved(
-        {"plain": region_chain("plain"), "torch": region_chain("torch"), "torch_ext": region_chain("ours"),
-         "forward only": region_forward}, warmup=3, repeat=region_repeat, alternate=True)
-    plain_region = region_timings["plain"].median_seconds
-    overhead = {kind: (region_timings[kind].median_seconds - plain_region) / regions for kind in ("torch", "torch_ext")}
-    replay_seconds = region_timings["forward only"].median_seconds / regions
-
     # ---- report
     columns = ["variant", "step peak memory", "blocks peak memory", "step time", "vs (a)", "checkpoints", "budget"]
     if device_mode:
@@ -240,8 +208,8 @@ def run(device: torch.device, quick: bool, command: str) -> None:
         report = harness.Report(CUDA_REPORT + ("_quick" if quick else ""),
                                 f"Segment checkpointing: GPT-2-style decoder training step ({where})", columns, command)
     else:
-        report = harness.Report("checkpoint", "Segment checkpointing: GPT-2-style decoder training step (CPU)",
-                                columns, command)
+        report = harness.Report("checkpoint" + ("_quick" if quick else ""),
+                                "Segment checkpointing: GPT-2-style decoder training step (CPU)", columns, command)
     base_time = timings[a].median_seconds if a in timings else float("nan")
     for name in steps:
         t = timings[name]
@@ -263,7 +231,6 @@ def run(device: torch.device, quick: bool, command: str) -> None:
         report.add_row(cells, peak_bytes=peaks[name], blocks_peak_bytes=chain_peaks[name], step_seconds=t.median_seconds,
                        timing=t, budget_bytes=budgets.get(name), plan=plan.as_dict() if plan else None, **raw)
 
-    ratio = overhead["torch"] / overhead["torch_ext"] if overhead["torch_ext"] > 0 else float("inf")
     median = {name: t.median_seconds for name, t in timings.items()}
     ta, tb, tc = (median.get(k, float("nan")) for k in (a, b, c))
     checks = []
@@ -281,10 +248,6 @@ def run(device: torch.device, quick: bool, command: str) -> None:
              f"{high * 1e3:+.2f}] ms (sign test), (c) faster in {faster} of {pair_repeat} rounds: "
              f"{verdict} (met only when the whole interval is below zero)",
              chain_peaks[c] <= chain_peaks[b] * 1.02 and high < 0))
-    checks.append(
-        (f"per-region overhead at least 5x smaller: torch {harness.format_seconds(overhead['torch'])}, torch_ext "
-         f"{harness.format_seconds(overhead['torch_ext'])} per region ({ratio:.1f}x); one plain forward of a region "
-         f"(the replay every checkpoint pays) is {harness.format_seconds(replay_seconds)}", ratio >= 5))
     for name, budget in budgets.items():
         if name not in chain_peaks:
             continue
@@ -309,8 +272,7 @@ def run(device: torch.device, quick: bool, command: str) -> None:
             f"{config.vocab_size}, batch {tuple(inputs.shape)}, fp32 (float32 matmul precision "
             f"{torch.get_float32_matmul_precision()!r}), random weights, on {device}; (a)'s blocks activation memory "
             f"{harness.format_bytes(activation_bytes)}. Step time: median of {repeat} interleaved rounds after "
-            f"{warmup} warm-up round(s), synchronised. Per-region overhead over {regions} regions x {region_repeat} "
-            f"rounds.")
+            f"{warmup} warm-up round(s), synchronised.'")
         report.notes.append("")
         report.notes.append(
             "Step peak (total): the highest allocated memory during the step, weights and gradients included; step "
@@ -318,39 +280,26 @@ def run(device: torch.device, quick: bool, command: str) -> None:
             "Grad diff: max |g - g_(a)| / max |g_(a)| over all parameters after one step.")
     else:
         report.notes.append(f"Model: GPT, {config.n_layer} blocks, width {config.n_embd}, {config.n_head} heads, "
-                            f"batch {tuple(inputs.shape)}, {torch.get_num_threads()} torch thread(s); (a)'s blocks activation memory {harness.format_bytes(activation_bytes)}. "
-                            f"Per-region overhead over {regions} regions x {region_repeat} rounds.")
+                            f"batch {tuple(inputs.shape)}, {torch.get_num_threads()} torch thread(s); (a)'s blocks "
+                            f"activation memory {harness.format_bytes(activation_bytes)}.")
     bp = "(b') (b) with early_stop=False"
     if bp in timings and b in timings:
         report.notes.append("")
         report.notes.append(f"(b') is (b) without torch's early stop (the replay runs the whole block): "
                             f"{harness.format_seconds(timings[bp].median_seconds)}; early stop saves (b) "
                             f"{harness.format_seconds(timings[bp].median_seconds - tb)} per step.")
-    tails = chains[c]._tails.values()
-    skipping = [t for t in tails if any(t.records.values())]
-    if skipping:
-        tail_ops = sorted({str(op.func) for t in skipping for r in t.records.values() if r
-                           for op in r.ops[r.cut + 1:] if not op.alias})
-        report.notes.append("")
-        report.notes.append(f"(c)'s early stop: {len(skipping)} of its {len(tails)} segments' replays skip their tail "
-                            f"({', '.join(tail_ops)}), {sum(t.skipped_ops for t in skipping)} ops in all over the run.")
     if device_mode and BF16 in timings and c in timings:
         report.notes.append("")
         report.notes.append(f"(c-bf16) stores the boundaries in bfloat16: blocks peak {harness.format_bytes(chain_peaks[BF16])} "
                             f"vs (c)'s {harness.format_bytes(chain_peaks[c])}, step "
                             f"{harness.format_seconds(timings[BF16].median_seconds)} vs {harness.format_seconds(tc)}.")
-    report.notes.append("")
-    for text, ok in checks:
-        report.notes.append(f"- {'met' if ok else 'NOT met'}: {text}")
-    report.data = {"pair_timings": pair, "overhead_seconds_per_region": overhead,
-                   "replay_seconds_per_region": replay_seconds, "overhead_ratio": ratio,
-                   "region_timings": region_timings, "activation_bytes": activation_bytes,
-                   "checks": [{"target": text, "met": ok} for text, ok in checks]}
+    report.data = {"pair_timings": pair, "activation_bytes": activation_bytes}
     if device_mode:
         report.data.update({"device": str(device), "failed": failed,
                             "config": {"n_layer": config.n_layer, "n_embd": config.n_embd, "n_head": config.n_head,
                                        "vocab_size": config.vocab_size, "block_size": config.block_size,
                                        "batch": batch}})
+    report.add_checks(checks)
     report.write()
 
 

@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     allocations = after.allocations - before.allocations
 
     base = timings["c10 default allocator"].median_seconds
-    report = Report("memory", "CPU counting allocator overhead",
+    report = Report("memory" + ("_quick" if args.quick else ""), "CPU counting allocator overhead",
                     ["allocator", "loop time (median)", "p10-p90", "per allocation", "vs default"],
                     command="python benchmarks/bench_memory.py")
     for name, timing in timings.items():
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     report.notes.append(
         f"\nOne loop: {small_count} small tensors (64 B-16 KiB, each filled and added to: "
         f"{allocations} allocations in all) and {large_count} large ones (1-16 MiB, filled); "
-        f"peak {format_bytes(after['peak_bytes'] - before['current_bytes'])} as counted. "
+        f"peak {format_bytes(after.peak_bytes - before.current_bytes)} as counted. "
         f"{rounds} interleaved rounds after 2 warm-up rounds, one torch thread, timed in thread CPU "
         f"time (time.thread_time) so other processes on the machine do not count. "
         f"Overhead of counting: {overhead * 100:+.1f}% (target: at most +2%).")

@@ -15,6 +15,7 @@ Variants (each measured in its own subprocess, so peak RSS never mixes):
     python benchmarks/bench_paging.py --quick    # small model, a smoke test
     python benchmarks/bench_paging.py --threads 2   # torch on every core: results/paging_threads2.{md,json}
     python benchmarks/bench_paging.py --device cuda   # the GPU run: results/paging_cuda.{md,json}
+    python benchmarks/bench_paging.py --header --copy-rss   # header open vs safe_open; copy-path RSS
 
 --device DEVICE: the same variants computing on DEVICE, the budget being DEVICE memory for the
 weights (the pager copies through pinned staging buffers on a side stream). No mmap rows there
@@ -281,6 +282,10 @@ def main() -> None:
                              f"results/paging_threads<N>.{{md,json}})")
     parser.add_argument("--all-direct", action="store_true", help="O_DIRECT rows at every budget, not only 25%%")
     parser.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
+    parser.add_argument("--header", action="store_true",
+                        help="only the header-open benchmark (10k/80k/160k tensors vs safe_open): results/paging_header")
+    parser.add_argument("--copy-rss", action="store_true",
+                        help="only the copy path's peak RSS with and without its own buffers: results/paging_copy_rss")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -291,6 +296,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         child(args)
+        return
+    if args.header or args.copy_rss:  # issue 16's benchmarks (benchmarks/paging_reliability.py)
+        import paging_reliability
+
+        paging_reliability.run(args, "python benchmarks/bench_paging.py " + " ".join(sys.argv[1:]))
         return
     from tqdm import tqdm
 

@@ -39,8 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Report, format_bytes, format_seconds, measure_interleaved, peak_memory  # noqa: E402
-import torch_ext  # noqa: E402
-from torch_ext import PlanCache, memory  # noqa: E402
+from torch_ext import PlanCache  # noqa: E402
 from torch_ext.demos import EncoderClassifier  # noqa: E402
 
 MAX_BATCH = 64

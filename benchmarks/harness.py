@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,12 +37,19 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    try:
+        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
     info = {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "torch_ext": torch_ext.__version__,
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
         "python": platform.python_version(),
     }
     if torch.cuda.is_available():
@@ -146,10 +154,12 @@ def measure_interleaved(variants: dict[str, Callable[[], Any]], *, warmup: int =
 
 
 def peak_memory(fn: Callable[[], Any], device=None) -> int:
-    """Peak bytes of live tensor memory above the start while fn runs (torch_ext.memory)."""
-    with memory.track(device) as tracked:
-        fn()
-    return tracked.peak_delta_bytes
+    """Peak bytes of live tensor memory above the start while fn runs (torch_ext.memory; no
+    saved-tensor hooks, which would change what torch.compile traces)."""
+    memory.reset_peak(device)
+    start = memory.stats(device).current_bytes
+    fn()
+    return memory.stats(device).peak_bytes - start
 
 
 def format_bytes(nbytes: float) -> str:
@@ -182,6 +192,12 @@ class Report:
         if unknown:
             raise KeyError(f"Report {self.name}: unknown columns {sorted(unknown)}")
         self.rows.append({"cells": cells, "raw": raw})
+
+    def add_checks(self, checks: Sequence[tuple[str, bool]]) -> None:
+        """Targets and whether this run met them: a list in the notes and data["checks"]."""
+        self.notes.append("")
+        self.notes.extend(f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in checks)
+        self.data["checks"] = [{"target": text, "met": ok} for text, ok in checks]
 
     def markdown(self) -> str:
         lines = [f"| {' | '.join(self.columns)} |", f"|{'|'.join('---' for _ in self.columns)}|"]

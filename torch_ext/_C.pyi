@@ -2,23 +2,25 @@
 (Python callables as checkpoint segments and as a plan cache's compiler, Python objects as cached
 values). Internal: use the
 torch_ext package. tests/python/test_layout.py checks that these stubs name every attribute."""
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 build_info: dict[str, Any]  # cuda (bool), cplusplus (int), compiler (str), torch_version (str)
 
+class CheckpointError(RuntimeError):
+    """A replay that does not match its forward."""
+
 class _CheckpointModule:
-    def apply(
-        self,
-        fn: Callable[[list[torch.Tensor]], torch.Tensor | list[torch.Tensor]],
-        inputs: Sequence[torch.Tensor],
-        params: Sequence[torch.Tensor],
-        options: torch.ScriptObject,
-        name: str,
-    ) -> list[torch.Tensor]:
-        """Run fn(inputs) as a checkpointed segment; params are the other tensors it reads;
-        options: a torch.classes.torch_ext.CheckpointOptions."""
+    CheckpointError: type[CheckpointError]
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None, options: Any,
+            name: str) -> Any:
+        """fn(*args, **kwargs) checkpointed (saved-tensor hooks); options: native_options(...);
+        name: the segment's, for errors."""
+
+    def native_options(self, options: torch.ScriptObject) -> Any:
+        """The C++ options of a torch.classes.torch_ext.CheckpointOptions, for run()."""
 
 checkpoint: _CheckpointModule
 

@@ -27,14 +27,14 @@ from . import _C  # noqa: E402  (needs the core library loaded first)
 from . import cache, checkpointing, memory, paging, plan  # noqa: E402
 from .cache import LazyExecutor, NodeCache, lazy  # noqa: E402
 from .checkpointing import (  # noqa: E402
-    CheckpointedSequential, CheckpointPlan, checkpoint, checkpoint_sequential, plan_checkpoints)
+    CheckpointedSequential, CheckpointPlan, checkpoint, checkpoint_call, checkpoint_sequential, plan_checkpoints)
 from .paging import LayerPager, SafetensorsSource, page_weights, save_pageable, unpage  # noqa: E402
 from .plan import Batcher, PlanCache  # noqa: E402
 
 __all__ = [
     "library_path", "memory",
     # segment checkpointing
-    "checkpointing", "checkpoint", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
+    "checkpointing", "checkpoint", "checkpoint_call", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
     # weight paging
     "paging", "LayerPager", "SafetensorsSource", "page_weights", "unpage", "save_pageable",
     # lazy node cache

@@ -14,6 +14,7 @@ LayerPager and SafetensorsSource here are thin Python wrappers over those classe
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -62,11 +63,27 @@ class LayerPager(ScriptObjectFace):
     acquire_many(ids), begin_pass(), set_order(ids), order(), resident_bytes(), resident_count(),
     is_resident(id), is_pinned(id), evict_all(), stats() (a PagerStats), reset_stats(), and each
     option as a property. source: a SafetensorsSource or the path of one. Keyword options are those
-    of the C++ PagerOptions: budget_bytes, pinned, policy, prefetch, device, zero_copy. Thread-safe."""
+    of the C++ PagerOptions: budget_bytes (an int or float of bytes, or "1GB", "512MiB", "30%"),
+    pinned, policy, prefetch, device, zero_copy, own_buffers, wait_timeout_seconds. Thread-safe and
+    fork-safe (docs/paging.md)."""
 
     def __init__(self, source: SafetensorsSource | str | os.PathLike, **options: Any) -> None:
         self.source = source if isinstance(source, SafetensorsSource) else SafetensorsSource(source)
+        options = {name: _as_script_value(value) for name, value in options.items()}
         self.script_object = torch.classes.torch_ext.LayerPager(self.source.script_object, **options)
+        stats = self.script_object.stats()
+        if stats.budget_below_largest_tensor:  # C++ warns on stderr (TORCH_WARN); Python users get a warning
+            warnings.warn(f"LayerPager({self.source.path()}): budget_bytes={self.script_object.budget_bytes} is "
+                          f"smaller than the largest tensor ({stats.largest_tensor_bytes} bytes): loading it "
+                          f"exceeds the budget (stats: budget_below_largest_tensor)", UserWarning, stacklevel=2)
+
+
+def _as_script_value(value: Any) -> Any:
+    """TorchScript carries 64-bit ints only: a larger int goes to C++ as its decimal text, which the
+    option's own parser reads or rejects naming the option (budget_bytes=2**63 is a ValueError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+        return str(value)
+    return value
 
 
 @dataclass
@@ -103,7 +120,7 @@ def is_paged(model: nn.Module) -> bool:
     return _STATE in model.__dict__
 
 
-def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike, budget_bytes: int, *,
+def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike, budget_bytes: int | float | str, *,
                  pinned: Iterable[str] = (), buffers: bool = False,
                  key_map: Callable[[str], str] | Mapping[str, str] | None = None,
                  strip_prefix: str = "", add_prefix: str = "", **options: Any) -> LayerPager:

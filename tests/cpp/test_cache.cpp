@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <barrier>
+#include <chrono>
+#include <random>
 #include <cmath>
 #include <limits>
 #include <thread>
@@ -16,6 +19,7 @@
 #include <torch/custom_class.h>
 
 #include "torch_ext/cache/node_cache.h"
+#include "reliability_helpers.h"
 
 using torch_ext::cache::NodeCache;
 
@@ -307,4 +311,77 @@ TEST(Cache, RegisteredAsATorchScriptClass) {
   for (const char* method : {"get", "lookup", "put", "invalidate_node", "invalidate", "stats", "memory_estimate"}) {
     EXPECT_NE(type->findMethod(method), nullptr) << method;
   }
+}
+
+// ---------------------------------------------------------------- fork safety and stress (issue 16)
+
+TEST(CacheFork, AChildCanUseAndDestroyACacheAnotherThreadWasUsingAtFork) {
+  auto cache = c10::make_intrusive<NodeCache>();
+  std::atomic<bool> stop{false};
+  std::thread user([&] {
+    std::vector<at::Tensor> inputs;
+    for (int i = 0; i < 64; ++i) inputs.push_back(floats(16));
+    for (int64_t i = 0; !stop; ++i) {  // the mutex is held for most of each call
+      cache->put(i % 64, {inputs[i % 64]}, inputs[i % 64] * 2, 1e-3);
+      cache->get((i + 7) % 64, {inputs[(i + 7) % 64]});
+    }
+  });
+  for (int round = 0; round < 20; ++round) {
+    const int code = torch_ext::testing::run_in_child([&] {
+      at::Tensor x = floats(4);
+      cache->put(1000, {x}, x + 1, 0);
+      const bool ok = cache->get(1000, {x}).has_value() && cache->stats().entries >= 1;
+      cache.reset();
+      return ok ? 0 : 3;
+    }, 20);
+    ASSERT_EQ(code, 0) << "round " << round << " (-1: the child hung)";
+  }
+  stop = true;
+  user.join();
+}
+
+TEST(CacheStress, EightThreadsKeepCapacityValuesAndCounts) {
+  constexpr int kThreads = 8;
+  constexpr int64_t kCapacity = 64 * 64 * kFloat;
+  NodeCache cache(torch_ext::cache::NodeCacheOptions{kCapacity});
+  std::vector<at::Tensor> inputs;
+  for (int i = 0; i < 128; ++i) inputs.push_back(at::arange(64, at::kFloat) + i);
+  std::atomic<int64_t> gets{0};
+  std::atomic<bool> failed{false};
+  std::atomic<bool> done{false};
+  const auto stop = std::chrono::steady_clock::now() + std::chrono::duration<double>(torch_ext::testing::stress_seconds());
+  std::barrier phase(kThreads, [&]() noexcept {
+    const auto s = cache.stats();
+    if (s.cached_bytes > kCapacity || s.hits + s.misses != gets.load() || s.entries != cache.cached_count()) {
+      failed = true;
+    }
+    if (std::chrono::steady_clock::now() > stop) done = true;
+  });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      while (!done) {
+        for (int op = 0; op < 100; ++op) {
+          const int i = static_cast<int>(rng() % inputs.size());
+          const int what = static_cast<int>(rng() % 100);
+          if (what < 40) {
+            cache.put(i, {inputs[i]}, inputs[i] * 3, 1e-6 * (1 + rng() % 100));
+          } else if (what < 95) {
+            ++gets;
+            const auto got = cache.get(i, {inputs[i]});
+            if (got && !at::equal(got->toTensor(), inputs[i] * 3)) failed = true;  // never another node's value
+          } else if (what < 99) {
+            cache.invalidate_node(i);
+          } else {
+            cache.invalidate();
+          }
+        }
+        phase.arrive_and_wait();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_FALSE(failed) << "capacity, values or counts broken";
+  EXPECT_GT(gets.load(), 0);
 }

@@ -12,6 +12,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "torch_ext/checkpoint/checkpoint.h"
+#include "torch_ext/checkpoint/frame.h"
 #include "torch_ext/checkpoint/module.h"
 
 namespace ck = torch_ext::checkpoint;
@@ -191,4 +192,111 @@ TEST(Checkpoint, OffloadedCudaBoundariesGiveExactGradients) {
   auto out = ck::checkpoint(segment, {x}, {weight}, options);
   auto grads = torch::autograd::grad({out[0].pow(2).sum()}, {x, weight});
   EXPECT_TRUE(same(grads, plain));
+}
+
+// ---- Frame: the core of Python checkpointing (saved-tensor hooks), driven here by hand ------
+
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Frame, RecomputesOncePerBackwardPassAndHandsEachHolderItsTensor) {
+  auto frame = std::make_shared<ck::Frame>("Seg", /*early_stop=*/false);
+  auto first = frame->pack(at::zeros({2, 3}));
+  auto second = frame->pack(at::zeros({4}));
+  frame->finish_forward({});
+  int replays = 0;
+  frame->set_recompute([&](ck::Frame& f, int64_t task) {
+    ++replays;
+    f.repack(at::ones({2, 3}), task);
+    f.repack(at::full({4}, 2.0), task);
+  });
+  EXPECT_TRUE(frame->unpack(*first).equal(at::ones({2, 3})));  // outside a backward: a fresh task
+  EXPECT_EQ(replays, 1);
+  // Each unpack outside a backward pass is its own pass: the second holder's pass replays again.
+  EXPECT_TRUE(frame->unpack(*second).equal(at::full({4}, 2.0)));
+  EXPECT_EQ(replays, 2);
+}
+
+TEST(Frame, AReplayOfAnotherShapeRaisesNamingTheSegmentAndTheTensor) {
+  auto frame = std::make_shared<ck::Frame>("Seg", false);
+  auto holder = frame->pack(at::zeros({2, 3}));
+  frame->pack(at::zeros({5}));
+  frame->finish_forward({});
+  frame->set_recompute([](ck::Frame& f, int64_t task) {
+    f.repack(at::zeros({2, 3}), task);
+    f.repack(at::zeros({6}, at::kDouble), task);
+  });
+  const std::string error = error_of([&] { frame->unpack(*holder); });
+  EXPECT_NE(error.find("the replay of Seg produced saved tensor 1 (Double[6] on cpu) where its forward produced "
+                       "saved tensor 1 (Float[5] on cpu)"), std::string::npos) << error;
+}
+
+TEST(Frame, AReplayThatSavesFewerOrMoreTensorsRaises) {
+  auto fewer = std::make_shared<ck::Frame>("Seg", false);
+  auto holder = fewer->pack(at::zeros({2}));
+  fewer->pack(at::zeros({2}));
+  fewer->finish_forward({});
+  fewer->set_recompute([](ck::Frame& f, int64_t task) { f.repack(at::zeros({2}), task); });
+  EXPECT_NE(error_of([&] { fewer->unpack(*holder); }).find("saved 1 tensors for backward but its forward saved 2"),
+            std::string::npos);
+
+  auto more = std::make_shared<ck::Frame>("Seg", false);
+  holder = more->pack(at::zeros({2}));
+  more->finish_forward({});
+  more->set_recompute([](ck::Frame& f, int64_t task) {
+    f.repack(at::zeros({2}), task);
+    f.repack(at::zeros({2}), task);
+  });
+  EXPECT_NE(error_of([&] { more->unpack(*holder); }).find("saved more tensors for backward than its forward did (1)"),
+            std::string::npos);
+}
+
+TEST(Frame, EarlyStopIsDecidedByTheRecordedTailsWork) {
+  torch::autograd::GradMode::set_enabled(true);
+  auto x = at::randn({64, 64}).requires_grad_();
+  // Records a forward whose last saved tensor is followed by `tail` (a function of it).
+  auto stops_early = [&](bool early_stop, const std::function<at::Tensor(const at::Tensor&)>& tail) {
+    auto frame = std::make_shared<ck::Frame>("Seg", early_stop);
+    auto hidden = x * 2;
+    frame->pack(hidden);  // as if the next op saved its input
+    frame->finish_forward({tail(hidden)});
+    return frame->stops_early();
+  };
+  // 1024 elements of elementwise work: not worth an exception through the segment's frames.
+  EXPECT_FALSE(stops_early(true, [](const at::Tensor& h) { return h.narrow(0, 0, 16).tanh(); }));
+  // A 64x64 matrix product and more: worth it (products weigh 64x per element).
+  auto w = at::randn({64, 64}).requires_grad_();
+  EXPECT_TRUE(stops_early(true, [&](const at::Tensor& h) { return h.mm(w).relu(); }));
+  EXPECT_FALSE(stops_early(false, [&](const at::Tensor& h) { return h.mm(w).relu(); }));
+}
+
+TEST(Frame, AnEarlyStoppingReplayEndsAtTheLastSavedTensor) {
+  torch::autograd::GradMode::set_enabled(true);
+  auto x = at::randn({64, 64}).requires_grad_();
+  auto w = at::randn({64, 64}).requires_grad_();
+  auto frame = std::make_shared<ck::Frame>("Seg", true);
+  auto hidden = x * 2;
+  auto holder = frame->pack(hidden);
+  frame->finish_forward({hidden.mm(w)});
+  ASSERT_TRUE(frame->stops_early());
+  bool ran_tail = false;
+  frame->set_recompute([&](ck::Frame& f, int64_t task) {
+    try {
+      f.repack(hidden.detach(), task);
+      ran_tail = true;
+    } catch (const ck::StopRecomputation&) {
+    }
+  });
+  EXPECT_TRUE(frame->unpack(*holder).equal(hidden));
+  EXPECT_FALSE(ran_tail);
 }

@@ -18,27 +18,21 @@ def test_the_stubs_of_torch_ext_C_name_every_attribute_it_has():
     import torch_ext
 
     tree = ast.parse((Path(torch_ext.__file__).parent / "_C.pyi").read_text())
-    stubbed = {"": set(), "checkpoint": set(), "cache": set(), "plan": set()}
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-    for node in tree.body:
-        if isinstance(node, ast.AnnAssign):
-            stubbed[""].add(node.target.id)
-    for submodule, namespace in (("checkpoint", "_CheckpointModule"), ("cache", "_CacheModule"), ("plan", "_PlanModule")):
-        for node in classes[namespace].body:
-            if isinstance(node, ast.FunctionDef):
-                stubbed[submodule].add(node.name)
-            elif isinstance(node, ast.AnnAssign):
-                stubbed[submodule].add(node.target.id)
 
-    def public(module):
-        return {name for name in dir(module) if not name.startswith("_")}
+    def names(body):
+        return {node.name if isinstance(node, ast.FunctionDef) else node.target.id
+                for node in body if isinstance(node, (ast.FunctionDef, ast.AnnAssign))}
 
-    assert public(torch_ext._C) == stubbed[""] | {"checkpoint", "cache", "plan"}
-    assert public(torch_ext._C.checkpoint) == stubbed["checkpoint"]
-    assert public(torch_ext._C.cache) == stubbed["cache"]
-    assert public(torch_ext._C.plan) == stubbed["plan"]
-    methods = {node.name for node in classes["PythonValues"].body if isinstance(node, ast.FunctionDef)}
-    assert public(torch_ext._C.cache.PythonValues) == methods - {"__init__"}
+    def public(obj):
+        return {name for name in dir(obj) if not name.startswith("_")}
+
+    # Module attributes are annotated assignments; a submodule is stubbed as the class it is annotated with.
+    top = {node.target.id: ast.unparse(node.annotation) for node in tree.body if isinstance(node, ast.AnnAssign)}
+    assert public(torch_ext._C) == set(top)
+    for submodule in ("checkpoint", "cache", "plan"):
+        assert public(getattr(torch_ext._C, submodule)) == names(classes[top[submodule]].body), submodule
+    assert public(torch_ext._C.cache.PythonValues) == names(classes["PythonValues"].body) - {"__init__"}
 
 
 # The shape of the code: no Python module over ~500 lines, no function over ~80 lines, unless a

@@ -5,7 +5,6 @@ import threading
 
 import pytest
 import torch
-from torch.library import opcheck
 
 import torch_ext
 from torch_ext import memory
@@ -113,12 +112,40 @@ def test_cuda_figures_come_from_torch_cuda():
     del x
 
 
-def test_ops_pass_opcheck():
-    opcheck(torch.ops.torch_ext.reset_peak_memory.default, ())
-    # memory_stats is a live measurement: two calls differ, so the eager-vs-traced
-    # comparison of test_aot_dispatch_dynamic cannot hold for it by design.
-    opcheck(torch.ops.torch_ext.memory_stats.default, (),
-            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_code_measures_where_it_calls_the_ops(backend):
+    torch._dynamo.reset()
+
+    @torch.compile(backend=backend)
+    def measured_double(x):
+        torch.ops.torch_ext.reset_peak_memory()
+        before = torch.ops.torch_ext.memory_stats()
+        y = x * 2
+        return y, before
+
+    x = torch.ones(1024)
+    first = measured_double(x)[1]
+    held = torch.empty(MiB, dtype=torch.uint8)
+    second = measured_double(x)[1]
+    # Traced, the second call would return the figures of the first.
+    assert second[0] - first[0] > MiB // 2  # current_bytes: the held MiB, give or take small buffers
+    del held
+    big = torch.empty(4 * MiB, dtype=torch.uint8)
+    del big
+    measured_double(x)
+    # Inductor would drop a traced reset_peak_memory() as dead code.
+    assert memory.stats().peak_bytes < memory.stats().current_bytes + 4 * MiB
+
+
+def test_fullgraph_compile_refuses_a_memory_op_naming_it():
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True)
+    def measured(x):
+        return x * 2, torch.ops.torch_ext.memory_stats()
+
+    with pytest.raises(Exception, match="memory_stats"):
+        measured(torch.ones(4))
 
 
 def test_scripted_code_sees_each_call():

@@ -1,27 +1,33 @@
 """Segment checkpointing: keep only a segment's inputs during forward, recompute it in backward.
 
-The autograd node is torch_ext's C++ core (csrc/torch_ext/checkpoint): its forward runs the
-segment without building a graph and stores only the boundary inputs; its backward restores the
-RNG, autocast and grad-mode state of the forward, replays the segment and back-propagates
-through the replay. Parameters are explicit inputs of the node, so torch.autograd.grad,
-backward(inputs=...), hooks and DistributedDataParallel behave as without checkpointing.
-On CPU, the replays of Python segments stop early: the ops after the last one whose output
-backward saves are not computed (see _ReplayTail).
-
-    torch_ext.checkpoint            decorator for nn.Module subclasses, instances and functions
+    torch_ext.checkpoint             decorator for nn.Module subclasses, instances and functions
+    torch_ext.checkpoint_call        drop-in for torch.utils.checkpoint.checkpoint(fn, *args, ...)
     torch_ext.CheckpointedSequential a chain with checkpointed boundaries and memory accounting
-    torch_ext.checkpoint_sequential drop-in for torch.utils.checkpoint.checkpoint_sequential
-    torch_ext.plan_checkpoints      measured, budgeted boundary placement (dynamic programming)
+    torch_ext.checkpoint_sequential  drop-in for torch.utils.checkpoint.checkpoint_sequential
+    torch_ext.plan_checkpoints       measured, budgeted boundary placement (dynamic programming)
+    torch_ext.checkpointing.hf       Hugging Face models: their gradient checkpointing with
+                                     torch_ext's function, per-layer checkpointing by every=k or a budget
 
-Storage policies for the boundary: "keep" (default, exact), "offload" (accelerator inputs go to
-pinned CPU memory asynchronously; CPU inputs are kept), "bf16" / "fp16" (lossy and opt-in: float
-inputs are stored rounded, so gradients are approximate).
+Python segments are checkpointed with saved-tensor hooks in C++ (csrc/torch_ext/checkpoint/
+frame.h): the forward builds the ordinary autograd graph with placeholders instead of the tensors
+it would save; the first unpack in a backward pass replays the segment once, checks every tensor
+the replay saves against the forward's (shape, dtype, device: a mismatch raises CheckpointError
+naming the segment and the tensor), and stops once they are all recomputed where the recorded
+graph's tail is worth skipping. Gradients, double backward, nested checkpoints, hooks and
+closures behave as without checkpointing. The C++ and TorchScript front doors replay whole
+segments through an autograd Function (csrc/torch_ext/checkpoint/checkpoint.h).
 
-Under torch.compile a checkpointed call is a graph break: the compiled code runs up to it, the
-checkpoint runs eagerly, and compilation resumes after it.
+Storage policies for the inputs: "keep" (default, exact: the replay gets the caller's tensors),
+"offload" (accelerator inputs go to pinned CPU memory asynchronously; CPU inputs are kept),
+"bf16" / "fp16" (lossy and opt-in: float inputs are stored rounded, so gradients are approximate).
+
+Under torch.compile a checkpointed call is traced, through torch.utils.checkpoint (a higher-order
+op), as torch's own checkpoint is; storage policies other than "keep" do not apply there.
 """
-from .api import checkpoint
+from . import hf
+from .api import CheckpointError, checkpoint, checkpoint_call
 from .chains import CheckpointedSequential, checkpoint_sequential
 from .planner import CheckpointPlan, plan_checkpoints
 
-__all__ = ["checkpoint", "CheckpointedSequential", "checkpoint_sequential", "plan_checkpoints", "CheckpointPlan"]
+__all__ = ["checkpoint", "checkpoint_call", "CheckpointError", "CheckpointedSequential", "checkpoint_sequential",
+           "plan_checkpoints", "CheckpointPlan", "hf"]

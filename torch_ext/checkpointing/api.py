@@ -1,69 +1,108 @@
-"""The checkpoint decorator and the call path every checkpointed segment takes into the C++ node
-(torch_ext._C.checkpoint.apply)."""
+"""The checkpoint decorator, the drop-in for torch.utils.checkpoint.checkpoint, and the one call
+path every checkpointed segment takes: torch_ext._C.checkpoint.run, the C++ frame of
+csrc/torch_ext/checkpoint/frame.h (saved-tensor hooks: the forward builds the ordinary graph
+around placeholders, the first unpack in a backward replays the segment, checked, stopping once
+every saved tensor is recomputed). Under torch.compile the segment is traced instead, through
+torch.utils.checkpoint, as torch's own checkpoint is."""
 from __future__ import annotations
 
 import functools
-import inspect
+import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .. import _C
-from .replay_tail import _TAIL_ATTRIBUTE, _ReplayTail
 
-_apply = _C.checkpoint.apply
+CheckpointError = _C.checkpoint.CheckpointError
+_run_segment = _C.checkpoint.run
 
 
-def checkpoint_options(owner: str, **options: Any) -> torch.ScriptObject:
-    """A torch.classes.torch_ext.CheckpointOptions from keyword options (names, defaults and checks
-    are the C++ CheckpointOptions'); raises TypeError naming owner for an unknown option."""
-    names = option_names()
-    unknown = sorted(set(options) - set(names))
-    if unknown:
-        raise TypeError(f"{owner}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(names)}")
-    return torch.classes.torch_ext.CheckpointOptions(**options)
+@dataclass(frozen=True)
+class Options:
+    """Checkpoint options: `script` is the C++ CheckpointOptions (names, defaults and checks are
+    its), `compiled` the keywords torch.utils.checkpoint takes under torch.compile (plain Python
+    values, which dynamo traces without a graph break)."""
+
+    script: torch.ScriptObject
+    native: Any  # what _C.checkpoint.run takes
+    compiled: tuple
+
+    def as_dict(self) -> dict:
+        return self.script.as_dict()
+
+
+_DEFAULT_OPTIONS = torch.classes.torch_ext.CheckpointOptions()
+_OPTIONS_CACHE: dict = {}
 
 
 def option_names() -> list[str]:
     return _DEFAULT_OPTIONS.fields()
 
 
-_DEFAULT_OPTIONS = torch.classes.torch_ext.CheckpointOptions()
+def checkpoint_options(owner: str, **options: Any) -> Options:
+    """Options from keywords, validated by C++; raises TypeError naming owner for an unknown one.
+    Built once per distinct set of keywords."""
+    key = tuple(sorted(options.items()))
+    try:
+        return _OPTIONS_CACHE[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable value, validated below
+        pass
+    unknown = sorted(set(options) - set(option_names()))
+    if unknown:
+        raise TypeError(f"{owner}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(option_names())}")
+    script = torch.classes.torch_ext.CheckpointOptions(**options)
+    compiled = (("preserve_rng_state", script.preserve_rng_state), ("early_stop", script.early_stop))
+    resolved = Options(script, _C.checkpoint.native_options(script), compiled)
+    _OPTIONS_CACHE[key] = resolved
+    return resolved
 
 
-def _trainable_parameters(module: nn.Module) -> list[torch.Tensor]:
-    """module.parameters() that require grad (each once), without the generator machinery."""
-    if not module._modules:
-        return [p for p in module._parameters.values() if p is not None and p.requires_grad]
-    seen, params = set(), []
-    for m in module.modules():
-        for p in m._parameters.values():
-            if p is not None and p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return params
+# ---- Hugging Face caches: state a segment would change twice (once more in its replay)
+_WARNED: set = set()
 
 
-def _plain_tensors(args: tuple) -> bool:
-    for a in args:
-        if type(a) is not torch.Tensor:
-            return False
-    return True
+@torch.compiler.assume_constant_result  # a property of the class, which dynamo guards on
+def _is_hf_cache_class(cls: type) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in cls.__mro__)
 
 
-def _flatten_output(out: Any, box: list) -> list[torch.Tensor]:
-    leaves, spec = pytree.tree_flatten(out)
-    box[0] = (spec, leaves)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+def _is_hf_cache(value: Any) -> bool:
+    return value is not None and _is_hf_cache_class(type(value))
 
 
-def _unflatten_output(outputs: list[torch.Tensor], box: list) -> Any:
-    spec, leaves = box[0]
-    it = iter(outputs)
-    return pytree.tree_unflatten([next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+def _without_caches(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """args and kwargs with Hugging Face Cache objects replaced by None and use_cache by False, as
+    Hugging Face's own gradient checkpointing does in training (once warned per segment name)."""
+    found = [i for i, a in enumerate(args) if type(a) is not torch.Tensor and _is_hf_cache(a)]
+    keys = [k for k, v in kwargs.items() if v is not None and type(v) is not torch.Tensor and _is_hf_cache(v)]
+    if not found and not keys:
+        return args, kwargs
+    args = tuple(None if i in found else a for i, a in enumerate(args))
+    kwargs = {k: None if k in keys else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    if name not in _WARNED and not torch.compiler.is_compiling():
+        _WARNED.add(name)
+        warnings.warn(f"torch_ext.checkpoint: {name} was given a Hugging Face cache; a checkpointed segment would "
+                      f"update it again in its replay, so caching is off inside it (as Hugging Face's own gradient "
+                      f"checkpointing does in training)", stacklevel=4)
+    return args, kwargs
+
+
+def _run(fn: Callable, args: tuple, kwargs: dict, options: Options, name: str) -> Any:
+    """fn(*args, **kwargs) as one checkpointed segment named name (in errors)."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    if kwargs or not all(type(a) is torch.Tensor for a in args):
+        args, kwargs = _without_caches(name, args, kwargs)
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **dict(options.compiled), **kwargs)
+    return _run_segment(fn, args, kwargs, options.native, name)
 
 
 def _name_of(fn: Any) -> str:
@@ -72,72 +111,17 @@ def _name_of(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _call_segment(box: list, tail: Optional["_ReplayTail"], params: list[torch.Tensor], modules: Sequence[nn.Module],
-                  fn: Callable, tensors: list[torch.Tensor]) -> Any:
-    """What the core calls as the segment: fn(*tensors), through the call site's early stop unless
-    it has none or it is off; an output other than one tensor is flattened, its structure kept in box."""
-    out = fn(*tensors) if tail is None or tail.off else tail.replay(fn, tensors, params, modules)
-    return out if type(out) is torch.Tensor else _flatten_output(out, box)
-
-
-def _run(fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], options: torch.ScriptObject,
-         name: str, tail: Optional["_ReplayTail"] = None,
-         modules: Sequence[nn.Module] = ()) -> Any:
-    """fn(*args, **kwargs) as one checkpointed segment whose other tensors requiring grad are params;
-    tail: the call site's early stop for its replays; modules: those fn calls or runs."""
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    box: list = [None]  # the output's structure when it is not one tensor
-    if not kwargs and _plain_tensors(args):
-        # Fast path: positional plain tensors. The segment holds no input, so the storage policy
-        # alone decides what stays alive.
-        segment = functools.partial(_call_segment, box, tail, params, modules, fn)
-        outputs = _apply(segment, list(args), params, options, name)
-    else:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        tensors = [leaves[i] for i in slots]
-        for leaf in leaves:
-            if isinstance(leaf, nn.Module):
-                params = params + [p for p in _trainable_parameters(leaf) if not any(p is q for q in params)]
-        if not params and not any(t.requires_grad for t in tensors):
-            return fn(*args, **kwargs)
-        # The replay needs the non-tensor leaves; the tensors come back from the boundary.
-        for i in slots:
-            leaves[i] = None
-
-        def segment(replayed):
-            call_leaves = list(leaves)
-            for i, t in zip(slots, replayed):
-                call_leaves[i] = t
-            call_args, call_kwargs = pytree.tree_unflatten(call_leaves, spec)
-            return _call_segment(box, tail, params, modules, lambda *_: fn(*call_args, **call_kwargs), replayed)
-
-        outputs = _apply(segment, tensors, params, options, name)
-    return outputs[0] if box[0] is None else _unflatten_output(outputs, box)
-
-
-# Under torch.compile a checkpoint is a graph break (dynamo cannot trace into the C++ node);
-# eager calls skip the disable wrapper, which costs microseconds per call.
-_run_eager = _run
-_run_under_compile = torch.compiler.disable(_run)
-
-
-def _runner():
-    return _run_under_compile if torch.compiler.is_compiling() else _run_eager
-
-
 class _CheckpointedForward:
     """An instance's checkpointed forward. It refers to its module weakly: the module holds it, and
     a strong reference back would leave the module (and its parameters) to the cycle collector.
     Deep-copies and pickles with its module."""
 
-    def __init__(self, module: nn.Module, forward: Callable, options: torch.ScriptObject) -> None:
+    def __init__(self, module: nn.Module, forward: Callable, options: Options) -> None:
         self._module = weakref.ref(module)
         self.forward = forward
         self.options = options
         self._torch_ext_checkpoint = options
-        self.tail = _ReplayTail()
+        self._name = type(module).__name__
 
     @property
     def module(self) -> nn.Module:
@@ -153,19 +137,13 @@ class _CheckpointedForward:
 
     def __call__(self, *args, **kwargs):
         module = self._module()
-        forward = self.forward
         if not torch.is_grad_enabled():
-            return forward(module, *args, **kwargs)
-        if kwargs or not _plain_tensors(args) or torch.compiler.is_compiling():
-            return _runner()(functools.partial(forward, module), args, kwargs, _trainable_parameters(module),
-                             self.options, type(module).__name__, self.tail, (module,))
-        # The common case, kept short: tensors in, tensors out.
-        box: list = [None]
-        params = _trainable_parameters(module)
-        segment = functools.partial(_call_segment, box, self.tail, params, (module,),
-                                    functools.partial(forward, module))
-        outputs = _apply(segment, list(args), params, self.options, type(module).__name__)
-        return outputs[0] if box[0] is None else _unflatten_output(outputs, box)
+            return self.forward(module, *args, **kwargs)
+        return _run(functools.partial(self.forward, module), args, kwargs, self.options, self._name)
+
+
+def _restore_forward(module: nn.Module, forward: Callable, options: dict) -> _CheckpointedForward:
+    return _CheckpointedForward(module, forward, checkpoint_options("torch_ext.checkpoint", **options))
 
 
 def checkpoint(target: Any = None, **options: Any) -> Any:
@@ -175,16 +153,17 @@ def checkpoint(target: Any = None, **options: Any) -> Any:
       class is changed in place and returned).
     - ``checkpoint(module)``: that instance's forward is checkpointed in place; state_dict keys,
       hooks and parameters are unchanged. Returns the module.
-    - ``@checkpoint`` on a function: returns a checkpointed wrapper. Gradients flow to its tensor
-      arguments (nested in lists, tuples, dicts), to the parameters of nn.Modules among its
-      arguments and of the module a bound method belongs to; a tensor requiring grad reached any
-      other way (a closure) raises in backward, since its gradient would be lost.
+    - ``@checkpoint`` on a function: returns a checkpointed wrapper.
 
-    Keyword arguments, pytree inputs and outputs, non-tensor arguments and outputs, inputs that do
-    not require grad and nested checkpoints all work. Options are those of the C++
-    CheckpointOptions (torch.classes.torch_ext.CheckpointOptions): storage ("keep", exact;
-    "offload"; "bf16" / "fp16", lossy) and preserve_rng_state. Use as
-    ``@checkpoint(storage="bf16")`` to pass options.
+    Options are those of the C++ CheckpointOptions (torch.classes.torch_ext.CheckpointOptions):
+    storage ("keep", exact; "offload"; "bf16" / "fp16", lossy), preserve_rng_state and
+    early_stop. Use as ``@checkpoint(storage="bf16")`` to pass options. Gradients equal the
+    unwrapped segment's (on CPU with "keep": bit for bit), whatever the segment reads (tensors in
+    nested arguments, closures, module parameters), with double backward, nested checkpoints and
+    hooks on its outputs' grad_fns. A replay is checked against its forward: every tensor it
+    saves for backward must match in shape, dtype and device, else CheckpointError names the
+    segment and the first differing tensor. Hugging Face Cache arguments are set to None in the
+    segment (caching off, as their gradient checkpointing does), with one warning.
     """
     resolved = checkpoint_options("torch_ext.checkpoint", **options)
     if target is None:
@@ -206,41 +185,57 @@ def checkpoint(target: Any = None, **options: Any) -> Any:
                     f"got {type(target).__name__}")
 
 
-def _checkpoint_class(target: type, options: torch.ScriptObject) -> type:
+def _checkpoint_class(target: type, options: Options) -> type:
     if not issubclass(target, nn.Module):
         raise TypeError(f"torch_ext.checkpoint: class {target.__name__} is not an nn.Module subclass")
     original = target.forward
     if getattr(original, "_torch_ext_checkpoint", None) is not None:
         return target
+    name = target.__name__
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return original(self, *args, **kwargs)
-        tail = self.__dict__.get(_TAIL_ATTRIBUTE) or self.__dict__.setdefault(_TAIL_ATTRIBUTE, _ReplayTail())
-        return _runner()(functools.partial(original, self), args, kwargs, _trainable_parameters(self), options,
-                         type(self).__name__, tail, (self,))
+        return _run(functools.partial(original, self), args, kwargs, options, name)
 
     forward._torch_ext_checkpoint = options
     target.forward = forward
     return target
 
 
-def _checkpoint_function(fn: Callable, options: torch.ScriptObject) -> Callable:
-    owner = fn.__self__ if inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module) else None
+def _checkpoint_function(fn: Callable, options: Options) -> Callable:
     name = _name_of(fn)
-    tail = _ReplayTail()
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return fn(*args, **kwargs)
-        params = _trainable_parameters(owner) if owner is not None else []
-        return _runner()(fn, args, kwargs, params, options, name, tail)
+        return _run(fn, args, kwargs, options, name)
 
     wrapper._torch_ext_checkpoint = options
     return wrapper
 
 
-def _restore_forward(module: nn.Module, forward: Callable, options: dict) -> "_CheckpointedForward":
-    return _CheckpointedForward(module, forward, checkpoint_options("torch_ext.checkpoint", **options))
+# torch.utils.checkpoint.checkpoint's keywords that select its implementation or debug it; torch_ext
+# has one implementation (the non-reentrant one) and always checks its replays.
+_TORCH_ONLY = ("use_reentrant", "debug")
+
+
+def checkpoint_call(function: Callable, *args: Any, context_fn: Any = None, determinism_check: str = "default",
+                    **kwargs: Any) -> Any:
+    """Drop-in for torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, ...):
+    run function(*args, **kwargs) checkpointed and return its output. Takes torch's keywords
+    (use_reentrant and debug are accepted and ignored: torch_ext has the non-reentrant
+    implementation only; early_stop and preserve_rng_state are options) and torch_ext's options
+    (storage). determinism_check must be "default" (torch_ext always checks its replays), and
+    context_fn (selective activation checkpointing) is not supported."""
+    if context_fn is not None and context_fn is not torch.utils.checkpoint.noop_context_fn:
+        raise NotImplementedError("torch_ext.checkpoint_call: context_fn (selective activation checkpointing) is not "
+                                  "supported; use torch.utils.checkpoint for it")
+    if determinism_check != "default":
+        raise ValueError(f"torch_ext.checkpoint_call: determinism_check={determinism_check!r}: torch_ext always "
+                         f"checks its replays (\"default\")")
+    for keyword in _TORCH_ONLY:
+        kwargs.pop(keyword, None)
+    names = option_names()
+    options = checkpoint_options("torch_ext.checkpoint_call", **{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+    return _run(function, args, kwargs, options, _name_of(function))

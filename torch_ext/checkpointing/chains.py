@@ -11,9 +11,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .api import _runner, _trainable_parameters, checkpoint_options, option_names
+from .api import _run, checkpoint_options, option_names
 from .planner import CheckpointPlan, _call, _storage_bytes, _tensor_leaves, plan_checkpoints
-from .replay_tail import _ReplayTail
 
 def _segments_from_boundaries(n: int, boundaries: Sequence[int], owner: str) -> list[tuple[int, int, bool]]:
     bounds = list(boundaries)
@@ -66,7 +65,6 @@ class CheckpointedSequential(nn.Sequential):
         self.options = checkpoint_options("CheckpointedSequential", **options)
         self.budget_bytes = budget_bytes
         self.plan: Optional[CheckpointPlan] = None
-        self._tails: dict[tuple[int, int], _ReplayTail] = {}  # early stop per segment (start, end)
         if budget_bytes is not None:
             if not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
                 raise ValueError(f"CheckpointedSequential: budget_bytes must be a positive number, got {budget_bytes!r}")
@@ -156,7 +154,8 @@ class CheckpointedSequential(nn.Sequential):
         if self._segments is None:
             if not grad:
                 return self._plain(inputs, kwargs)
-            self.plan = plan_checkpoints(list(self), *inputs, budget_bytes=self.budget_bytes, storage=self.options.storage,
+            self.plan = plan_checkpoints(list(self), *inputs, budget_bytes=self.budget_bytes,
+                                         storage=self.options.script.storage,
                                          **kwargs)
             self._segments = list(self.plan.segments)
         value: Any = None
@@ -165,15 +164,11 @@ class CheckpointedSequential(nn.Sequential):
             run = self._segment_fn(start, end, record=grad)
             if grad:
                 leaves = _tensor_leaves((args, kw))
-                nbytes = _boundary_bytes(leaves, self.options.storage) if checkpointed else 0
+                nbytes = _boundary_bytes(leaves, self.options.script.storage) if checkpointed else 0
                 weak = pytree.tree_map_only(torch.Tensor, weakref.ref, (args, kw))
                 self._records.append((start, checkpointed, weak, nbytes, _rng_snapshot(leaves)))
             if checkpointed and grad:
-                layers = [self[i] for i in range(start, end)]
-                params = [p for layer in layers for p in _trainable_parameters(layer)]
-                tail = self._tails.get((start, end)) or self._tails.setdefault((start, end), _ReplayTail())
-                value = _runner()(run, args, kw, params, self.options,
-                                  f"CheckpointedSequential[{start}:{end}]", tail, layers)
+                value = _run(run, args, kw, self.options, f"CheckpointedSequential[{start}:{end}]")
             else:
                 value = run(*args, **kw)
         return value
@@ -195,7 +190,7 @@ class CheckpointedSequential(nn.Sequential):
         if any(isinstance(leaf, weakref.ref) and leaf() is None for leaf in pytree.tree_leaves(weak)):
             raise RuntimeError(f"CheckpointedSequential.recompute: the input of layer {start} (the checkpoint before "
                                f"layer {layer_idx}) is no longer alive: backward freed it, or the storage policy "
-                               f"({self.options.storage!r}) kept only a copy; call recompute() between forward and backward")
+                               f"({self.options.script.storage!r}) kept only a copy; call recompute() between forward and backward")
         args, kwargs = pytree.tree_map_only(weakref.ref, lambda ref: ref(), weak)
         with torch.random.fork_rng(devices=[d for d, _ in rng if d is not None]):
             _restore_rng(rng)
@@ -236,10 +231,12 @@ def _boundary_bytes(tensors: list[torch.Tensor], storage: str) -> int:
 
 def checkpoint_sequential(functions: Any, segments: int, *inputs: Any, **kwargs: Any) -> Any:
     """Drop-in for torch.utils.checkpoint.checkpoint_sequential: run `functions` (an
-    nn.Sequential or a list of modules / callables) in `segments` checkpointed segments (the last
-    takes the remainder). The first function receives all inputs and the keyword arguments that
-    are not options; options are torch_ext.checkpoint's (use_reentrant, determinism_check, debug
-    and context_fn are accepted and ignored: there is one implementation)."""
+    nn.Sequential or a list of modules / callables) in `segments` parts of len(functions) //
+    segments functions; all but the last are checkpointed, and the last runs plainly with the rest
+    (its activations are needed right away by backward), as torch does. Unlike torch's, the first
+    function may take several inputs, and the keyword arguments that are not options. Options are
+    torch_ext.checkpoint's; torch's use_reentrant, determinism_check, debug and context_fn are
+    accepted and ignored: there is one implementation, whose replays are always checked."""
     for keyword in _TORCH_KEYWORDS:
         kwargs.pop(keyword, None)
     names = option_names()
@@ -251,23 +248,23 @@ def checkpoint_sequential(functions: Any, segments: int, *inputs: Any, **kwargs:
     if not isinstance(segments, int) or not 1 <= segments <= max(n, 1):
         raise ValueError(f"checkpoint_sequential: segments={segments!r} must be between 1 and the number of functions ({n})")
     if not inputs:
-        raise ValueError("checkpoint_sequential: give at least one input")
+        raise TypeError("checkpoint_sequential() missing its input: give at least one input after segments")
+
+    def run_chunk(chunk: list, first: bool):
+        def run(*args, **kw):
+            value = args if first else args[0]
+            for offset, fn in enumerate(chunk):
+                value = _call(fn, value, kw, first=first and offset == 0)
+            return value
+        return run
+
     per_segment = n // segments
     value: Any = None
-    start = 0
-    for index in range(segments):
-        end = n if index == segments - 1 else start + per_segment
-        chunk = functions[start:end]
-        first = start == 0
-
-        def run(*args, _chunk=chunk, _first=first, **kw):
-            value = args if _first else args[0]
-            for offset, fn in enumerate(_chunk):
-                value = _call(fn, value, kw, first=_first and offset == 0)
-            return value
-
-        params = [p for fn in chunk if isinstance(fn, nn.Module) for p in _trainable_parameters(fn)]
-        args, kw = (inputs, kwargs) if first else ((value,), {})
-        value = _runner()(run, args, kw, params, options, f"checkpoint_sequential[{start}:{end}]")
-        start = end
-    return value
+    args, kw = inputs, kwargs
+    for start in range(0, per_segment * (segments - 1), per_segment):
+        end = start + per_segment
+        value = _run(run_chunk(functions[start:end], start == 0), args, kw, options,
+                     f"checkpoint_sequential[{start}:{end}]")
+        args, kw = (value,), {}
+    last = per_segment * (segments - 1)
+    return run_chunk(functions[last:], last == 0)(*args, **kw)

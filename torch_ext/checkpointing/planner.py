@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import memory
-from .api import _trainable_parameters, checkpoint_options
+from .api import checkpoint_options
 
 @dataclass
 class CheckpointPlan:
@@ -59,6 +59,16 @@ class CheckpointPlan:
                 f"predicted_overhead={self.predicted_overhead:.1%}, min_budget={self.min_budget_bytes / mib:.1f} MiB)")
 
 
+def _trainable_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """module.parameters() that require grad (each once)."""
+    seen, params = set(), []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    return params
+
+
 def _call(layer: Callable, value: Any, kwargs: Optional[dict] = None, first: bool = False) -> Any:
     if first:
         return layer(*value, **(kwargs or {}))
@@ -89,10 +99,12 @@ def _storage_keys(tensors: Iterable[torch.Tensor]) -> set:
     return keys
 
 
-def _detach_like(value: Any) -> Any:
+def _detach_like(value: Any, recorded: bool = False) -> Any:
+    """value's tensors detached; chained inputs require grad when they can, recorded ones (a
+    layer's real inputs) only where they did."""
     def detach(leaf):
         if isinstance(leaf, torch.Tensor):
-            return leaf.detach().requires_grad_(leaf.requires_grad or leaf.is_floating_point())
+            return leaf.detach().requires_grad_(leaf.requires_grad or (not recorded and leaf.is_floating_point()))
         return leaf
     return pytree.tree_map(detach, value)
 
@@ -125,11 +137,12 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
     return fwd, bwd, saved, out_bytes, workspace, input_bytes
 
 
-def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device: torch.device) -> tuple:
+def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device: torch.device,
+                  recorded: bool = False) -> tuple:
     """One forward and backward of layer on (a detached copy of) value: (forward seconds, backward
     seconds, bytes saved for backward, backward workspace bytes, the output detached)."""
     params = _trainable_parameters(layer) if isinstance(layer, nn.Module) else []
-    x = _detach_like(value)
+    x = _detach_like(value, recorded)
     x_leaves = _tensor_leaves(x)
     exclude = _storage_keys(params) | _storage_keys(x_leaves)
     packed: list[torch.Tensor] = []
@@ -138,7 +151,7 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
         out = _call(layer, x, kwargs, first)
         forward_seconds = time.perf_counter() - start
     out_leaves = [t for t in _tensor_leaves(out) if t.requires_grad]
-    saved_bytes = _storage_bytes(packed + _tensor_leaves(out), exclude)
+    saved_bytes = _storage_bytes(packed + _tensor_leaves(out), exclude | _storage_keys(_tensor_leaves(kwargs)))
     packed.clear()
     targets = [t for t in x_leaves if t.requires_grad] + params
     backward_seconds, workspace_bytes = 0.0, 0
@@ -164,7 +177,7 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
 
 
 def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int], workspace: list[int],
-           param_bytes: list[int], input_bytes: int, budget: Optional[float]):
+           param_bytes: list[int], input_bytes: int, budget: Optional[float], max_segment: Optional[int] = None):
     """Dynamic programming over the chain. Each segment [p, q) is either checkpointed (holds its
     input; replays in backward at the cost of its forward time) or stored (holds its input and
     its activations). While segment j runs backward, memory is what segments before it hold plus
@@ -172,8 +185,8 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     for a checkpointed segment, its parameters' gradients (the replay hands them back together); the
     peak is the maximum of that over j.
     With budget=None, returns the plan of least peak; otherwise the least recompute time whose
-    peak fits the budget (None if none does). States on the frontier are Pareto-optimal in
-    (held bytes, peak or cost)."""
+    peak fits the budget (None if none does). Segments span at most max_segment layers (None: any).
+    States on the frontier are Pareto-optimal in (held bytes, peak or cost)."""
     prefix_seconds = [0.0]
     prefix_saved = [0]
     prefix_params = [0]
@@ -189,7 +202,7 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
         states = frontier[p]
         if not states:
             continue
-        for q in range(p + 1, n + 1):
+        for q in range(p + 1, (n if max_segment is None else min(n, p + max_segment)) + 1):
             activations = prefix_saved[q] - prefix_saved[p]
             work = max(workspace[p:q])
             replay = prefix_seconds[q] - prefix_seconds[p]
@@ -243,24 +256,59 @@ def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_byt
         raise ValueError("plan_checkpoints: give sample inputs for the first layer")
     if not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
         raise ValueError(f"plan_checkpoints: budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
-    storage = checkpoint_options("plan_checkpoints", **({} if storage is None else {"storage": storage})).storage
+    storage = checkpoint_options("plan_checkpoints", **({} if storage is None else {"storage": storage})).script.storage
     if repeat < 1:
         raise ValueError(f"plan_checkpoints: repeat must be >= 1, got {repeat}")
     progress = progress or (lambda iterable, desc: iterable)
-    fwd, bwd, saved, out_bytes, workspace, input_bytes = _measure_layers(layers, sample_inputs, kwargs, repeat,
-                                                                         storage, progress)
+    measured = _measure_layers(layers, sample_inputs, kwargs, repeat, storage, progress)
+    return _plan(layers, measured, budget_bytes, None, "plan_checkpoints")
+
+
+def plan_recorded_layers(layers: Sequence[nn.Module], recorded: Sequence[tuple[tuple, dict]], budget_bytes: int,
+                         storage: str, repeat: int, progress: Optional[Callable] = None) -> CheckpointPlan:
+    """A plan over layers that a model calls one by one (a Hugging Face decoder stack): each layer
+    is measured on the (args, kwargs) it received in a real forward (recorded), and every
+    segment is one layer, checkpointed or not. The boundary a checkpointed layer keeps is its
+    first argument; arguments shared by all layers (masks, rotary embeddings) are counted once."""
+    progress = progress or (lambda iterable, desc: iterable)
+    device = next((t.device for t in _tensor_leaves(recorded[0])), torch.device("cpu"))
+    fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
+    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
+    with torch.random.fork_rng(devices=sorted({device.index or 0} if device.type == "cuda" else set())):
+        try:
+            for index in progress(range(len(layers)), desc="measuring layers"):
+                args, kwargs = recorded[index]
+                samples = [_measure_once(layers[index], args, kwargs, True, device, recorded=True) for _ in range(repeat)]
+                fwd.append(statistics.median(s[0] for s in samples))
+                bwd.append(statistics.median(s[1] for s in samples))
+                saved.append(samples[-1][2])
+                workspace.append(samples[-1][3])
+                out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(
+                    _tensor_leaves(samples[-1][4])[:1], storage)))
+                del samples
+        finally:
+            with torch.no_grad():
+                for buffer, copy in buffers:
+                    buffer.copy_(copy)
+    input_bytes = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(recorded[0][0])[:1], storage))
+    return _plan(list(layers), (fwd, bwd, saved, out_bytes, workspace, input_bytes), budget_bytes, 1,
+                 "checkpoint_layers")
+
+
+def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optional[int], owner: str) -> CheckpointPlan:
+    fwd, bwd, saved, out_bytes, workspace, input_bytes = measured
     n = len(layers)
     param_bytes = [sum(p.nbytes for p in _trainable_parameters(layer)) if isinstance(layer, nn.Module) else 0
                    for layer in layers]
-    least = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes, None)
+    least = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes, None, max_segment)
     min_budget = least[1]
     no_checkpoint = _evaluate([(0, n, False)], saved, out_bytes, workspace, param_bytes, input_bytes)
     if budget_bytes < min_budget:
-        raise ValueError(f"plan_checkpoints: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below "
+        raise ValueError(f"{owner}: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below "
                          f"the minimum any plan of these {n} layers can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB); without checkpointing the peak is {no_checkpoint} bytes")
-    best = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes, float(budget_bytes))
-    _, peak, cost, segments = best
+    _, peak, cost, segments = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes,
+                                     float(budget_bytes), max_segment)
     return CheckpointPlan(segments=[tuple(s) for s in segments], budget_bytes=int(budget_bytes),
                           predicted_peak_bytes=int(peak), min_budget_bytes=int(min_budget),
                           no_checkpoint_peak_bytes=int(no_checkpoint), predicted_recompute_seconds=cost,

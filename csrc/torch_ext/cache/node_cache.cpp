@@ -1,5 +1,7 @@
 #include "torch_ext/cache/node_cache.h"
 
+#include <new>
+
 #include <algorithm>
 #include <cmath>
 #include <unordered_set>
@@ -43,9 +45,14 @@ void NodeCacheOptions::validate() const {
 
 NodeCache::NodeCache(NodeCacheOptions options) : capacity_bytes_(options.capacity_bytes.value_or(kUnlimited)) {
   options.validate();
+  register_fork_participant(this);
 }
 
-NodeCache::~NodeCache() = default;
+NodeCache::~NodeCache() { unregister_fork_participant(this); }
+
+void NodeCache::fork_child() {
+  new (&mutex_) std::mutex();  // locked by fork_prepare() in the parent's forking thread
+}
 
 bool NodeCache::outputs_unchanged(const Entry& entry) const {
   for (const auto& held : entry.outputs) {

@@ -17,7 +17,9 @@
 //
 // Thread safety: every method may be called from any thread; one mutex guards all state.
 // Values are released after the mutex is let go, so a value whose destructor takes another
-// lock (a Python object and the GIL) cannot deadlock against the cache.
+// lock (a Python object and the GIL) cannot deadlock against the cache. Fork-safe: pthread_atfork
+// handlers (torch_ext/fork.h) hold the mutex across fork(), so a child inherits whole state and a
+// free mutex even when another thread was using the cache.
 #include <cstdint>
 #include <limits>
 #include <mutex>
@@ -30,6 +32,7 @@
 
 #include "torch_ext/cache/input_key.h"
 #include "torch_ext/fields.h"
+#include "torch_ext/fork.h"
 
 namespace torch_ext::cache {
 
@@ -76,7 +79,7 @@ struct NodeCacheOptions {
   void validate() const;
 };
 
-class NodeCache : public torch::CustomClassHolder {
+class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
  public:
   explicit NodeCache(NodeCacheOptions options = {});
   ~NodeCache() override;
@@ -153,6 +156,10 @@ class NodeCache : public torch::CustomClassHolder {
     int64_t bytes = 0;       // entry bytes at the last put
     bool had_entry = false;  // an entry was put once: the next put is a recompute
   };
+
+  void fork_prepare() override { mutex_.lock(); }
+  void fork_parent() override { mutex_.unlock(); }
+  void fork_child() override;
 
   bool outputs_unchanged(const Entry& entry) const;
   // Moves the entry out (its storages released from the accounting); the caller destroys

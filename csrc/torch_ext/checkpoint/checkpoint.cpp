@@ -1,5 +1,7 @@
 #include "torch_ext/checkpoint/checkpoint.h"
 
+#include "torch_ext/checkpoint/replay_state.h"
+
 #include <algorithm>
 #include <optional>
 #include <exception>
@@ -8,13 +10,9 @@
 #include <unordered_map>
 #include <utility>
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Context.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/TensorSubclassLikeUtils.h>
-#include <ATen/autocast_mode.h>
-#include <ATen/core/Generator.h>
 #include <ATen/ops/empty_strided.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -28,127 +26,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// The CPU generator's state is copied as its engine (no tensor to allocate and parse); other
-// devices' through get_state / set_state.
-struct DeviceRngState {
-  c10::Device device;
-  at::Tensor state;
-  std::optional<at::mt19937> cpu_engine;
-  std::optional<float> cpu_next_float_normal;
-  std::optional<double> cpu_next_double_normal;
-};
-
-std::vector<DeviceRngState> get_rng_states(const std::vector<c10::Device>& devices) {
-  std::vector<DeviceRngState> states;
-  states.reserve(devices.size());
-  for (const auto& device : devices) {
-    auto generator = at::globalContext().defaultGenerator(device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    DeviceRngState state{device, {}, std::nullopt, std::nullopt, std::nullopt};
-    if (device.is_cpu()) {
-      auto* cpu = generator.get<at::CPUGeneratorImpl>();
-      state.cpu_engine = cpu->engine();
-      state.cpu_next_float_normal = cpu->next_float_normal_sample();
-      state.cpu_next_double_normal = cpu->next_double_normal_sample();
-    } else {
-      state.state = generator.get_state();
-    }
-    states.push_back(std::move(state));
-  }
-  return states;
-}
-
-bool same_engine(const at::mt19937& a, const at::mt19937& b) {
-  const auto x = a.data();
-  const auto y = b.data();
-  return x.seed_ == y.seed_ && x.left_ == y.left_ && x.seeded_ == y.seeded_ && x.next_ == y.next_ &&
-         x.state_ == y.state_;
-}
-
-// Whether no random number has been drawn since `states` were taken: the CPU generator is where
-// it was (its Mersenne Twister state never repeats) and no other device was involved.
-bool rng_untouched_since(const std::vector<DeviceRngState>& states) {
-  for (const auto& s : states) {
-    if (!s.cpu_engine) return false;
-    auto generator = at::globalContext().defaultGenerator(s.device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    auto* cpu = generator.get<at::CPUGeneratorImpl>();
-    if (!same_engine(cpu->engine(), *s.cpu_engine) || cpu->next_float_normal_sample() != s.cpu_next_float_normal ||
-        cpu->next_double_normal_sample() != s.cpu_next_double_normal) {
-      return false;
-    }
-  }
-  return true;
-}
-
-void set_rng_states(const std::vector<DeviceRngState>& states) {
-  for (const auto& s : states) {
-    auto generator = at::globalContext().defaultGenerator(s.device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    if (s.cpu_engine) {
-      auto* cpu = generator.get<at::CPUGeneratorImpl>();
-      cpu->set_engine(*s.cpu_engine);
-      cpu->set_next_float_normal_sample(s.cpu_next_float_normal);
-      cpu->set_next_double_normal_sample(s.cpu_next_double_normal);
-    } else {
-      generator.set_state(s.state);
-    }
-  }
-}
-
-struct AutocastState {
-  c10::DeviceType device_type;
-  bool enabled;
-  at::ScalarType dtype;
-};
-
-std::vector<AutocastState> get_autocast_states(const std::vector<c10::DeviceType>& device_types) {
-  std::vector<AutocastState> states;
-  for (auto type : device_types) {
-    if (at::autocast::is_autocast_available(type)) {
-      states.push_back({type, at::autocast::is_autocast_enabled(type), at::autocast::get_autocast_dtype(type)});
-    }
-  }
-  return states;
-}
-
-void set_autocast_states(const std::vector<AutocastState>& states) {
-  for (const auto& s : states) {
-    at::autocast::set_autocast_enabled(s.device_type, s.enabled);
-    at::autocast::set_autocast_dtype(s.device_type, s.dtype);
-  }
-}
-
-// Restores the RNG and autocast state found at construction when it goes out of scope.
-class ReplayStateGuard {
- public:
-  ReplayStateGuard(const std::vector<DeviceRngState>& rng, const std::vector<AutocastState>& autocast,
-                   bool autocast_cache) {
-    std::vector<c10::Device> devices;
-    for (const auto& s : rng) devices.push_back(s.device);
-    std::vector<c10::DeviceType> types;
-    for (const auto& s : autocast) types.push_back(s.device_type);
-    saved_rng_ = get_rng_states(devices);
-    saved_autocast_ = get_autocast_states(types);
-    saved_autocast_cache_ = at::autocast::is_autocast_cache_enabled();
-    set_rng_states(rng);
-    set_autocast_states(autocast);
-    at::autocast::set_autocast_cache_enabled(autocast_cache);
-  }
-  ~ReplayStateGuard() {
-    set_rng_states(saved_rng_);
-    set_autocast_states(saved_autocast_);
-    at::autocast::set_autocast_cache_enabled(saved_autocast_cache_);
-  }
-  ReplayStateGuard(const ReplayStateGuard&) = delete;
-  ReplayStateGuard& operator=(const ReplayStateGuard&) = delete;
-
- private:
-  std::vector<DeviceRngState> saved_rng_;
-  std::vector<AutocastState> saved_autocast_;
-  bool saved_autocast_cache_ = true;
-};
 
 std::string describe(const at::Tensor& t) {
   std::ostringstream out;
@@ -210,9 +87,7 @@ struct SegmentState : torch::CustomClassHolder {
   TensorList params;
   std::vector<bool> input_requires_grad;
   std::vector<std::optional<StoredInput>> stored;  // per input; nullopt: saved in ctx (keep)
-  std::vector<DeviceRngState> rng;
-  std::vector<AutocastState> autocast;
-  bool autocast_cache = true;
+  ReplayState state;  // RNG and autocast state of the forward
   std::vector<OutputMeta> output_meta;
 };
 
@@ -380,24 +255,18 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
                                at::TensorList tensors) {
     auto& s = *state;
     TensorList inputs(tensors.begin(), tensors.begin() + static_cast<std::ptrdiff_t>(s.num_inputs));
-    std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
-    std::vector<c10::DeviceType> device_types{c10::kCPU};
+    std::vector<c10::Device> devices;
     bool any_requires_grad = false;
     for (const auto& t : tensors) {
       any_requires_grad = any_requires_grad || t.requires_grad();
-      if (std::find(devices.begin(), devices.end(), t.device()) == devices.end()) devices.push_back(t.device());
-      if (std::find(device_types.begin(), device_types.end(), t.device().type()) == device_types.end()) {
-        device_types.push_back(t.device().type());
-      }
+      devices.push_back(t.device());
     }
-    if (s.options.preserve_rng_state) s.rng = get_rng_states(devices);
-    s.autocast = get_autocast_states(device_types);
-    s.autocast_cache = at::autocast::is_autocast_cache_enabled();
+    s.state = ReplayState::capture(devices, s.options.preserve_rng_state);
 
     TensorList outputs = s.segment(inputs);
     // A forward that drew no random numbers replays without them: the replay can leave the RNG
     // alone (restoring it costs about as much as a tiny segment's bookkeeping).
-    if (rng_untouched_since(s.rng)) s.rng.clear();
+    s.state.forget_rng_if_untouched();
 
     bool any_differentiable = false;
     s.output_meta.reserve(outputs.size());
@@ -452,7 +321,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     const uint64_t first_sequence_nr = at::sequence_number::peek();
     TensorList outputs;
     {
-      ReplayStateGuard replay_state(s.rng, s.autocast, s.autocast_cache);
+      ReplayState::Guard replay_state(s.state);
       torch::autograd::AutoGradMode grad_mode(true);
       outputs = s.segment(inputs);
     }

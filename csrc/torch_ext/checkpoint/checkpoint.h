@@ -56,6 +56,7 @@ namespace torch_ext::checkpoint {
 struct CheckpointOptions {
   StoragePolicy storage = StoragePolicy::kKeep;
   bool preserve_rng_state = true;
+  bool early_stop = true;
   std::string name = "segment";  // names the segment in error messages (not an option: its identity)
 
   static constexpr auto fields() {
@@ -65,7 +66,12 @@ struct CheckpointOptions {
               "(accelerator inputs to pinned CPU memory), 'bf16' / 'fp16' (lossy, opt-in)"),
         field("preserve_rng_state", &CheckpointOptions::preserve_rng_state,
               "save and restore the RNG state of the CPU and of every device the inputs and params live on, "
-              "so that the replay draws the same random numbers (dropout masks) as the forward"));
+              "so that the replay draws the same random numbers (dropout masks) as the forward"),
+        field("early_stop", &CheckpointOptions::early_stop,
+              "end a replay once every tensor its backward needs has been recomputed, when the recorded "
+              "graph's ops after the last of them are worth skipping (by their sizes, never a timing); off, "
+              "the replay runs the whole segment. The C++ and TorchScript front doors always replay the "
+              "whole segment"));
   }
 };
 

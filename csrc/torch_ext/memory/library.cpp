@@ -1,6 +1,8 @@
 // torch.ops.torch_ext.memory_stats / reset_peak_memory / (un)install_counting_allocator /
 // counting_allocator_installed: CPU memory accounting.
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include <torch/library.h>
 
@@ -16,17 +18,19 @@ std::tuple<int64_t, int64_t, int64_t> memory_stats() {
 }  // namespace
 
 // Every op reads or changes global state: CONSERVATIVE alias analysis keeps TorchScript from
-// merging two memory_stats() calls or dropping reset_peak_memory() as dead code.
+// merging two memory_stats() calls or dropping reset_peak_memory() as dead code. The
+// data_dependent_output tag does the same for torch.compile: fake tensors refuse to evaluate the
+// ops, so Dynamo graph-breaks and runs each in place. Traced, memory_stats() would return the
+// numbers seen while tracing and Inductor would drop reset_peak_memory().
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
-  m.def(torch::schema("install_counting_allocator() -> bool", c10::AliasAnalysisKind::CONSERVATIVE),
-        &torch_ext::memory::install_counting_allocator);
-  m.def(torch::schema("uninstall_counting_allocator() -> ()", c10::AliasAnalysisKind::CONSERVATIVE),
-        &torch_ext::memory::uninstall_counting_allocator);
-  m.def(torch::schema("counting_allocator_installed() -> bool", c10::AliasAnalysisKind::CONSERVATIVE),
-        &torch_ext::memory::counting_allocator_installed);
-  m.def(torch::schema("memory_stats() -> (int current_bytes, int peak_bytes, int allocations)",
-                      c10::AliasAnalysisKind::CONSERVATIVE),
-        &memory_stats);
-  m.def(torch::schema("reset_peak_memory() -> ()", c10::AliasAnalysisKind::CONSERVATIVE),
-        &torch_ext::memory::reset_peak);
+  const std::vector<at::Tag> measured{at::Tag::data_dependent_output};
+  const auto def = [&](const char* name, const char* signature, auto* function) {
+    m.def(torch::schema((std::string(name) + signature).c_str(), c10::AliasAnalysisKind::CONSERVATIVE), measured);
+    m.impl(name, torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, function));
+  };
+  def("install_counting_allocator", "() -> bool", &torch_ext::memory::install_counting_allocator);
+  def("uninstall_counting_allocator", "() -> ()", &torch_ext::memory::uninstall_counting_allocator);
+  def("counting_allocator_installed", "() -> bool", &torch_ext::memory::counting_allocator_installed);
+  def("memory_stats", "() -> (int current_bytes, int peak_bytes, int allocations)", &memory_stats);
+  def("reset_peak_memory", "() -> ()", &torch_ext::memory::reset_peak);
 }

@@ -1,21 +1,26 @@
 #pragma once
 // LayerPager: keeps a source's tensors resident within a byte budget.
 //
-// acquire(id) returns (an alias of) the tensor, loading it if needed; the caller's reference
-// keeps it valid (eviction only drops the pager's reference). Entries someone else still
-// references, pinned entries and entries being loaded are never evicted; when nothing else is left to evict the
-// load goes ahead over budget and the statistics count it. Policies: LRU, or scan-resistant
+// acquire(id) returns the tensor (its own storage aliasing the pager's memory), loading it if
+// needed; the caller's reference keeps it valid. Entries a caller still holds, pinned entries and
+// entries being loaded are never evicted; when nothing else is left to evict the load goes ahead
+// over budget and the statistics count it. When the last tensor a caller holds is released, the
+// pager evicts at once until it is within its budget again (not only on the next miss). Policies: LRU, or scan-resistant
 // (Belady's choice on the access order recorded over one pass, for cyclic sweeps such as
 // forward passes; LRU until an order is known). A prefetch thread loads the next `prefetch`
 // tensors of the recorded order within the budget. Device targets other than CPU load through
 // pinned staging buffers and a non-blocking copy on a side stream (c10 device-generic APIs).
-// CPU loads copy into pager-owned memory (reusing an evicted tensor's of the same size), or,
-// with zero_copy, map the source's file.
-// Thread-safe: any thread may call any method; concurrent acquires of one id load it once.
+// CPU loads copy into pager-owned memory (own mmap'd pages that go back to the system when
+// evicted, reusing an evicted tensor's of the same size), or, with zero_copy, map the source's file.
+// Thread-safe: any thread may call any method; concurrent acquires of one id load it once; every
+// wait is bounded (wait_timeout_seconds). Fork-safe: a forked child may use or destroy an inherited
+// CPU pager (loads that were under way are redone, the prefetch thread restarts on first use);
+// an accelerator pager raises in the child.
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -29,9 +34,29 @@
 #include <torch/custom_class.h>
 
 #include "torch_ext/fields.h"
+#include "torch_ext/fork.h"
 #include "torch_ext/paging/source.h"
 
+namespace c10 {
+class IValue;
+}
+
 namespace torch_ext::paging {
+
+// PagerOptions.budget_bytes: a byte count, or a share of the source's bytes ("30%") that the
+// pager resolves. Parsed from ints, floats and strings such as "1GB", "512MiB", "1.5 GiB", "30%".
+struct ByteBudget {
+  int64_t bytes = 0;
+  double percent = -1;  // >= 0: percent of the source's bytes, resolved by LayerPager
+
+  ByteBudget(int64_t b = 0) : bytes(b) {}  // NOLINT: a byte count converts implicitly
+  operator int64_t() const { return bytes; }  // NOLINT
+  static ByteBudget of_percent(double percent);
+  int64_t resolve(int64_t source_bytes) const;
+  // Throws ValueError naming `option` for anything that is not a budget (negative, out of range,
+  // not finite, an unknown unit or text).
+  static ByteBudget parse(const c10::IValue& value, const std::string& option);
+};
 
 // auto: ScanResistant when the source's tensors exceed the budget (every pass would evict what
 // the next one needs first under LRU), else LRU.
@@ -43,6 +68,15 @@ std::string policy_name(EvictionPolicy policy);
 }  // namespace torch_ext::paging
 
 namespace torch_ext {
+template <>
+struct FieldCodec<paging::ByteBudget> {
+  using Exposed = c10::IValue;  // Any: int, float or str
+  static c10::IValue expose(const paging::ByteBudget& budget);
+  static paging::ByteBudget parse(const c10::IValue& value, const char* field) {
+    return paging::ByteBudget::parse(value, field);
+  }
+};
+
 template <>
 struct FieldCodec<paging::EvictionPolicy> {
   using Exposed = std::string;
@@ -66,6 +100,9 @@ struct PagerStats {
   int64_t prefetch_hits = 0;
   int64_t over_budget_loads = 0;
   bool pinned_over_budget = false;
+  int64_t largest_tensor_bytes = 0;
+  bool budget_below_largest_tensor = false;
+  int64_t release_evictions = 0;
 
   static constexpr auto fields() {
     return std::make_tuple(
@@ -80,21 +117,30 @@ struct PagerStats {
         field("over_budget_loads", &PagerStats::over_budget_loads,
               "loads that exceeded the budget: nothing evictable was left"),
         field("pinned_over_budget", &PagerStats::pinned_over_budget,
-              "the pinned tensors alone are larger than the budget"));
+              "the pinned tensors alone are larger than the budget"),
+        field("largest_tensor_bytes", &PagerStats::largest_tensor_bytes, "the source's largest tensor"),
+        field("budget_below_largest_tensor", &PagerStats::budget_below_largest_tensor,
+              "the budget is smaller than the largest tensor, which is loaded over budget (warned once)"),
+        field("release_evictions", &PagerStats::release_evictions,
+              "evictions made when a caller released its tensors while the pager was over budget"));
   }
 };
 
 struct PagerOptions {
-  int64_t budget_bytes = 0;
+  ByteBudget budget_bytes = 0;
   std::vector<std::string> pinned;
   EvictionPolicy policy = EvictionPolicy::Auto;
   int64_t prefetch = 1;
   c10::Device device = c10::Device(c10::kCPU);
   bool zero_copy = false;
+  bool own_buffers = true;
+  double wait_timeout_seconds = 600;
 
   static constexpr auto fields() {
     return std::make_tuple(
-        field("budget_bytes", &PagerOptions::budget_bytes, "the most bytes of tensors to keep resident (>= 0)"),
+        field("budget_bytes", &PagerOptions::budget_bytes,
+              "the most bytes of tensors to keep resident: an int or float (bytes), or a string such as "
+              "'1GB', '512MiB' or '30%' (of the source's bytes); properties report it resolved, in bytes"),
         field("pinned", &PagerOptions::pinned, "ids of tensors never evicted"),
         field("policy", &PagerOptions::policy,
               "'lru', 'scan_resistant' (Belady's choice on the recorded order of a pass) or 'auto' "
@@ -107,13 +153,21 @@ struct PagerOptions {
         field("zero_copy", &PagerOptions::zero_copy,
               "cpu only: serve views of the source's mapped file instead of copies; a load maps the pages "
               "in (MADV_POPULATE_READ), an eviction gives them back (MADV_DONTNEED), and resident bytes are "
-              "the file's pages this process maps"));
+              "the file's pages this process maps"),
+        field("own_buffers", &PagerOptions::own_buffers,
+              "cpu copy path: tensors of a page or more are read into buffers of their own pages (mmap), so "
+              "an evicted tensor's memory goes back to the system at once; False: c10's CPU allocator, whose "
+              "freed blocks glibc may keep (below its dynamic mmap threshold, up to 32 MiB each)"),
+        field("wait_timeout_seconds", &PagerOptions::wait_timeout_seconds,
+              "the longest acquire() waits for another thread's load of the same tensor before it raises "
+              "(> 0)"));
   }
-  // Throws naming `owner` (the source) for a negative budget or prefetch.
+  // Throws naming `owner` (the source) for a negative prefetch, a non-positive wait timeout or
+  // zero_copy on an accelerator.
   void validate(const std::string& owner = "LayerPager") const;
 };
 
-class LayerPager : public torch::CustomClassHolder {
+class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
  public:
   LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions options);
   ~LayerPager() override;
@@ -140,9 +194,12 @@ class LayerPager : public torch::CustomClassHolder {
   PagerStats stats() const;
   void reset_stats();
   const c10::intrusive_ptr<PagerSource>& source() const { return source_; }
-  const PagerOptions& options() const { return options_; }
+  const PagerOptions& options() const { return options_; }  // budget_bytes resolved
 
  private:
+  struct Releases;
+  struct Handout;
+  static void release_handout(void* context);
   enum class State { Absent, Loading, Ready };
   struct Entry {
     std::string id;
@@ -153,6 +210,7 @@ class LayerPager : public torch::CustomClassHolder {
     uint64_t last_use = 0;
     bool prefetched = false;  // loaded by the prefetcher and not yet acquired
     int64_t waiters = 0;      // acquire() calls loading it or waiting for it
+    int64_t holders = 0;      // tensors handed out by acquire() and not yet released
     std::exception_ptr error;
   };
 
@@ -160,14 +218,29 @@ class LayerPager : public torch::CustomClassHolder {
   // Evicts until `incoming` more bytes fit; only entries whose next use is farther than
   // `protect_within` positions of the order may go. False if it did not fit. A victim of exactly
   // `incoming` bytes is handed over in *recycled (when not null) so the load reuses its memory.
-  bool make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled);
+  // Evicted tensors go to `dead`, for the caller to free after unlocking (munmap is not free).
+  bool make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled, std::vector<at::Tensor>& dead);
+  void evict_locked(Entry& e, std::vector<at::Tensor>& dead);
+  at::Tensor hand_out_locked(Entry& e);
+  void release(Entry& e);  // the last alias of a handed-out tensor died
+  void wait_for_load_locked(std::unique_lock<std::mutex>& lock, Entry& e);  // throws after wait_timeout_seconds
+  void check_usable_locked();
   bool evictable_locked(const Entry& e) const;
   int64_t next_use_distance_locked(const Entry& e) const;
-  void advance_cursor_locked(const std::string& id);
+  bool advance_cursor_locked(const std::string& id);  // true when the cursor moved
   at::Tensor load(const std::string& id, at::Tensor recycled);  // no lock held
+  at::Tensor read_into_own_pages(const std::string& id);
   void finish_load_locked(Entry& e, at::Tensor tensor, std::exception_ptr error, double seconds, bool prefetch);
-  void wake_prefetcher_locked();
+  // Something the prefetcher may act on changed (the cursor moved, an entry was evicted or a
+  // load failed): counts it, and wakes the thread when it is idle and has work ahead.
+  void work_changed_locked();
   void prefetch_loop();
+  void prefetch_ahead_locked(std::unique_lock<std::mutex>& lock);
+
+  // ForkParticipant (torch_ext/fork.h): pthread_atfork handlers.
+  void fork_prepare() override;
+  void fork_parent() override;
+  void fork_child() override;
 
   c10::intrusive_ptr<PagerSource> source_;
   PagerOptions options_;
@@ -175,23 +248,27 @@ class LayerPager : public torch::CustomClassHolder {
   std::condition_variable loaded_;
   std::condition_variable prefetch_wake_;
   std::unordered_map<std::string, Entry> entries_;
+  int64_t budget_ = 0;          // options_.budget_bytes, resolved
   int64_t resident_bytes_ = 0;  // ready + loading entries
   uint64_t clock_ = 0;
   PagerStats stats_;
 
   // Recorded order: recording_ while the first pass runs, then frozen in order_.
   bool recording_ = false;
-  int64_t passes_ = 0;
   std::vector<std::string> recorded_;
   std::vector<std::string> order_;
   std::unordered_map<std::string, std::vector<int64_t>> positions_;
   int64_t cursor_ = -1;  // position in order_ of the last acquire
   uint64_t cursor_generation_ = 0;
+  uint64_t work_generation_ = 0;  // counts work_changed_locked() calls
 
   bool recycle_ = false;  // CPU target and a source that reads into any buffer
   std::optional<c10::Stream> copy_stream_;
   bool stop_ = false;
-  bool prefetcher_idle_ = false;  // the prefetch thread is waiting for the cursor to move
+  bool prefetcher_idle_ = false;  // the prefetch thread is waiting for work
+  bool prefetcher_lost_ = false;  // a forked child: the thread is the parent's; restart on use
+  bool forked_child_ = false;
+  std::shared_ptr<Releases> releases_;
   std::thread prefetcher_;
 };
 

@@ -9,7 +9,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <set>
+#include <unordered_map>
+#include <unordered_set>
 #include <tuple>
 
 #include <ATen/ops/empty.h>
@@ -58,20 +59,44 @@ void pread_exact(int fd, void* dst, int64_t n, int64_t offset, const std::string
   }
 }
 
-int64_t checked_numel_bytes(const std::vector<int64_t>& shape, int64_t itemsize, const std::string& what) {
-  int64_t total = itemsize;
-  for (const int64_t d : shape) {
-    TORCH_CHECK(d >= 0, what, ": negative dimension ", d, " in shape");
-    TORCH_CHECK(!__builtin_mul_overflow(total, d, &total), what, ": shape's byte size overflows 64 bits");
-  }
-  return total;
-}
-
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
 }
+
+// The tensor's byte size. Its strides (the products of trailing dimensions, zeros counted as
+// ones, as at::empty computes them) must fit in 64 bits too, even when a zero dimension makes
+// it empty.
+template <class What>
+int64_t checked_numel_bytes(const std::vector<int64_t>& shape, int64_t itemsize, const What& what) {
+  int64_t total = itemsize;
+  int64_t strides = itemsize;
+  for (const int64_t d : shape) {
+    TORCH_CHECK(d >= 0, what(), ": negative dimension ", d, " in shape");
+    TORCH_CHECK(!__builtin_mul_overflow(strides, std::max<int64_t>(d, 1), &strides) &&
+                    !__builtin_mul_overflow(total, d, &total),
+                what(), ": shape ", shape_text(shape), "'s element count or strides overflow 64 bits");
+  }
+  return total;
+}
+
+// A name as an error message shows it: NUL and other control bytes escaped.
+std::string printable(std::string_view text) {
+  std::string out;
+  for (const char c : text) {
+    if (static_cast<unsigned char>(c) < 0x20) {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out += hex[(c >> 4) & 0xF];
+      out += hex[c & 0xF];
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 
 // Fresh multi-MB buffers about to be filled: transparent huge pages (where the system allows
 // them) fault in 2 MiB at a time instead of 4 KiB. Advisory; failures are ignored.
@@ -108,16 +133,126 @@ struct SafetensorsSource::File {
   int64_t size = 0;
   int64_t data_start = 0;  // the data buffer's offset: 8 + the header's length
   char* map = nullptr;
+  // What the file was when opened: a read checks it still is (check_unchanged).
+  dev_t device = 0;
+  ino_t inode = 0;
+  struct timespec mtime {};
 
   ~File() {
     if (map != nullptr) ::munmap(map, static_cast<size_t>(size));
     if (fd >= 0) ::close(fd);
     if (direct_fd >= 0) ::close(direct_fd);
   }
+
+  void record(const struct stat& st) {
+    size = st.st_size;
+    device = st.st_dev;
+    inode = st.st_ino;
+    mtime = st.st_mtim;
+  }
+
+  // Throws naming the file and the tensor when the opened file's size or modification time
+  // changed, or its path now names another file (replaced): reading a truncated mapping would
+  // raise SIGBUS, and a rewritten one would serve other bytes than the header describes.
+  void check_unchanged(const std::string& tensor) const {
+    struct stat st {};
+    TORCH_CHECK(::fstat(fd, &st) == 0, path, ": stat failed: ", errno_text());
+    const bool same = st.st_size == size && st.st_mtim.tv_sec == mtime.tv_sec && st.st_mtim.tv_nsec == mtime.tv_nsec;
+    TORCH_CHECK(same, path, ": the file changed after it was opened (size ", size, " -> ", st.st_size,
+                " bytes, or its modification time), reading tensor \"", tensor,
+                "\"; open it again (a SafetensorsSource requires its files to stay unchanged while in use)");
+    // A removed path leaves the opened file intact; another file at the path is a replacement.
+    if (::stat(path.c_str(), &st) == 0) {
+      TORCH_CHECK(st.st_dev == device && st.st_ino == inode, path,
+                  ": the file was replaced after it was opened, reading tensor \"", tensor,
+                  "\"; open it again (a SafetensorsSource requires its files to stay unchanged while in use)");
+    }
+  }
 };
+
+namespace {
+
+void check_no_nul(const std::string& text, const std::string& what, const char* kind) {
+  TORCH_CHECK_VALUE(text.find('\0') == std::string::npos, what, ": ", kind, " \"", printable(text),
+                    "\" contains a NUL byte");
+}
+
+std::string read_small_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, path, ": cannot open the index: ", errno_text());
+  struct stat st {};
+  std::string text;
+  try {
+    TORCH_CHECK(::fstat(fd, &st) == 0, path, ": stat failed: ", errno_text());
+    TORCH_CHECK(S_ISREG(st.st_mode), path, ": not a regular file");
+    TORCH_CHECK(st.st_size <= kMaxHeaderBytes, path, ": index of ", st.st_size, " bytes is larger than ",
+                kMaxHeaderBytes);
+    text.resize(static_cast<size_t>(st.st_size));
+    pread_exact(fd, text.data(), st.st_size, 0, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return text;
+}
+
+struct Shard {
+  std::string path;  // resolved (realpath), inside the index's folder
+  std::vector<std::string> names;
+};
+
+// A shard path of the index, resolved with realpath: it must name a file inside the index's
+// folder (symbolic links included), relative, with no NUL.
+std::string resolve_shard(const fs::path& folder, const std::string& file, const std::string& index,
+                          const std::string& tensor) {
+  const std::string what = index + ": weight_map[\"" + printable(tensor) + "\"] = \"" + printable(file) + "\"";
+  TORCH_CHECK(file.find('\0') == std::string::npos, what, ": a shard path must not contain a NUL byte");
+  const fs::path relative(file);
+  TORCH_CHECK(!file.empty() && relative.is_relative() &&
+                  std::none_of(relative.begin(), relative.end(), [](const fs::path& part) { return part == ".."; }),
+              what, ": must be a relative path inside the checkpoint's folder");
+  std::error_code ec;
+  const fs::path resolved = fs::canonical(folder / file, ec);
+  TORCH_CHECK(!ec, what, ": cannot open the shard: ", ec.message());
+  const std::string inside = folder.string() + "/";
+  TORCH_CHECK(resolved.string().compare(0, inside.size(), inside) == 0, what, ": resolves to ", resolved.string(),
+              ", outside the checkpoint's folder ", folder.string());
+  return resolved.string();
+}
+
+// A sharded checkpoint's index: {"metadata": {...}, "weight_map": {"name": "shard file", ...}}.
+std::vector<Shard> read_index(const std::string& index) {
+  const std::string text = read_small_file(index);
+  const JsonDocument doc = parse_json(text, index);
+  const JsonValue root = doc.root();
+  TORCH_CHECK(root.kind() == JsonValue::Kind::Object, index, ": the index must be a JSON object");
+  const auto map = root.find("weight_map");
+  TORCH_CHECK(map && map->kind() == JsonValue::Kind::Object, index, ": the index has no \"weight_map\" object");
+  TORCH_CHECK(map->size() > 0, index, ": the index's weight_map is empty");
+  std::error_code ec;
+  const fs::path folder = fs::canonical(fs::absolute(fs::path(index)).parent_path(), ec);
+  TORCH_CHECK(!ec, index, ": cannot resolve the index's folder: ", ec.message());
+  std::vector<Shard> shards;
+  std::unordered_map<std::string, size_t> shard_of;
+  for (const auto& [key, file] : map->members()) {
+    const std::string name(key);
+    check_no_nul(name, index, "tensor name");
+    TORCH_CHECK(file.kind() == JsonValue::Kind::String, index, ": weight_map[\"", name,
+                "\"] must be a file name string");
+    const std::string path = resolve_shard(folder, std::string(file.string()), index, name);
+    auto [it, inserted] = shard_of.try_emplace(path, shards.size());
+    if (inserted) shards.push_back({path, {}});
+    shards[it->second].names.push_back(name);
+  }
+  return shards;
+}
+
+}  // namespace
 
 SafetensorsSource::SafetensorsSource(const std::string& path, SourceOptions options)
     : path_(path), options_(options) {
+  check_no_nul(path, "SafetensorsSource", "path");
   std::error_code ec;
   fs::path p(path);
   if (fs::is_directory(p, ec)) {
@@ -131,44 +266,7 @@ SafetensorsSource::SafetensorsSource(const std::string& path, SourceOptions opti
   }
   const std::string resolved = p.string();
   if (resolved.size() >= 5 && resolved.compare(resolved.size() - 5, 5, ".json") == 0) {
-    // A sharded checkpoint: {"metadata": {...}, "weight_map": {"name": "shard file", ...}}.
-    const int fd = ::open(resolved.c_str(), O_RDONLY | O_CLOEXEC);
-    TORCH_CHECK(fd >= 0, resolved, ": cannot open the index: ", errno_text());
-    struct stat st {};
-    std::string text;
-    try {
-      TORCH_CHECK(::fstat(fd, &st) == 0, resolved, ": stat failed: ", errno_text());
-      TORCH_CHECK(st.st_size <= kMaxHeaderBytes, resolved, ": index of ", st.st_size, " bytes is larger than ",
-                  kMaxHeaderBytes);
-      text.resize(static_cast<size_t>(st.st_size));
-      pread_exact(fd, text.data(), st.st_size, 0, resolved);
-    } catch (...) {
-      ::close(fd);
-      throw;
-    }
-    ::close(fd);
-    const JsonValue index = parse_json(text, resolved);
-    TORCH_CHECK(index.kind == JsonValue::Kind::Object, resolved, ": the index must be a JSON object");
-    const JsonValue* map = index.find("weight_map");
-    TORCH_CHECK(map != nullptr && map->kind == JsonValue::Kind::Object, resolved,
-                ": the index has no \"weight_map\" object");
-    TORCH_CHECK(!map->object.empty(), resolved, ": the index's weight_map is empty");
-    std::vector<std::string> shard_order;
-    std::map<std::string, std::vector<std::string>> shards;
-    for (const auto& [name, file] : map->object) {
-      TORCH_CHECK(file.kind == JsonValue::Kind::String, resolved, ": weight_map[\"", name,
-                  "\"] must be a file name string");
-      const fs::path rel(file.string);
-      TORCH_CHECK(!file.string.empty() && rel.is_relative() &&
-                      std::none_of(rel.begin(), rel.end(), [](const fs::path& part) { return part == ".."; }),
-                  resolved, ": weight_map[\"", name, "\"] = \"", file.string,
-                  "\" must be a relative path inside the checkpoint's folder");
-      auto [it, inserted] = shards.try_emplace(file.string);
-      if (inserted) shard_order.push_back(file.string);
-      it->second.push_back(name);
-    }
-    const fs::path folder = p.parent_path();
-    for (const auto& shard : shard_order) add_file((folder / shard).string(), &shards.at(shard));
+    for (const auto& shard : read_index(resolved)) add_file(shard.path, &shard.names);
   } else {
     add_file(resolved, nullptr);
   }
@@ -179,14 +277,14 @@ SafetensorsSource::~SafetensorsSource() = default;
 namespace {
 
 // The file opened and its JSON header read and parsed (the header's own size checks included).
-JsonValue read_header(SafetensorsSource::File& file) {
+JsonDocument read_header(SafetensorsSource::File& file) {
   const std::string& what = file.path;
   file.fd = ::open(what.c_str(), O_RDONLY | O_CLOEXEC);
   TORCH_CHECK(file.fd >= 0, what, ": cannot open: ", errno_text());
   struct stat st {};
   TORCH_CHECK(::fstat(file.fd, &st) == 0, what, ": stat failed: ", errno_text());
   TORCH_CHECK(S_ISREG(st.st_mode), what, ": not a regular file");
-  file.size = st.st_size;
+  file.record(st);
   TORCH_CHECK(file.size >= 8, what, ": file of ", file.size,
               " bytes is truncated: a safetensors file starts with an 8-byte header length");
   unsigned char length_bytes[8];
@@ -202,57 +300,60 @@ JsonValue read_header(SafetensorsSource::File& file) {
   std::string header(static_cast<size_t>(n), '\0');
   pread_exact(file.fd, header.data(), n, 8, what);
   TORCH_CHECK(header[0] == '{', what, ": the header must start with '{'");
-  JsonValue root = parse_json(header, what);
-  TORCH_CHECK(root.kind == JsonValue::Kind::Object, what, ": the header must be a JSON object");
+  JsonDocument doc = parse_json(header, what);
+  TORCH_CHECK(doc.root().kind() == JsonValue::Kind::Object, what, ": the header must be a JSON object");
   file.data_start = 8 + n;
-  return root;
+  return doc;
 }
 
 void read_metadata(const JsonValue& value, const std::string& what, std::map<std::string, std::string>& metadata) {
-  TORCH_CHECK(value.kind == JsonValue::Kind::Object, what, ": __metadata__ must be an object of strings");
-  for (const auto& [k, v] : value.object) {
-    TORCH_CHECK(v.kind == JsonValue::Kind::String, what, ": __metadata__[\"", k, "\"] must be a string, found ",
-                JsonValue::kind_name(v.kind));
-    metadata[k] = v.string;
+  TORCH_CHECK(value.kind() == JsonValue::Kind::Object, what, ": __metadata__ must be an object of strings");
+  for (const auto& [k, v] : value.members()) {
+    TORCH_CHECK(v.kind() == JsonValue::Kind::String, what, ": __metadata__[\"", printable(k),
+                "\"] must be a string, found ", JsonValue::kind_name(v.kind()));
+    metadata[std::string(k)] = std::string(v.string());
   }
 }
 
 // One tensor's header entry, validated against the data buffer's size.
 TensorInfo read_tensor(const std::string& name, const JsonValue& value, const std::string& what, int64_t data_bytes,
                        int64_t& begin) {
-  const std::string tensor_what = what + ": tensor \"" + name + "\"";
-  TORCH_CHECK(value.kind == JsonValue::Kind::Object, tensor_what, ": entry must be an object, found ",
-              JsonValue::kind_name(value.kind));
-  for (const auto& [k, v] : value.object) {
-    TORCH_CHECK(k == "dtype" || k == "shape" || k == "data_offsets", tensor_what, ": unexpected field \"", k,
-                "\" (expected dtype, shape, data_offsets)");
+  // Built only for an error message (TORCH_CHECK evaluates its message on failure only): a header
+  // may hold 100,000s of tensors.
+  const auto tensor = [&] { return what + ": tensor \"" + printable(name) + "\""; };
+  check_no_nul(name, what, "tensor name");
+  TORCH_CHECK(value.kind() == JsonValue::Kind::Object, tensor(), ": entry must be an object, found ",
+              JsonValue::kind_name(value.kind()));
+  for (const auto& [k, v] : value.members()) {
+    TORCH_CHECK(k == "dtype" || k == "shape" || k == "data_offsets", tensor(), ": unexpected field \"",
+                printable(k), "\" (expected dtype, shape, data_offsets)");
   }
-  const JsonValue* dtype = value.find("dtype");
-  const JsonValue* shape = value.find("shape");
-  const JsonValue* offsets = value.find("data_offsets");
-  TORCH_CHECK(dtype != nullptr && dtype->kind == JsonValue::Kind::String, tensor_what, ": \"dtype\" must be a string");
-  TORCH_CHECK(shape != nullptr && shape->kind == JsonValue::Kind::Array, tensor_what,
-              ": \"shape\" must be an array of integers");
-  TORCH_CHECK(offsets != nullptr && offsets->kind == JsonValue::Kind::Array && offsets->array.size() == 2,
-              tensor_what, ": \"data_offsets\" must be an array [begin, end]");
+  const auto dtype = value.find("dtype");
+  const auto shape = value.find("shape");
+  const auto offsets = value.find("data_offsets");
+  TORCH_CHECK(dtype && dtype->kind() == JsonValue::Kind::String, tensor(), ": \"dtype\" must be a string");
+  TORCH_CHECK(shape && shape->kind() == JsonValue::Kind::Array, tensor(), ": \"shape\" must be an array of integers");
+  TORCH_CHECK(offsets && offsets->kind() == JsonValue::Kind::Array && offsets->size() == 2, tensor(),
+              ": \"data_offsets\" must be an array [begin, end]");
   TensorInfo info;
   info.name = name;
-  info.dtype = safetensors_dtype(dtype->string, tensor_what);
-  for (const auto& d : shape->array) {
-    TORCH_CHECK(d.kind == JsonValue::Kind::Int && d.integer >= 0, tensor_what,
+  info.dtype = safetensors_dtype(std::string(dtype->string()), tensor());
+  for (const auto& d : shape->elements()) {
+    TORCH_CHECK(d.kind() == JsonValue::Kind::Int && d.integer() >= 0, tensor(),
                 ": shape entries must be non-negative integers");
-    info.shape.push_back(d.integer);
+    info.shape.push_back(d.integer());
   }
-  for (const auto& o : offsets->array) {
-    TORCH_CHECK(o.kind == JsonValue::Kind::Int, tensor_what, ": data_offsets must be integers");
+  const auto bounds = offsets->elements();
+  for (const auto& o : bounds) {
+    TORCH_CHECK(o.kind() == JsonValue::Kind::Int, tensor(), ": data_offsets must be integers");
   }
-  begin = offsets->array[0].integer;
-  const int64_t end = offsets->array[1].integer;
-  TORCH_CHECK(0 <= begin && begin <= end && end <= data_bytes, tensor_what, ": data_offsets [", begin, ", ", end,
+  begin = bounds[0].integer();
+  const int64_t end = bounds[1].integer();
+  TORCH_CHECK(0 <= begin && begin <= end && end <= data_bytes, tensor(), ": data_offsets [", begin, ", ", end,
               "] are out of range: the data buffer holds ", data_bytes, " bytes");
-  info.nbytes = checked_numel_bytes(info.shape, c10::elementSize(info.dtype), tensor_what);
-  TORCH_CHECK(end - begin == info.nbytes, tensor_what, ": data_offsets [", begin, ", ", end, "] span ", end - begin,
-              " bytes but dtype ", dtype->string, " and shape ", shape_text(info.shape), " need ", info.nbytes);
+  info.nbytes = checked_numel_bytes(info.shape, c10::elementSize(info.dtype), tensor);
+  TORCH_CHECK(end - begin == info.nbytes, tensor(), ": data_offsets [", begin, ", ", end, "] span ", end - begin,
+              " bytes but dtype ", dtype->string(), " and shape ", shape_text(info.shape), " need ", info.nbytes);
   return info;
 }
 
@@ -263,9 +364,9 @@ void check_coverage(std::vector<std::tuple<int64_t, int64_t, const std::string*>
   int64_t covered = 0;
   const std::string* previous = nullptr;
   for (const auto& [begin, end, name] : spans) {
-    TORCH_CHECK(begin >= covered, what, ": tensors \"", *previous, "\" and \"", *name,
+    TORCH_CHECK(begin >= covered, what, ": tensors \"", printable(*previous), "\" and \"", printable(*name),
                 "\" have overlapping data_offsets");
-    TORCH_CHECK(begin == covered, what, ": ", begin - covered, " bytes before tensor \"", *name,
+    TORCH_CHECK(begin == covered, what, ": ", begin - covered, " bytes before tensor \"", printable(*name),
                 "\" belong to no tensor (the data buffer must have no holes)");
     covered = end;
     previous = name;
@@ -280,40 +381,42 @@ void SafetensorsSource::add_file(const std::string& file_path, const std::vector
   auto file = std::make_shared<File>();
   file->path = file_path;
   const std::string& what = file->path;
-  const JsonValue root = read_header(*file);
+  const JsonDocument doc = read_header(*file);
   const int64_t data_bytes = file->size - file->data_start;
-  std::vector<std::tuple<int64_t, int64_t, const std::string*>> spans;
   std::vector<Entry> found;
   std::map<std::string, std::string> metadata;
-  for (const auto& [name, value] : root.object) {
-    if (name == "__metadata__") {
+  for (const auto& [key, value] : doc.root().members()) {
+    if (key == "__metadata__") {
       read_metadata(value, what, metadata);
       continue;
     }
     int64_t begin = 0;
     Entry e;
     e.file = file;
-    e.info = read_tensor(name, value, what, data_bytes, begin);
+    e.info = read_tensor(std::string(key), value, what, data_bytes, begin);
     e.offset = file->data_start + begin;
-    spans.emplace_back(begin, begin + e.info.nbytes, &name);
     found.push_back(std::move(e));
   }
+  std::vector<std::tuple<int64_t, int64_t, const std::string*>> spans;
+  spans.reserve(found.size());
+  for (const auto& e : found) spans.emplace_back(e.offset - file->data_start, e.offset - file->data_start + e.info.nbytes, &e.info.name);
   check_coverage(std::move(spans), data_bytes, what);
-  std::set<std::string> in_file;
-  for (const auto& e : found) in_file.insert(e.info.name);
+  std::unordered_set<std::string> wanted;
   if (expected != nullptr) {
+    std::unordered_set<std::string> in_file;
+    for (const auto& e : found) in_file.insert(e.info.name);
     for (const auto& name : *expected) {
-      TORCH_CHECK(in_file.count(name), path_, ": the index places tensor \"", name, "\" in ", what,
+      TORCH_CHECK(in_file.count(name), path_, ": the index places tensor \"", printable(name), "\" in ", what,
                   ", which does not hold it");
     }
+    wanted.insert(expected->begin(), expected->end());
   }
   for (const auto& e : found) {
-    TORCH_CHECK(!entries_.count(e.info.name), path_, ": tensor \"", e.info.name, "\" appears in ",
-                entries_.count(e.info.name) ? entries_.at(e.info.name).file->path : "", " and in ", what);
+    const auto other = entries_.find(e.info.name);
+    TORCH_CHECK(other == entries_.end(), path_, ": tensor \"", printable(e.info.name), "\" appears in ",
+                other == entries_.end() ? "" : other->second.file->path, " and in ", what);
   }
   map_file(*file);
-  std::set<std::string> wanted;
-  if (expected != nullptr) wanted.insert(expected->begin(), expected->end());
   for (auto& e : found) {
     if (expected != nullptr && !wanted.count(e.info.name)) continue;
     std::string name = e.info.name;
@@ -357,11 +460,13 @@ std::vector<std::string> SafetensorsSource::files() const {
 
 void SafetensorsSource::read_into(const std::string& name, void* dst) const {
   const Entry& e = entry(name);
+  e.file->check_unchanged(name);
   pread_exact(e.file->fd, dst, e.info.nbytes, e.offset, e.file->path);
 }
 
 at::Tensor SafetensorsSource::load(const std::string& name, bool pin_memory) const {
   const Entry& e = entry(name);
+  e.file->check_unchanged(name);
   const auto options = at::TensorOptions().dtype(e.info.dtype).pinned_memory(pin_memory);
   if (!options_.direct_io || e.info.nbytes == 0) {
     at::Tensor out = at::empty(e.info.shape, options);
@@ -403,6 +508,7 @@ at::Tensor SafetensorsSource::load(const std::string& name, bool pin_memory) con
 at::Tensor SafetensorsSource::view(const std::string& name) const {
   const Entry& e = entry(name);
   if (e.info.nbytes == 0) return at::empty(e.info.shape, at::TensorOptions().dtype(e.info.dtype));
+  e.file->check_unchanged(name);
   char* data = e.file->map + e.offset;
   if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.info.dtype) != 0) return load(name);
   std::shared_ptr<File> keep = e.file;
@@ -412,10 +518,15 @@ at::Tensor SafetensorsSource::view(const std::string& name) const {
 void SafetensorsSource::populate(const std::string& name) const {
   const Entry& e = entry(name);
   if (e.info.nbytes == 0) return;
+  e.file->check_unchanged(name);
   const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const auto begin = reinterpret_cast<uintptr_t>(e.file->map + e.offset) & ~(page - 1);
   const auto end = reinterpret_cast<uintptr_t>(e.file->map + e.offset + e.info.nbytes);
   if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ) == 0) return;
+  // EFAULT / EIO: the pages are beyond the file's end or unreadable (changed under the mapping
+  // after the check above); touching them would raise SIGBUS.
+  TORCH_CHECK(errno == EINVAL, e.file->path, ": cannot map tensor "", name, "" in: ", errno_text(),
+              " (did the file change after it was opened?)");
   // Kernels before 5.14: fault the pages in by reading one byte of each.
   volatile char sink = 0;
   for (uintptr_t p = begin; p < end; p += page) sink = sink + *reinterpret_cast<const char*>(p);

@@ -6,8 +6,10 @@
 // and its shards, or a directory holding either), validated completely when opened. Files are
 // mapped with mmap: view() is zero-copy (the tensor keeps the mapping alive, writes stay private
 // to the process); load() copies into memory the caller owns with pread, or with O_DIRECT reads
-// when options.direct_io is set (for files larger than the page cache). Immutable after construction:
-// every method is thread-safe.
+// when options.direct_io is set (for files larger than the page cache). Files must stay unchanged
+// while in use: every read first checks a file's size, modification time and inode against what
+// it was when opened and raises otherwise; views already handed out alias the file (the remaining
+// window is docs/paging.md's contract). Immutable after construction: every method is thread-safe.
 #include <cstdint>
 #include <map>
 #include <memory>

@@ -1,0 +1,155 @@
+#include "torch_ext/checkpoint/frame.h"
+
+#include <sstream>
+
+#include <ATen/SequenceNumber.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace torch_ext::checkpoint {
+
+Frame::Frame(std::string name, bool early_stop) : name_(std::move(name)), early_stop_(early_stop) {}
+
+int64_t Frame::fresh_graph_task() {
+  static std::atomic<int64_t> next{-2};  // -1 is get_current_graph_task_id()'s "none"
+  return next.fetch_sub(1, std::memory_order_relaxed);
+}
+
+Frame::Meta Frame::meta_of(const at::Tensor& tensor) {
+  Meta meta{tensor.sizes().vec(), tensor.scalar_type(), tensor.device(), {}};
+  if (const auto& fn = torch::autograd::impl::grad_fn_unsafe(tensor)) meta.producer = fn->name();
+  return meta;
+}
+
+std::string Frame::describe(size_t index, const Meta& meta) const {
+  std::ostringstream out;
+  out << "saved tensor " << index << " (";
+  if (!meta.producer.empty()) out << "made by " << meta.producer << ", ";
+  out << meta.dtype << c10::IntArrayRef(meta.sizes) << " on " << meta.device << ")";
+  return out.str();
+}
+
+std::shared_ptr<Holder> Frame::pack(const at::Tensor& tensor) {
+  auto holder = std::make_shared<Holder>(shared_from_this());
+  holders_.push_back(holder);
+  metas_.push_back(meta_of(tensor));
+  // The node saving this tensor is the one autograd numbered last. A tensor it saves as its own
+  // output was computed already; an input is saved before the op computes, so a replay that
+  // stops here skips that op too: the tail starts at it.
+  const uint64_t next = at::sequence_number::peek();
+  const auto* producer = torch::autograd::impl::grad_fn_unsafe(tensor);
+  tail_start_ = producer != nullptr && producer->sequence_nr() + 1 == next ? next : next - 1;
+  return holder;
+}
+
+namespace {
+
+// Matrix products and convolutions cost about this many elementwise ops per output element.
+constexpr int64_t kProductWeight = 64;
+
+bool is_product(const torch::autograd::Node& node) {
+  const std::string name = node.name();
+  for (const char* kind : {"Mm", "Addmm", "Bmm", "Baddbmm", "Matmul", "Linear", "Convolution", "ScaledDotProduct"}) {
+    if (name.find(kind) != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void Frame::finish_forward(const std::vector<at::Tensor>& outputs) {
+  forward_done_ = true;
+  if (!early_stop_ || holders_.empty()) return;
+  // The tail: the nodes the forward created after its last saved tensor, found from the outputs.
+  std::vector<torch::autograd::Node*> stack;
+  std::unordered_map<torch::autograd::Node*, bool> seen;
+  for (const auto& t : outputs) {
+    if (auto* fn = torch::autograd::impl::grad_fn_unsafe(t)) stack.push_back(fn);
+  }
+  int64_t work = 0;
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (node->sequence_nr() < tail_start_ || seen[node]) continue;
+    seen[node] = true;
+    int64_t elements = 0;
+    for (uint32_t i = 0; i < node->num_inputs(); ++i) {
+      const auto& meta = node->input_metadata(i);
+      if (meta.is_tensor_subclass() || meta.is_nested_tensor()) continue;
+      int64_t numel = 1;
+      for (const auto& d : meta.shape_as_dim_vector()) numel *= d.maybe_as_int().value_or(1);
+      elements += numel;
+    }
+    work += is_product(*node) ? elements * kProductWeight : elements;
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function) stack.push_back(edge.function.get());
+    }
+  }
+  stop_early_ = work >= kEarlyStopWork;
+}
+
+at::Tensor Frame::unpack(Holder& holder) {
+  int64_t graph_task = torch::autograd::get_current_graph_task_id();
+  if (graph_task == -1) graph_task = fresh_graph_task();
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!recomputed_[graph_task]) {
+    TORCH_CHECK(recompute_, "checkpoint: ", name_, " has no recompute function");
+    recomputed_count_[graph_task] = 0;
+    recompute_(*this, graph_task);
+    recomputed_[graph_task] = true;
+    check_recomputed(graph_task);
+  }
+  if (holder.unpacked[graph_task]) {
+    throw CheckpointError("checkpoint: " + name_ + ": a saved tensor was unpacked twice in one backward pass; "
+                          "call ctx.saved_tensors once per backward");
+  }
+  auto it = holder.recomputed.find(graph_task);
+  TORCH_INTERNAL_ASSERT(it != holder.recomputed.end(), "checkpoint: ", name_,
+                        ": a saved tensor was not recomputed although its holder is alive");
+  at::Tensor tensor = std::move(it->second);
+  holder.recomputed.erase(it);
+  holder.unpacked[graph_task] = true;
+  return tensor;
+}
+
+at::Tensor Frame::repack(const at::Tensor& tensor, int64_t graph_task) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  at::Tensor kept = tensor.requires_grad() ? tensor.detach() : tensor;
+  const size_t index = recomputed_count_[graph_task]++;
+  if (index >= holders_.size()) {
+    if (!forward_done_) {
+      // A backward inside the segment, during its own forward, replays before the forward has
+      // saved all it will: the extra tensors belong to that inner backward.
+      ignore_count_ = true;
+      return kept;
+    }
+    throw CheckpointError("checkpoint: the replay of " + name_ + " saved more tensors for backward than its " +
+                          "forward did (" + std::to_string(holders_.size()) +
+                          "): the segment must compute the same ops from the same inputs");
+  }
+  const Meta& expected = metas_[index];
+  const Meta got = meta_of(tensor);
+  if (got.sizes != expected.sizes || got.dtype != expected.dtype || got.device != expected.device) {
+    throw CheckpointError("checkpoint: the replay of " + name_ + " produced " + describe(index, got) +
+                          " where its forward produced " + describe(index, expected) +
+                          "; the segment must compute the same shapes from the same inputs (a cache or other "
+                          "state it changes in its forward would make its replay differ)");
+  }
+  if (auto holder = holders_[index].lock()) holder->recomputed[graph_task] = kept;
+  if (stop_early_ && recomputed_count_[graph_task] == holders_.size()) throw StopRecomputation();
+  return kept;
+}
+
+void Frame::check_recomputed(int64_t graph_task) {
+  if (ignore_count_) return;
+  const size_t count = recomputed_count_[graph_task];
+  if (count != holders_.size()) {
+    throw CheckpointError("checkpoint: the replay of " + name_ + " saved " + std::to_string(count) +
+                          " tensors for backward but its forward saved " + std::to_string(holders_.size()) +
+                          "; the segment must compute the same ops from the same inputs");
+  }
+}
+
+}  // namespace torch_ext::checkpoint

@@ -1,0 +1,121 @@
+#pragma once
+// Frame: one checkpointed call of a segment, checkpointed with saved-tensor hooks (the
+// non-reentrant algorithm torch.utils.checkpoint uses, here in C++).
+//
+// While the segment's forward runs, the front door installs pack() as autograd's saved-tensor
+// pack hook: every tensor autograd would save becomes a Holder that records only its metadata, and
+// the forward builds the ordinary autograd graph around the holders. So every output has its own
+// grad_fn, double backward works, a tensor requiring grad reached through a closure gets its
+// gradient, and a segment that saves nothing is never replayed. The first unpack() of a holder in
+// a backward pass (a graph task) replays the segment once through the front door's Recompute, whose
+// pack hook is repack(): it hands each recomputed tensor to its holder, checks it against the
+// forward's metadata (shape, dtype, device; a mismatch raises CheckpointError naming the segment
+// and the first differing tensor) and, with early stop, ends the replay once every tensor the
+// forward saved has been recomputed. Whether a replay stops early is decided once, at the end of
+// the forward, from the recorded graph: the ops from the last saved tensor on (the tail) are
+// weighed by the elements they produce, matrix products and convolutions 64 times (kProductWeight),
+// and only a tail of at least kEarlyStopWork is worth stopping before (the stop is an exception
+// through the segment's Python frames, which costs about what that much elementwise work does).
+// The same program takes the same path on any machine: no timing decides. Nested checkpoints follow
+// from the front door saving a segment's inputs through the enclosing frame's hooks.
+//
+// Thread safety: a frame's forward runs on one thread. unpack() and repack() take the frame's
+// (recursive) mutex, so backward passes on several threads recompute a frame once per graph task.
+// The front door must not hold a lock the Recompute needs while calling unpack() (the Python one
+// releases the GIL).
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+namespace torch_ext::checkpoint {
+
+// A replay that does not match its forward: raised by repack() and unpack().
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Thrown by repack() to end a replay early; the Recompute catches it.
+struct StopRecomputation : std::exception {
+  const char* what() const noexcept override { return "torch_ext checkpoint: recomputation stopped early"; }
+};
+
+class Frame;
+
+// Stands in the autograd graph for one tensor a checkpointed forward saved.
+struct Holder {
+  explicit Holder(std::shared_ptr<Frame> owner) : frame(std::move(owner)) {}
+  std::shared_ptr<Frame> frame;  // the holders keep their frame (and its inputs) alive
+  // Recomputed tensors by graph task, each dropped once unpacked (so a second unpack of the
+  // same tensor in one pass is an error, as it is for torch's checkpoint).
+  std::unordered_map<int64_t, at::Tensor> recomputed;
+  std::unordered_map<int64_t, bool> unpacked;
+};
+
+class Frame : public std::enable_shared_from_this<Frame> {
+ public:
+  // Runs the segment once more from its saved inputs, with grad enabled and repack(·, graph_task)
+  // as the saved-tensor pack hook, catching StopRecomputation.
+  using Recompute = std::function<void(Frame& frame, int64_t graph_task)>;
+
+  Frame(std::string name, bool early_stop);
+  void set_recompute(Recompute recompute) { recompute_ = std::move(recompute); }
+  const std::string& name() const { return name_; }
+
+  // Forward: the holder that replaces `tensor` in the graph.
+  std::shared_ptr<Holder> pack(const at::Tensor& tensor);
+  // The forward returned `outputs`: decides whether replays stop early (see above).
+  void finish_forward(const std::vector<at::Tensor>& outputs);
+  bool stops_early() const { return stop_early_; }
+  std::recursive_mutex& mutex() { return mutex_; }
+
+  // Backward: the tensor `holder` stands for, recomputed on the first unpack in this graph task.
+  at::Tensor unpack(Holder& holder);
+
+  // Replay: what the replay's graph keeps for `tensor` (the recomputation graph is backwarded
+  // only by a backward inside the segment). Throws StopRecomputation when early stop is reached,
+  // CheckpointError when the replay departs from the forward.
+  at::Tensor repack(const at::Tensor& tensor, int64_t graph_task);
+
+  // An id for unpacks outside any backward pass (a graph task id is >= 0).
+  static int64_t fresh_graph_task();
+
+  // Tails of at least this much work (elements, products weighted) are worth stopping before.
+  static constexpr int64_t kEarlyStopWork = int64_t{1} << 16;
+
+ private:
+  struct Meta {
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+    c10::Device device;
+    std::string producer;  // the grad_fn that made the tensor, if any, for error messages
+  };
+  static Meta meta_of(const at::Tensor& tensor);
+  std::string describe(size_t index, const Meta& meta) const;
+  void check_recomputed(int64_t graph_task);
+
+  const std::string name_;
+  const bool early_stop_;
+  bool stop_early_ = false;     // decided by finish_forward()
+  uint64_t tail_start_ = 0;     // the first node of the tail: the last saved tensor's or the next
+  Recompute recompute_;
+  std::recursive_mutex mutex_;
+  std::vector<std::weak_ptr<Holder>> holders_;  // in the order the forward saved them
+  std::vector<Meta> metas_;
+  bool forward_done_ = false;
+  bool ignore_count_ = false;  // a backward inside the forward saved more than the forward kept
+  std::unordered_map<int64_t, size_t> recomputed_count_;  // by graph task
+  std::unordered_map<int64_t, bool> recomputed_;           // by graph task: the replay ran
+};
+
+}  // namespace torch_ext::checkpoint

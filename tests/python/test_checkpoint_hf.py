@@ -1,0 +1,174 @@
+"""Checkpointing Hugging Face models built from a config (no downloads), trained as users train
+them: model(input_ids=..., labels=...), use_cache left at its default, dropout on, with and
+without padding masks. Gradients must equal the unwrapped model's exactly (CPU)."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import torch_ext
+from torch_ext.checkpointing import hf
+
+transformers = pytest.importorskip("transformers")
+
+
+def gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64, attention_dropout=0.1, bos_token_id=0,
+                                      eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def batch(padded: bool):
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    if not padded:
+        return {"input_ids": ids, "labels": ids}
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0  # the second sequence is padded
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def step(model, inputs, seed=1):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks in every model
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach()
+
+
+def assert_exact(model, reference):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "padded_mask"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_layer_checkpointed_in_place_gives_the_unwrapped_models_gradients(name, padded):
+    model = MODELS[name]()
+    reference = copy.deepcopy(model)
+    layers = hf.decoder_layers(model)
+    for layer in layers:
+        torch_ext.checkpoint(layer)
+    inputs = batch(padded)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = step(model, inputs)
+    assert torch.equal(loss, step(reference, inputs))
+    assert_exact(model, reference)
+    # The layers received the model's cache (use_cache defaults to True): turned off, said once.
+    messages = [str(w.message) for w in caught if "Hugging Face cache" in str(w.message)]
+    assert len(messages) <= 1 and all(type(layers[0]).__name__ in m for m in messages)
+
+
+def test_the_cache_is_dropped_with_one_warning_per_layer_class():
+    model = gpt2()
+    for layer in hf.decoder_layers(model):
+        torch_ext.checkpoint(layer)
+    from torch_ext.checkpointing import api
+    api._WARNED.discard("GPT2Block")
+    with pytest.warns(UserWarning, match="GPT2Block was given a Hugging Face cache"):
+        step(model, batch(False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        step(model, batch(False))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hugging_faces_own_gradient_checkpointing_calls_torch_ext(name, monkeypatch):
+    model = MODELS[name]()
+    reference = copy.deepcopy(model)
+    calls = []
+    original = hf.checkpoint_call
+    monkeypatch.setattr(hf, "checkpoint_call", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    hf.gradient_checkpointing_enable(model)
+    inputs = batch(True)
+    assert torch.equal(step(model, inputs), step(reference, inputs))
+    assert_exact(model, reference)
+    assert len(calls) == len(hf.decoder_layers(model))  # one checkpointed call per layer
+
+
+def test_checkpoint_layers_every_k_and_by_budget():
+    model = gpt2()
+    reference = copy.deepcopy(model)
+    assert hf.checkpoint_layers(model, every=2) == [0, 2]
+    inputs = batch(True)
+    step(model, inputs), step(reference, inputs)
+    assert_exact(model, reference)
+
+    model = llama()
+    reference = copy.deepcopy(model)
+    inputs = batch(True)
+    plan = hf.checkpoint_layers(model, budget_bytes=1 << 40, inputs=inputs, repeat=1)
+    assert plan.boundaries == []  # a budget above everything needs no recompute
+    tight = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=plan.min_budget_bytes, inputs=inputs, repeat=1)
+    assert tight.predicted_peak_bytes <= tight.budget_bytes and tight.boundaries  # the least memory needs recompute
+    model = copy.deepcopy(reference)
+    chosen = hf.checkpoint_layers(model, budget_bytes=plan.min_budget_bytes, inputs=inputs, repeat=1)
+    step(model, inputs), step(reference, inputs)
+    assert_exact(model, reference)
+    assert chosen.boundaries == tight.boundaries
+    # Layers that were measured with the masks and rotary embeddings the model gives them.
+    assert all(seconds > 0 for seconds in chosen.layer_forward_seconds)
+
+
+def test_checkpoint_layers_refuses_what_would_checkpoint_twice_or_is_underspecified():
+    model = gpt2()
+    with pytest.raises(ValueError, match="exactly one of every or budget_bytes"):
+        hf.checkpoint_layers(model)
+    with pytest.raises(ValueError, match="needs inputs"):
+        hf.checkpoint_layers(model, budget_bytes=1 << 20)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="already uses Hugging Face's gradient checkpointing"):
+        hf.checkpoint_layers(model, every=1)
+    with pytest.raises(TypeError, match="unknown option.*stroage"):
+        hf.gradient_checkpointing_enable(gpt2(), stroage="bf16")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_checkpointed_decoder_layer_compiles_in_one_graph_with_the_models_keyword_arguments(name):
+    """What the model passes a layer (mask, position ids, rotary embeddings, its cache) traces in
+    one graph: recognising the cache costs dynamo no graph break."""
+    model = MODELS[name]().eval()  # no dropout: compiled and eager draw different masks
+    layers = hf.decoder_layers(model)
+    seen = []
+    handle = layers[1].register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model(**batch(padded=True))
+    handle.remove()
+    ((args, kwargs),) = seen
+
+    def fresh_cache(value):
+        return transformers.DynamicCache(config=model.config) if isinstance(value, transformers.Cache) else value
+
+    args = [fresh_cache(a) for a in args]
+    kwargs = {k: fresh_cache(v) for k, v in kwargs.items()}
+    assert any(isinstance(v, transformers.Cache) for v in [*args, *kwargs.values()])
+    reference = copy.deepcopy(layers[1])
+    layer = torch_ext.checkpoint(layers[1])
+    hidden = args[0].detach().requires_grad_()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cache warning
+        out = torch.compile(layer, fullgraph=True, backend="aot_eager")(hidden, *args[1:], **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.sum().backward()
+    expected = reference(hidden.detach(), *args[1:], **kwargs)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for (n, p), q in zip(layer.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)

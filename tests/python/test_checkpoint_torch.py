@@ -1,0 +1,248 @@
+"""torch_ext's checkpoint as a drop-in for torch.utils.checkpoint (non-reentrant): each behaviour
+PyTorch's own checkpoint tests check, on torch_ext, compared with the unwrapped computation."""
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import torch_ext
+from torch_ext import checkpoint_call
+from torch_ext.checkpointing import CheckpointError
+
+
+def test_gradients_with_create_graph_and_double_backward_equal_the_unwrapped_function():
+    model = nn.Sequential(nn.Linear(20, 10), nn.Tanh(), nn.Linear(10, 5), nn.Tanh()).double()
+    x = torch.randn(3, 20, dtype=torch.double, requires_grad=True)
+    plain = torch.autograd.grad(model(x).sum(), x, create_graph=True)[0]
+    ckpt = torch.autograd.grad(checkpoint_call(model, x).sum(), x, create_graph=True)[0]
+    assert torch.equal(plain, ckpt)
+    assert torch.equal(torch.autograd.grad(plain.pow(2).sum(), x)[0], torch.autograd.grad(ckpt.pow(2).sum(), x)[0])
+
+
+def test_nested_checkpoints_support_higher_order_gradients():
+    def inner(x):
+        return x.sin().exp()
+
+    def outer(x):
+        return checkpoint_call(inner, x.cos()) * x
+
+    x = torch.randn(5, dtype=torch.double, requires_grad=True)
+    expected = x.detach().requires_grad_()
+    g1 = torch.autograd.grad(checkpoint_call(outer, x).sum(), x, create_graph=True)[0]
+    r1 = torch.autograd.grad((expected.cos().sin().exp() * expected).sum(), expected, create_graph=True)[0]
+    assert torch.allclose(g1, r1)
+    g2 = torch.autograd.grad(g1.sum(), x)[0]
+    r2 = torch.autograd.grad(r1.sum(), expected)[0]
+    assert torch.allclose(g2, r2)
+
+
+def test_a_tensor_read_through_a_closure_gets_its_gradient():
+    weight = torch.randn(4, 4, requires_grad=True)
+
+    def uses_closure(x):
+        return (x @ weight).tanh()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    grads = torch.autograd.grad(checkpoint_call(uses_closure, x).sum(), [x, weight])
+    expected = torch.autograd.grad(uses_closure(x).sum(), [x, weight])
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
+def test_detached_outputs_do_not_require_grad():
+    out = checkpoint_call(lambda x: (x * 2).detach(), torch.randn(3, requires_grad=True))
+    assert not out.requires_grad and out.grad_fn is None
+
+
+def test_each_output_has_its_own_grad_fn_and_a_hook_on_one_may_take_the_gradient_of_another():
+    x = torch.randn(3, requires_grad=True)
+    a, b = checkpoint_call(lambda t: (t.sin(), t.cos()), x)
+    assert a.grad_fn is not b.grad_fn
+    seen = []
+    def take_b(grad_inputs, grad_outputs):
+        with torch.enable_grad():
+            seen.append(torch.autograd.grad(b.sum(), x)[0])
+
+    a.grad_fn.register_hook(take_b)
+    a.sum().backward(retain_graph=True)
+    assert torch.equal(seen[0], -x.detach().sin())
+
+
+def test_a_segment_that_saves_nothing_is_not_replayed():
+    calls = []
+
+    def affine(x):
+        calls.append(1)
+        return x * 2 + 1  # multiplication by a number and addition save nothing for backward
+
+    x = torch.randn(16, 32, requires_grad=True)
+    checkpoint_call(affine, x).sum().backward()
+    assert len(calls) == 1 and torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+def test_the_replay_receives_the_callers_tensors():
+    seen = []
+
+    def record(x, y):
+        seen.append((x, y))
+        return (x * y).sum()
+
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    checkpoint_call(record, x, y).backward()
+    assert len(seen) == 2 and seen[1][0] is x and seen[1][1] is y
+
+
+def test_checkpoint_sequential_checkpoints_all_but_its_last_part():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * torch.tensor(2.0)  # saves its scalar tensor: a replay is needed
+
+    modules = [Counter() for _ in range(10)]
+    out = torch_ext.checkpoint_sequential(modules, 2, torch.randn(3, 4, requires_grad=True))
+    assert all(m.calls == 1 for m in modules)
+    out.sum().backward()
+    assert [m.calls for m in modules] == [2] * 5 + [1] * 5
+
+
+def test_non_tensor_inputs_and_outputs():
+    def foo(t1, t2, scale, t3):
+        t4 = t1 + t2 * t3
+        t5 = t1 * t2 + t3
+        t4 *= scale
+        t5 *= scale
+        return scale, t4, None, True, t5, "bar", t1
+
+    generator = torch.Generator().manual_seed(0)
+    t1, t2, t3 = (torch.rand(10, generator=generator) for _ in range(3))
+    t1.requires_grad_(), t2.requires_grad_()
+    scale = random.Random(0).randint(1, 10)
+    res = checkpoint_call(foo, t1, t2, scale, t3)
+    assert res[0] == scale and res[2] is None and res[3] is True and res[5] == "bar"
+    assert torch.equal(res[1], (t1 + t2 * t3) * scale) and torch.equal(res[4], (t1 * t2 + t3) * scale)
+    assert res[6] is t1  # an input returned as is, as torch's non-reentrant checkpoint returns it
+    res[1].sum().backward(retain_graph=True)
+    res[4].sum().backward(retain_graph=True)
+    res[6].sum().backward()
+    grads = (t1.grad.clone(), t2.grad.clone())
+    t1.grad = t2.grad = None
+    ref = foo(t1, t2, scale, t3)
+    torch.autograd.backward([ref[1].sum(), ref[4].sum(), ref[6].sum()])
+    # Three backward calls accumulate into .grad in another order than one call: rounding may differ.
+    assert torch.allclose(grads[0], t1.grad) and torch.allclose(grads[1], t2.grad)
+
+
+def test_a_segment_without_tensors_returns_its_results():
+    assert checkpoint_call(lambda a, b: (a + b, "x"), 1.5, 2) == (3.5, "x")
+
+
+def test_outputs_that_do_not_require_grad_fail_in_backward_as_torchs_do():
+    out = checkpoint_call(lambda a, b: a, torch.randn(1, 4), torch.randn(1, 4, requires_grad=True))
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out.sum().backward()
+
+
+def test_dropout_masks_of_the_replay_equal_the_forwards():
+    inp = torch.randn(20000, requires_grad=True)
+    phase1, phase2 = nn.Dropout(), nn.Dropout()
+    state = torch.get_rng_state()
+    checkpoint_call(phase2, phase1(inp)).sum().backward()
+    with_checkpoint = inp.grad
+    torch.set_rng_state(state)
+    inp.grad = None
+    phase2(phase1(inp)).sum().backward()
+    assert torch.equal(with_checkpoint, inp.grad)
+
+
+def test_a_backward_inside_the_segment_works():
+    def grad_inside(x):
+        y = x.sin()
+        (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return gx * y
+
+    x = torch.randn(4, dtype=torch.double, requires_grad=True)
+    expected = torch.autograd.grad(grad_inside(x).sum(), x)[0]
+    assert torch.allclose(torch.autograd.grad(checkpoint_call(grad_inside, x).sum(), x)[0], expected)
+
+
+def test_each_backward_pass_through_a_retained_graph_replays_once():
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return x.exp()
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint_call(counted, x).sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    assert len(calls) == 3 and torch.equal(x.grad, 2 * x.detach().exp())
+
+
+class Projected(nn.Module):
+    """tanh, then a projection and a scaling: the projection saves its input and weight, so with
+    early stop a replay ends at that save and neither the product nor what follows runs again."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.projection = nn.Linear(width, width)
+        self.after_projection = 0
+
+    def forward(self, x):
+        h = self.projection(self.first(x).tanh())
+        self.after_projection += 1
+        return h * 2
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_early_stop_ends_a_replay_at_the_last_saved_tensor_when_the_tail_is_worth_it(early_stop):
+    segment = Projected()
+    reference = copy.deepcopy(segment)
+    torch_ext.checkpoint(segment, early_stop=early_stop)
+    x = torch.randn(64, 64, requires_grad=True)  # the tail: a 64x64x64 product, worth stopping before
+    segment(x).sum().backward()
+    assert segment.after_projection == (1 if early_stop else 2)
+    reference(x.detach()).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(segment.parameters(), reference.parameters()))
+
+
+def test_early_stop_leaves_a_small_elementwise_tail_alone():
+    calls = []
+
+    def small_tail(x):
+        h = x.exp()                     # saves its output
+        calls.append(1)
+        return h * 2 + 1                # 2 small elementwise ops after it: not worth an early stop
+
+    x = torch.randn(4, requires_grad=True)
+    checkpoint_call(small_tail, x).sum().backward()
+    assert len(calls) == 2  # the replay ran to the end
+
+
+def test_torchs_keywords_are_accepted_and_unsupported_ones_are_refused():
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint_call(torch.sin, x, use_reentrant=False, debug=False, early_stop=True, preserve_rng_state=True)
+    out.sum().backward()
+    with pytest.raises(NotImplementedError, match="context_fn"):
+        checkpoint_call(torch.sin, x, context_fn=lambda: (None, None))
+    with pytest.raises(ValueError, match="always checks its replays"):
+        checkpoint_call(torch.sin, x, determinism_check="none")
+
+
+def test_a_non_deterministic_segment_raises_the_named_error():
+    calls = []
+
+    def grows(x):
+        calls.append(1)
+        return torch.cat([x] * len(calls)).exp()
+
+    out = checkpoint_call(grows, torch.randn(2, requires_grad=True))
+    with pytest.raises(CheckpointError, match=r"the replay of .*grows produced saved tensor 0 .*Float\[4\].* where "
+                                              r"its forward produced .*Float\[2\]"):
+        out.sum().backward()

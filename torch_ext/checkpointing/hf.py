@@ -1,0 +1,128 @@
+"""Hugging Face models with torch_ext's checkpointing. transformers is not imported here: these
+functions work on the model objects you pass.
+
+    torch_ext.checkpointing.hf.gradient_checkpointing_enable(model)        their path, our function
+    torch_ext.checkpointing.hf.checkpoint_layers(model, every=2)           every other decoder layer
+    torch_ext.checkpointing.hf.checkpoint_layers(model, budget_bytes=B, inputs={"input_ids": ids, ...})
+
+The first keeps Hugging Face's own gradient checkpointing (their layers turn caching off in
+training, with their warning, and enable input gradients) and has it call torch_ext's checkpoint
+instead of torch.utils.checkpoint's. The second checkpoints the decoder layers with
+torch_ext.checkpoint directly, chosen by every=k or by a plan for a byte budget measured on the
+model's real inputs: each layer receives, in one recorded forward, its attention mask, position
+ids and rotary embeddings, and the planner measures it on exactly those.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options
+from .planner import CheckpointPlan, plan_recorded_layers
+
+__all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "decoder_layers"]
+
+
+def _is_checkpointing_layer(module: nn.Module) -> bool:
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+
+
+def gradient_checkpointing_enable(model: nn.Module, *, every_n_layers: int = 1, **options: Any) -> nn.Module:
+    """model.gradient_checkpointing_enable(every_n_layers=...) with torch_ext's checkpoint as the
+    function Hugging Face calls for each checkpointed layer; options are torch_ext.checkpoint's.
+    Returns the model."""
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        raise TypeError(f"gradient_checkpointing_enable: {type(model).__name__} is not a Hugging Face model "
+                        f"(it has no gradient_checkpointing_enable method)")
+    checkpoint_options("gradient_checkpointing_enable", **options)  # validated before the model changes
+    enable = model.gradient_checkpointing_enable
+    if "every_n_layers" in inspect.signature(enable).parameters:
+        enable(every_n_layers=every_n_layers)
+    elif every_n_layers != 1:
+        raise TypeError("gradient_checkpointing_enable: this transformers version has no every_n_layers")
+    else:
+        enable()
+    function = functools.partial(checkpoint_call, **options)
+    for module in model.modules():
+        if hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = function
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated layers: the longest nn.ModuleList of Hugging Face
+    GradientCheckpointingLayers, or else the longest nn.ModuleList of modules of one class."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    hf_lists = [m for m in lists if all(_is_checkpointing_layer(layer) for layer in m)]
+    uniform = [m for m in lists if len({type(layer) for layer in m}) == 1]
+    candidates = hf_lists or uniform
+    if not candidates:
+        raise ValueError(f"decoder_layers: {type(model).__name__} has no nn.ModuleList of repeated layers")
+    return max(candidates, key=len)
+
+
+def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_bytes: Optional[int] = None,
+                      inputs: Optional[dict] = None, repeat: int = 2, progress: Optional[Callable] = None,
+                      **options: Any) -> list[int] | CheckpointPlan:
+    """Checkpoint the model's decoder layers with torch_ext.checkpoint (options: its options).
+
+    every=k: layers 0, k, 2k, ...; returns their indices. budget_bytes=B: runs
+    model(**inputs) once (in the model's current mode, without grad) recording what each layer
+    receives, measures each layer's forward and backward on it, and checkpoints the layers a plan
+    of least recompute within B bytes of layer activations chooses; returns the CheckpointPlan.
+    Hugging Face's own gradient checkpointing must be off (the layers would be checkpointed twice)."""
+    if (every is None) == (budget_bytes is None):
+        raise ValueError("checkpoint_layers: give exactly one of every or budget_bytes")
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError(f"checkpoint_layers: {type(model).__name__} already uses Hugging Face's gradient "
+                         f"checkpointing; call model.gradient_checkpointing_disable() first")
+    checkpoint_options("checkpoint_layers", **options)
+    layers = decoder_layers(model)
+    if every is not None:
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"checkpoint_layers: every must be a positive int, got {every!r}")
+        chosen = list(range(0, len(layers), every))
+        for i in chosen:
+            checkpoint(layers[i], **options)
+        return chosen
+    if not isinstance(inputs, dict) or not inputs:
+        raise ValueError("checkpoint_layers: budget_bytes needs inputs, the keyword arguments of one model call "
+                         "(input_ids, attention_mask, ...), to measure the layers on")
+    storage = checkpoint_options("checkpoint_layers", **options).script.storage
+    plan = plan_recorded_layers(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, storage,
+                                repeat, progress)
+    for start, _, checkpointed in plan.segments:
+        if checkpointed:
+            checkpoint(layers[start], **options)
+    return plan
+
+
+def _record_layer_inputs(model: nn.Module, layers: nn.ModuleList, inputs: dict) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) each layer receives in one forward of model(**inputs), caches dropped (a
+    checkpointed layer runs without one in training)."""
+    recorded: list = [None] * len(layers)
+
+    def record(index):
+        def hook(module, args, kwargs):
+            args = tuple(None if _is_hf_cache(a) else a for a in args)
+            kwargs = {k: (None if _is_hf_cache(v) else v) for k, v in kwargs.items()}
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            recorded[index] = (args, kwargs)
+        return hook
+
+    handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [i for i, r in enumerate(recorded) if r is None]
+    if missing:
+        raise ValueError(f"checkpoint_layers: layers {missing} did not run in model(**inputs)")
+    return recorded
