@@ -27,8 +27,9 @@ SECTIONS = [
     ("Paging", "Weight paging of a GPT from a safetensors file at several budgets, against accelerate's offloads.",
      ["paging", "paging_threads2", "paging_cuda", "paging_header", "paging_copy_rss"]),
     ("Cache", "The lazy node cache on a diffusion-style loop, preprocessed weights and full misses.", ["cache"]),
-    ("Plan", "The plan cache serving random batch sizes, and what each step of a plan buys.",
-     ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps"]),
+    ("Plan", "The plan cache serving random batch sizes, what each step of a plan buys, and serving torch.export "
+     "programs (AOTInductor plans per bucket, a saved cache restarted, the dynamic batcher).",
+     ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps", "plan_export"]),
 ]
 
 INTRO = """# Benchmarks
