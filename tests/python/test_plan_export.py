@@ -250,7 +250,7 @@ def test_the_batcher_pads_requests_of_different_lengths_into_one_batch_and_slice
     from torch_ext import Batcher
 
     errors = []
-    with Batcher(encoder_cache, max_batch_size=4, max_delay_ms=600_000) as batcher:
+    with Batcher(encoder_cache, max_batch_size=4, max_delay_ms=600_000, group_by_bucket=False) as batcher:
         def client(seed: int) -> None:
             rng = random.Random(seed)
             try:
@@ -272,3 +272,26 @@ def test_the_batcher_pads_requests_of_different_lengths_into_one_batch_and_slice
     assert not errors, errors[:3]
     # 8 clients, one request at a time each, batches of 4 rows: full batches only.
     assert s.requests == 24 and s.batches == 6 and s.max_batch_rows == 4 and s.failed == 0
+
+
+@pytest.mark.parametrize("group_by_bucket", [True, False])
+def test_the_batcher_joins_only_requests_of_one_sequence_bucket_unless_told_otherwise(encoder, encoder_cache,
+                                                                                     group_by_bucket):
+    from torch_ext import Batcher
+
+    # Lengths 5, 12, 6, 3: buckets 8, 16, 8, 8 of seq. The 4th request fills max_batch_size=4 rows.
+    requests = [tokens(1, length, length) for length in (5, 12, 6, 3)]
+    with Batcher(encoder_cache, max_batch_size=4, max_delay_ms=600_000, group_by_bucket=group_by_bucket) as batcher:
+        assert batcher.group_by_bucket == group_by_bucket
+        futures = [batcher.submit(*inputs) for inputs in requests]
+        if group_by_bucket:
+            # The oldest's bucket runs (3 rows, padded to 6 at most); the length-12 request waits for
+            # rows of its own bucket, here until close() runs what is queued.
+            futures[0].result(timeout=60)
+            assert not futures[1].done()
+    s = batcher.stats()
+    for inputs, future in zip(requests, futures):
+        got = future.result(timeout=0)
+        assert got.shape == (1, inputs[0].shape[1], 5)
+        close(got, eager(encoder, *inputs))
+    assert (s.batches, s.max_batch_rows) == ((2, 3) if group_by_bucket else (1, 4))

@@ -64,7 +64,7 @@ class Batcher(ScriptObjectFace):
     """Dynamic batching for a PlanCache (TorchScript or exported program).
 
     Keyword options are those of the C++ BatcherOptions (torch_ext/plan/batcher.h): max_batch_size
-    (0: the cache's), max_delay_ms, max_queue, timeout_seconds; each is also a property. stats()
+    (0: the cache's), max_delay_ms, max_queue, timeout_seconds, group_by_bucket; each is also a property. stats()
     is a BatcherStats; close() stops taking requests, runs those queued and joins the thread.
     """
 

@@ -79,6 +79,7 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback) {
   const Bucket sizes = cache_->check_request(inputs);
   TORCH_CHECK(sizes[0] <= max_rows_, "Batcher: a request of batch size ", sizes[0], " is above max_batch_size ",
               max_rows_);
+  const Bucket bucket = cache_->layout().bucket_of(sizes);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!closing_, "Batcher.submit: the batcher is closed");
@@ -90,7 +91,7 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback) {
     // The batcher's thread waits for the first request (idle) or for a full batch (gathering; its
     // deadline is timed): only those two wake it, not every request that joins a batch.
     const bool first = queue_.empty();
-    queue_.push_back(Request{std::move(inputs), sizes, std::move(callback), Clock::now()});
+    queue_.push_back(Request{std::move(inputs), sizes, bucket, std::move(callback), Clock::now()});
     const bool filled = queued_rows_ < max_rows_ && queued_rows_ + sizes[0] >= max_rows_;
     queued_rows_ += sizes[0];
     ++stats_.requests;
@@ -167,6 +168,7 @@ bool Batcher::joins(const Request& first, const Request& other) const {
   const Layout& layout = cache_->layout();
   for (int k = 1; k < first.sizes.rank; ++k) {
     if (first.sizes[k] != other.sizes[k] && !layout.pads(k)) return false;  // only equal sizes join
+    if (options_.group_by_bucket && first.bucket[k] != other.bucket[k]) return false;
   }
   for (size_t i = 0; i < first.inputs.size(); ++i) {
     const bool batched = first.inputs[i].isTensor() && layout.input_dim(i, 0) >= 0;

@@ -1,8 +1,9 @@
 #pragma once
 // Batcher: a dynamic batcher in front of a PlanCache. Callers submit single requests; one thread
-// gathers them, oldest first, until max_batch_size rows or max_delay_ms after the oldest arrived,
-// runs them as one batch through the cache (padded to the longest along the other dynamic
-// dimensions where the cache pads them) and hands each caller its own rows.
+// gathers them, oldest first, until max_batch_size rows are waiting or max_delay_ms after the
+// oldest arrived, runs them as one batch through the cache (padded to the longest along the other
+// dynamic dimensions where the cache pads them; with group_by_bucket only requests of one bucket
+// join) and hands each caller its own rows.
 //
 // Thread safety: submit() and infer() may be called from any number of threads. Callbacks run on
 // the batcher's thread, outside its locks. The queue is bounded: submit() raises at once when
@@ -31,6 +32,7 @@ struct BatcherOptions {
   double max_delay_ms = 2.0;
   int64_t max_queue = 1024;
   double timeout_seconds = 60;
+  bool group_by_bucket = true;
 
   static constexpr auto fields() {
     return std::make_tuple(
@@ -41,7 +43,11 @@ struct BatcherOptions {
         field("max_queue", &BatcherOptions::max_queue,
               "most requests waiting; submit() raises when that many are queued (backpressure)"),
         field("timeout_seconds", &BatcherOptions::timeout_seconds,
-              "longest infer() waits for its result before raising"));
+              "longest infer() waits for its result before raising"),
+        field("group_by_bucket", &BatcherOptions::group_by_bucket,
+              "requests join a batch only when they fall in the same bucket of the cache along the dynamic "
+              "dimensions after the batch, so none is padded past its bucket's bound (a short sequence is not "
+              "padded to a long one's length); False: any requests the cache can pad join, padded to the longest"));
   }
   void validate() const;
 };
@@ -122,6 +128,7 @@ class Batcher : public torch::CustomClassHolder, private ForkAware {
   struct Request {
     std::vector<c10::IValue> inputs;
     Bucket sizes;
+    Bucket bucket;  // the cache's bucket of sizes (group_by_bucket compares it after the batch)
     Callback callback;
     std::chrono::steady_clock::time_point arrived;
   };
