@@ -74,10 +74,10 @@ def _refuse_accelerate_hooks(model: nn.Module, caller: str) -> None:
     """A model dispatched by accelerate (cpu_offload, disk_offload, device_map) moves its weights
     in its own hooks; paging it as well would fight them."""
     for name, module in model.named_modules():
-        if hasattr(module, "_hf_hook") or (module is model and getattr(model, "hf_device_map", None)):
-            what = "has an accelerate hook (_hf_hook)" if hasattr(module, "_hf_hook") else "has an hf_device_map"
+        if hasattr(module, "_hf_hook"):
+            where = f"module {name!r}" if name else f"the model ({type(model).__name__})"
             raise ValueError(
-                f"{caller}: module {name or type(model).__name__!r} {what}: the model is dispatched by accelerate "
+                f"{caller}: {where} has an accelerate hook (_hf_hook): the model is dispatched by accelerate "
                 f"(cpu_offload, disk_offload or from_pretrained(device_map=...)), which moves its weights itself. "
                 f"Page a model that accelerate has not dispatched: torch_ext.load_paged(folder, budget) builds one "
                 f"from a Hugging Face folder, or remove the hooks first with "
