@@ -106,6 +106,8 @@ def test_load_paged_bad_input_names_the_file(gpt2, tmp_path, monkeypatch):
         torch_ext.load_paged(lone, "1GB")
     with pytest.raises(TypeError, match="model_fn returned int"):
         torch_ext.load_paged(folder, "1GB", model_fn=lambda: 3)
+    with pytest.raises(ValueError, match="dtype applies to models built from config.json"):
+        torch_ext.load_paged(folder, "1GB", model_fn=lambda: GPT2LMHeadModel(gpt2_config()), dtype=torch.float16)
     # a model that does not match the file: the tensor and the file are named
     with pytest.raises(ValueError, match=r"transformer\.wte\.weight.*shape"):
         torch_ext.load_paged(folder, "1GB", model_fn=lambda: GPT2LMHeadModel(gpt2_config(vocab_size=VOCAB + 1)))
@@ -131,6 +133,17 @@ def test_budget_percent_is_of_the_weights(gpt2):
     _, folder = gpt2
     assert torch_ext.pager_of(torch_ext.load_paged(folder, "30%")).budget_bytes == int(weight_bytes(folder) * 0.3)
     assert torch_ext.pager_of(torch_ext.load_paged(folder, {"cpu": "50%"})).budget_bytes == weight_bytes(folder) // 2
+
+
+def test_the_device_entry_of_a_budget_dict_applies():
+    resolve = torch_ext.paging.resolve_budget
+    budgets = {0: "2GiB", "cuda:1": "3GiB", "cpu": "8GB", "disk": "1TB"}
+    assert resolve(budgets, "cpu") == "8GB"
+    assert resolve(budgets, "cuda") == resolve(budgets, "cuda:0") == resolve(budgets, torch.device("cuda", 0)) == "2GiB"
+    assert resolve(budgets, "cuda:1") == "3GiB"
+    assert resolve("30%", "cuda") == "30%"
+    with pytest.raises(ValueError, match="budget_bytes.*no entry for the pager's device cuda:2"):
+        resolve(budgets, "cuda:2")
 
 
 @pytest.mark.parametrize("budget, message", [
@@ -240,9 +253,11 @@ def add_adapters(model):
 
 
 def train_step(model, tokens, checkpoint):
-    if checkpoint:
+    if checkpoint == "torch_ext":
         for block in model.transformer.h:
             torch_ext.checkpoint(block)
+    elif checkpoint is not None:   # torch.utils.checkpoint per layer
+        model.gradient_checkpointing_enable({"use_reentrant": checkpoint == "hugging_face_reentrant"})
     embeddings = torch.randn(*tokens.shape, 64, generator=torch.Generator().manual_seed(2), requires_grad=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*given a Hugging Face cache")   # a checkpointed GPT2Block's
@@ -252,7 +267,7 @@ def train_step(model, tokens, checkpoint):
     return loss, grads, embeddings.grad
 
 
-@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("checkpoint", [None, "torch_ext", "hugging_face", "hugging_face_reentrant"])
 def test_adapters_train_over_paged_weights_with_equal_gradients_within_budget(gpt2, tokens, checkpoint):
     ref, folder = gpt2
     resident = add_adapters(copy.deepcopy(ref)).train()

@@ -44,13 +44,13 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
         if not callable(model_fn):
             raise TypeError(f"load_paged: model_fn must be a callable returning an nn.Module, got "
                             f"{type(model_fn).__name__}")
+        if dtype is not None:
+            raise ValueError("load_paged: dtype applies to models built from config.json; build the model "
+                             "in that dtype in model_fn")
         with parameters_on_meta():
             model = model_fn()
         if not isinstance(model, nn.Module):
             raise TypeError(f"load_paged: model_fn returned {type(model).__name__}, not an nn.Module")
-        if dtype is not None:
-            raise ValueError("load_paged: dtype applies to models built from config.json; build the model "
-                             "in that dtype in model_fn")
     if not any(key in options for key in ("key_map", "strip_prefix", "add_prefix")):
         options["key_map"] = _prefix_tolerant_keys(source, getattr(model, "base_model_prefix", "") or "")
     _load_buffers(model, source, options.get("key_map"), torch.device(device), read=not options.get("buffers"))

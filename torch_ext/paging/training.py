@@ -84,7 +84,7 @@ class SavedWeightHooks:
                 return _SavedWeight(key, t.size(), t.stride(), t.storage_offset() - base.storage_offset())
             if enclosing is not None:
                 return _Enclosing(enclosing[1], enclosing[0](t))
-            return t
+            return t.detach()  # as autograd keeps it; a tensor (not a detached alias) would make a cycle
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, _SavedWeight):
