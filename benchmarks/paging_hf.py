@@ -105,6 +105,9 @@ def _add_adapters(model, rank: int = 8):
 
 
 def child(args) -> None:
+    """Set up one variant, then run what the parent asks, one line each on stdin ("forward",
+    "generate", "step", each "warm" or "run"; "finish"), replying with the seconds it took, so
+    the parent interleaves the variants' runs and drift on the shared machine hits all alike."""
     import accelerate  # noqa: F401  (imports are not the set-up's cost)
     import transformers  # noqa: F401
     from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
@@ -123,10 +126,14 @@ def child(args) -> None:
     paged = torch_ext.paging.is_paged(model)
     result = {"variant": args.child, "budget": args.budget, "setup_seconds": setup,
               "bytes_loaded_at_setup": torch_ext.pager_of(model).stats().bytes_loaded if paged else None}
-    if args.train:
-        result.update(_train(model, ids, sizes))
-    else:
-        result.update(_infer(model, ids, sizes))
+    run = _Runs(model, ids, sizes, train=args.train)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        what, _, mode = line.strip().partition(" ")
+        if what == "finish":
+            break
+        print(f"{run.once(what, timed=mode == 'run'):.6f}", flush=True)
+    result.update(run.results())
     result["peak_rss_above_start"] = _rss_bytes("VmHWM") - start_rss
     if paged:
         stats = torch_ext.pager_of(model).stats()
@@ -135,43 +142,51 @@ def child(args) -> None:
     Path(args.json).write_text(json.dumps(result))
 
 
-def _infer(model, ids, sizes) -> dict:
-    forwards = []
-    with torch.no_grad():
-        for i in range(2 + sizes["repeat"]):
-            begin = time.perf_counter()
-            logits = model(ids).logits
-            if i >= 2:
-                forwards.append(time.perf_counter() - begin)
-    new = sizes["new_tokens"]
-    options = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-    model.generate(ids, **{**options, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
-    generates = []
-    for _ in range(sizes["generate_repeat"]):
-        begin = time.perf_counter()
-        tokens = model.generate(ids, **options)
-        generates.append(time.perf_counter() - begin)
-    return {"forward": timing_of(forwards).__dict__, "generate": timing_of(generates).__dict__,
-            "logits_sum": float(logits.double().sum()), "generated": tokens[0, ids.shape[1]:].tolist()}
+class _Runs:
+    """A variant's forwards, generate() calls or training steps, and their timings."""
 
+    def __init__(self, model, ids, sizes: dict, train: bool) -> None:
+        self.model, self.ids, self.sizes = model, ids, sizes
+        self.samples: dict[str, list[float]] = {"forward": [], "generate": [], "step": []}
+        self.logits = self.tokens = None
+        self.losses: list[float] = []
+        if train:
+            self.model = _add_adapters(model).train()
+            self.adapters = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(self.adapters, lr=1e-3)
+            torch.manual_seed(0)  # the same dropout masks in every variant
 
-def _train(model, ids, sizes) -> dict:
-    model = _add_adapters(model).train()
-    adapters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(adapters, lr=1e-3)
-    torch.manual_seed(0)  # the same dropout masks in every variant
-    steps, losses = [], []
-    for i in range(1 + sizes["train_repeat"]):
+    def once(self, what: str, timed: bool) -> float:
         begin = time.perf_counter()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if i >= 1:
-            steps.append(time.perf_counter() - begin)
-        losses.append(float(loss))
-    return {"step": timing_of(steps).__dict__, "losses": losses,
-            "adapter_bytes": sum(p.nbytes for p in adapters)}
+        if what == "forward":
+            with torch.no_grad():
+                self.logits = self.model(self.ids).logits
+        elif what == "generate":
+            new = self.sizes["new_tokens"] if timed else 2
+            self.tokens = self.model.generate(self.ids, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                                              pad_token_id=0)
+        elif what == "step":
+            loss = self.model(self.ids, labels=self.ids).loss
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.losses.append(loss.detach().item())
+        else:
+            raise ValueError(f"paging_hf: unknown command {what!r}")
+        seconds = time.perf_counter() - begin
+        if timed:
+            self.samples[what].append(seconds)
+        return seconds
+
+    def results(self) -> dict:
+        out = {name: timing_of(values).__dict__ for name, values in self.samples.items() if values}
+        if self.logits is not None:
+            out["logits_sum"] = float(self.logits.double().sum())
+        if self.tokens is not None:
+            out["generated"] = self.tokens[0, self.ids.shape[1]:].tolist()
+        if self.losses:
+            out.update(losses=self.losses, adapter_bytes=sum(p.nbytes for p in self.adapters))
+        return out
 
 
 # ------------------------------------------------------------------------ parent side
@@ -197,20 +212,56 @@ def _write_model(folder: Path, sizes: dict) -> tuple[int, int]:
     return source.total_bytes(), max(source.nbytes(n) for n in source.names())
 
 
-def _run_child(variant: str, budget: int, workdir: Path, sizes: dict, train: bool) -> dict:
-    out = workdir / f"{variant.replace(' ', '_')}-{budget}-{int(train)}.json"
-    offload = workdir / ("disk_offload" if variant == "accelerate disk_offload" else f"offload-{budget}")
-    command = [sys.executable, __file__, "--child", variant, "--budget", str(budget), "--folder",
-               str(workdir / "model"), "--offload", str(offload), "--sizes", json.dumps(sizes), "--json", str(out)]
-    if train:
-        command.append("--train")
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-           "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "TRANSFORMERS_VERBOSITY": "error"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"paging_hf: variant {variant!r} failed:\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
+class _Child:
+    """One variant in its own process, set up on creation, driven a run at a time."""
+
+    def __init__(self, variant: str, budget: int, workdir: Path, sizes: dict, train: bool) -> None:
+        self.variant, self.out = variant, workdir / f"{variant.replace(' ', '_')}-{budget}-{int(train)}.json"
+        offload = workdir / ("disk_offload" if variant == "accelerate disk_offload" else f"offload-{budget}")
+        command = [sys.executable, __file__, "--child", variant, "--budget", str(budget), "--folder",
+                   str(workdir / "model"), "--offload", str(offload), "--sizes", json.dumps(sizes),
+                   "--json", str(self.out)] + (["--train"] if train else [])
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+               "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "TRANSFORMERS_VERBOSITY": "error"}
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read("ready")
+
+    def _read(self, expected: str | None = None) -> str:
+        reply = self.process.stdout.readline().strip()
+        if not reply or (expected is not None and reply != expected):
+            raise RuntimeError(f"paging_hf: variant {self.variant!r} said {reply!r} (exit code {self.process.poll()})")
+        return reply
+
+    def ask(self, command: str) -> float:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return float(self._read())
+
+    def finish(self) -> dict:
+        self.process.stdin.write("finish\n")
+        self.process.stdin.flush()
+        if self.process.wait(timeout=600) != 0:
+            raise RuntimeError(f"paging_hf: variant {self.variant!r} failed")
+        return json.loads(self.out.read_text())
+
+
+def _interleaved(runs: list[tuple[str, int]], workdir: Path, sizes: dict, plan: list[tuple[str, int, int]],
+                 train: bool = False) -> list[dict]:
+    """Each variant set up in turn (alone, so its set-up time is its own), then `plan`'s
+    (command, warm-up, repeat) in rounds over all of them, every other round reversed."""
+    children = [_Child(variant, budget, workdir, sizes, train) for variant, budget in runs]
+    try:
+        for command, warmup, repeat in plan:
+            for index in range(warmup + repeat):
+                order = children if index % 2 == 0 else children[::-1]
+                for c in order:
+                    c.ask(f"{command} {'warm' if index < warmup else 'run'}")
+        return [c.finish() for c in children]
+    finally:
+        for c in children:
+            if c.process.poll() is None:
+                c.process.kill()
 
 
 def _variants(weights: int) -> list[tuple[str, int]]:
@@ -258,9 +309,11 @@ def inference_report(results: list[dict], weights: int, largest: int, sizes: dic
     report.add_checks(checks)
     report.notes.append("")
     report.notes.append(
-        f"Each row is a fresh subprocess: set-up (from the folder to a model ready to run; imports excluded), 2 "
-        f"warm-up forwards then {sizes['repeat']} timed ones, a 2-token warm-up generate() then "
-        f"{sizes['generate_repeat']} greedy generate() of {sizes['new_tokens']} new tokens (median). Peak RSS: VmHWM "
+        f"Each row is its own subprocess, all alive together: set-up (from the folder to a model ready to run; "
+        f"imports excluded) one variant at a time, then 2 warm-up forwards and {sizes['repeat']} timed ones, a "
+        f"2-token warm-up generate() and {sizes['generate_repeat']} greedy generate() of {sizes['new_tokens']} new "
+        f"tokens (median), in rounds over all variants (every other round reversed), so drift on the shared "
+        f"machine hits all alike. Peak RSS: VmHWM "
         f"after a reset before set-up, minus the RSS then (so the resident rows hold the whole model). The folder "
         f"has {sizes['shard']} shards. torch_ext: prefetch {PREFETCH}, scan-resistant; the largest tensor (the tied "
         f"embedding, {format_bytes(largest)}) is above the 25% budget and is loaded over budget. accelerate "
@@ -322,7 +375,8 @@ def training_report(results: list[dict], weights: int, largest: int, sizes: dict
         f"{format_bytes(r['peak_rss_above_start'] - r['budget'] - largest)}" for r in ours) + ".")
     report.notes.append("")
     report.notes.append(
-        f"One untimed step then {sizes['train_repeat']} timed steps (forward with labels, backward, AdamW on the "
+        f"One untimed step then {sizes['train_repeat']} timed steps, in rounds over the variants (forward with "
+        f"labels, backward, AdamW on the "
         f"adapters, {format_bytes(resident['adapter_bytes'])}). Base weights frozen; on torch_ext paged, and the "
         f"backward re-acquires each weight it needs from the pager (docs/paging.md#training-adapters). Loads over "
         f"budget: the tied embedding when it is larger than the budget, each time it is needed. Losses "
@@ -336,10 +390,11 @@ def run(args, command: str) -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as folder:
         workdir = Path(folder)
         weights, largest = _write_model(workdir / "model", sizes)
-        inference = [_run_child(v, b, workdir, sizes, False) for v, b in _variants(weights)]
+        inference = _interleaved(_variants(weights), workdir, sizes,
+                                 [("forward", 2, sizes["repeat"]), ("generate", 1, sizes["generate_repeat"])])
         inference_report(inference, weights, largest, sizes, command).write()
         training_variants = [("resident", 0)] + [v for v in _variants(weights) if v[0].startswith("torch_ext")]
-        training = [_run_child(v, b, workdir, sizes, True) for v, b in training_variants]
+        training = _interleaved(training_variants, workdir, sizes, [("step", 1, sizes["train_repeat"])], train=True)
         training_report(training, weights, largest, sizes, command).write()
 
 
