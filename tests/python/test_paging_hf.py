@@ -180,6 +180,26 @@ def test_device_and_generate_like_the_resident_model(gpt2, tokens, caplog):
     assert torch.equal(generated, expected)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_paged_onto_a_cuda_device_with_a_max_memory_budget(gpt2, tokens):
+    ref, folder = gpt2
+    resident = copy.deepcopy(ref).cuda()
+    model = torch_ext.load_paged(folder, {0: "50%", "cpu": "1GB"}, device="cuda")
+    pager = torch_ext.pager_of(model)
+    assert pager.budget_bytes == weight_bytes(folder) // 2
+    assert model.device.type == "cuda" and all(b.is_cuda for b in model.buffers())
+    tokens = tokens.cuda()
+    with torch.no_grad():   # the same weights and kernels on the same device
+        assert torch.equal(model(tokens).logits, resident(tokens).logits)
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(model.generate(tokens, **options), resident.generate(tokens, **options))
+    assert model.to("cuda") is model
+    with pytest.raises(RuntimeError, match="cannot be moved"):
+        model.cpu()
+
+
 def test_state_dict_and_save_pretrained_read_through_the_pager(gpt2, tmp_path):
     ref, folder = gpt2
     model = torch_ext.load_paged(folder, "25%")
