@@ -85,11 +85,13 @@ def test_non_persistent_buffers_get_their_real_values(tmp_path, tokens):
     ref = LlamaForCausalLM(config).eval()
     ref.save_pretrained(tmp_path)
     model = torch_ext.load_paged(tmp_path, "25%")
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path).eval()    # the normal way: meta init, buffers re-initialised
     buffers = dict(model.named_buffers())
     assert set(buffers) == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}   # not in the file
-    for name, buffer in ref.named_buffers():
+    for name, buffer in loaded.named_buffers():
         assert not buffers[name].is_meta and torch.equal(buffers[name], buffer), name
     with torch.no_grad():
+        assert torch.equal(model(tokens).logits, loaded(tokens).logits)
         assert torch.equal(model(tokens).logits, ref(tokens).logits)
     assert torch_ext.pager_of(model).stats().over_budget_loads == 0
 
