@@ -16,6 +16,7 @@ Variants (each measured in its own subprocess, so peak RSS never mixes):
     python benchmarks/bench_paging.py --threads 2   # torch on every core: results/paging_threads2.{md,json}
     python benchmarks/bench_paging.py --device cuda   # the GPU run: results/paging_cuda.{md,json}
     python benchmarks/bench_paging.py --header --copy-rss   # header open vs safe_open; copy-path RSS
+    python benchmarks/bench_paging.py --hf [--quick]   # Hugging Face GPT-2 from a folder vs accelerate; adapters
 
 --device DEVICE: the same variants computing on DEVICE, the budget being DEVICE memory for the
 weights (the pager copies through pinned staging buffers on a side stream). No mmap rows there
@@ -286,6 +287,9 @@ def main() -> None:
                         help="only the header-open benchmark (10k/80k/160k tensors vs safe_open): results/paging_header")
     parser.add_argument("--copy-rss", action="store_true",
                         help="only the copy path's peak RSS with and without its own buffers: results/paging_copy_rss")
+    parser.add_argument("--hf", action="store_true",
+                        help="only Hugging Face GPT-2 from a folder against accelerate, and adapter training over it "
+                             "(benchmarks/paging_hf.py): results/paging_hf, paging_hf_train")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -296,6 +300,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         child(args)
+        return
+    if args.hf:  # issue 18's benchmark (benchmarks/paging_hf.py)
+        import paging_hf
+
+        paging_hf.run(args, "python benchmarks/bench_paging.py " + " ".join(sys.argv[1:]))
         return
     if args.header or args.copy_rss:  # issue 16's benchmarks (benchmarks/paging_reliability.py)
         import paging_reliability

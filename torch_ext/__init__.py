@@ -28,7 +28,7 @@ from . import cache, checkpointing, memory, paging, plan  # noqa: E402
 from .cache import LazyExecutor, NodeCache, lazy  # noqa: E402
 from .checkpointing import (  # noqa: E402
     CheckpointedSequential, CheckpointPlan, checkpoint, checkpoint_call, checkpoint_sequential, plan_checkpoints)
-from .paging import LayerPager, SafetensorsSource, page_weights, save_pageable, unpage  # noqa: E402
+from .paging import LayerPager, SafetensorsSource, load_paged, page_weights, pager_of, save_pageable, unpage  # noqa: E402
 from .plan import Batcher, PlanCache  # noqa: E402
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
     # segment checkpointing
     "checkpointing", "checkpoint", "checkpoint_call", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
     # weight paging
-    "paging", "LayerPager", "SafetensorsSource", "page_weights", "unpage", "save_pageable",
+    "paging", "LayerPager", "SafetensorsSource", "page_weights", "unpage", "save_pageable", "load_paged", "pager_of",
     # lazy node cache
     "cache", "LazyExecutor", "NodeCache", "lazy",
     # dynamic-batch plan cache

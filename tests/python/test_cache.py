@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
 import torch
@@ -511,6 +512,31 @@ def test_graph_modules_and_exported_programs_run_with_reuse():
         assert executor.stats().hits > 0, type(source)
 
 
+def test_an_exported_programs_guards_are_checked_and_its_attention_is_reused():
+    torch.manual_seed(0)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).reshape(2, -1, 3, 16).unbind(2)  # sizes baked in: the export is static
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = Attention().eval()
+    x = torch.randn(2, 8, 16)
+    executor = LazyExecutor(torch.export.export(model, (x,)))
+    with torch.no_grad():
+        assert same(executor(x), model(x))
+        computed = executor.stats().nodes_computed
+        assert same(executor(x), model(x))
+        # aten.scaled_dot_product_attention without dropout is pure: nothing reruns.
+        assert executor.stats().nodes_computed == computed
+        with pytest.raises(ValueError, match="do not match the exported program"):
+            executor(torch.randn(3, 8, 16))
+
+
 def test_keyword_arguments_and_argument_errors():
     model = Denoiser().eval()
     executor = LazyExecutor(model)
@@ -587,8 +613,11 @@ def test_bad_arguments_are_rejected_with_clear_errors():
         def forward(self, x):
             return x if x.sum() > 0 else -x
 
-    with pytest.raises(RuntimeError, match="could not trace Untraceable"):
-        LazyExecutor(Untraceable())
+    with pytest.warns(UserWarning, match="Untraceable could not be fx-traced"):
+        executor = LazyExecutor(Untraceable())
+    # Data-dependent control flow defeats torch.export too: the first call says both.
+    with pytest.raises(RuntimeError, match=r"could not trace Untraceable \(.*\) and torch.export"):
+        executor(torch.ones(2))
     cache = NodeCache()
     with pytest.raises(RuntimeError, match="cost_seconds"):
         cache.put(0, [torch.ones(1)], torch.ones(1), -1.0)
@@ -699,3 +728,147 @@ def test_a_scripted_module_with_a_cache_saves_and_loads_in_a_fresh_process(tmp_p
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# ---- the torch.export fallback, for modules torch.fx cannot trace ----
+class Branchy(nn.Module):
+    """Python control flow on its arguments: torch.fx cannot trace it; torch.export specialises it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("shift", torch.linspace(-1, 1, 8))
+
+    def forward(self, x, mode="add", extras=None, scale=1.0):
+        y = self.drop(self.fc(x)) * scale
+        y = y + self.shift if mode == "add" else y * self.shift
+        if extras is not None:
+            for value in extras.values():
+                y = y + value
+        return y
+
+
+def fallback_warnings(caught) -> list:
+    return [str(w.message) for w in caught if "could not be fx-traced" in str(w.message)]
+
+
+def test_a_module_fx_cannot_trace_is_exported_per_signature_and_never_answers_stale():
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    x = torch.randn(4, 8)
+    exported = lambda: len(executor.exported_programs)  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        executor = LazyExecutor(model)
+        with torch.no_grad():
+            for args, kwargs, count in [
+                ((x,), {}, 1), ((x,), {}, 1), ((x, "add"), {}, 1),  # defaults bound: the same signature
+                ((x,), {"mode": "mul"}, 2),  # a new constant: exported again, not the "add" graph's result
+                ((x,), {"extras": {"a": torch.ones(8)}}, 3),  # a new pytree structure
+                ((x,), {"extras": {"a": torch.ones(8), "b": torch.ones(8)}}, 4),
+                ((torch.randn(7, 8),), {}, 4),  # sizes are dynamic (Dim.AUTO)
+                ((x,), {}, 4),
+            ]:
+                assert same(executor(*args, **kwargs), model(*args, **kwargs)), (args, kwargs)
+                assert exported() == count, (args, kwargs)
+            assert executor.stats().hits > 0
+        assert same(executor(x), model(x)) and exported() == 5  # grad mode on: its own export
+        model.train()
+        with torch.no_grad():
+            torch.manual_seed(1)
+            got = executor(x)
+            torch.manual_seed(1)
+            assert same(got, model(x)) and exported() == 6  # training flags: dropout draws
+        model.eval()
+        assert len(fallback_warnings(caught)) == 1
+        with torch.no_grad():
+            for i in range(4):
+                assert same(executor(x, scale=2.0 + i), model(x, scale=2.0 + i))
+    assert exported() == 8  # the least recently used dropped
+    limit = [str(w.message) for w in caught if "exported for more than 8" in str(w.message)]
+    assert len(limit) == 1 and "Branchy" in limit[0] and "the value of scale (3.0, now 4.0)" in limit[0]
+    assert len(fallback_warnings(caught)) == 1
+
+
+class Box:
+    """An object pytree cannot flatten, holding a tensor and a size."""
+
+    def __init__(self, tensor, rows):
+        self.tensor, self.rows = tensor, rows
+
+
+class Boxed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, box=None):
+        if box is not None:
+            x = x + box.tensor
+        y = self.fc(x)
+        return {"y": y, "box": Box(y.relu(), y.shape[0])}
+
+
+def test_outputs_pytree_cannot_flatten_come_back_rebuilt_and_such_arguments_are_refused():
+    torch.manual_seed(0)
+    model = Boxed().eval()
+    with pytest.warns(UserWarning, match="Boxed could not be fx-traced"):
+        executor = LazyExecutor(model)
+    with pytest.raises(RuntimeError, match="call the executor before"):
+        executor.graph_module
+    with torch.no_grad():
+        for rows in (3, 3, 5):
+            x = torch.randn(rows, 8)
+            got, expected = executor(x), model(x)
+            assert same(got["y"], expected["y"]) and same(got["box"].tensor, expected["box"].tensor)
+            assert type(got["box"]) is Box and got["box"].rows == rows
+        # Box.rows is a size the export saw as a number: that size is specialised, exported per value.
+        assert len(executor.exported_programs) == 2
+        with pytest.raises(TypeError, match="Boxed is run through torch.export.*Box holding tensors"):
+            executor(x, Box(torch.ones(8), 1))
+
+
+def test_random_nodes_inside_an_exported_no_grad_region_are_never_cached():
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            if x.dim() == 2:  # Python control flow: torch.fx cannot trace it
+                with torch.no_grad():  # exported as a higher-order operator around a subgraph
+                    noise = torch.randn_like(x)
+                return self.fc(x) + noise
+            return self.fc(x)
+
+    model = Noisy()
+    with pytest.warns(UserWarning, match="Noisy could not be fx-traced"):
+        executor = LazyExecutor(model)
+    x = torch.randn(4, 8)
+    outputs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        outputs.append(executor(x))
+        torch.manual_seed(seed)
+        assert same(outputs[-1], model(x))
+    assert not same(outputs[0], outputs[1])
+
+
+def test_never_cache_reaches_exported_graphs_through_module_classes_and_refuses_functions():
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = LazyExecutor(model)
+        executor = LazyExecutor(model, never_cache={nn.Linear})
+    with torch.no_grad():
+        for run in (plain, executor):
+            run(x)
+            before = run.stats().nodes_computed
+            assert same(run(x), model(x))
+            computed = run.stats().nodes_computed - before
+            assert (computed == 0) == (run is plain), computed  # the Linear's node (and what follows it) runs
+    with pytest.raises(TypeError, match="not never_cache's gelu: name the module classes"):
+        LazyExecutor(model, never_cache={F.gelu})

@@ -37,6 +37,11 @@ lookup. Nodes outside reusable subgraphs (downstream of random or side-effect no
 per-node keys on their inputs. invalidate_node(name) drops the node's entry and every entry
 whose subgraph contains the node, so that the node and what depends on it recompute.
 
+Modules torch.fx cannot trace (most Hugging Face models) are exported instead, with non-strict
+torch.export and the arguments of the first call, once per call signature (pytree structure,
+non-tensor values, dtypes, training flags, grad and autocast modes; sizes are Dim.AUTO), with
+one warning per executor; the exported graph runs the same way. See torch_ext.cache.exporting.
+
 Training and gradients. An output computed with grad enabled keeps its autograd graph and is
 reused as is, so gradients flow through every use of it into the same parameters (summed by
 autograd, as the plain module's per-use graphs are). Once a backward pass runs through it,

@@ -3,12 +3,14 @@ and, per pattern of varying and changed sources, which nodes form reusable subgr
 frontiers, closures, the compiled programs that run what a call needs)."""
 from __future__ import annotations
 
-from typing import Optional
+import inspect
+from typing import Any, Optional
 
 from torch import fx, nn
 
-from .classification import _MISS, _function_kind, _is_shape_node, _random_in_training
+from .classification import _MISS, STABLE, _function_kind, _is_plain, _is_shape_node, _random_in_training
 from .codegen import _compile_arguments, _Segment
+from .exporting import _check_exported_inputs
 from .tracing import _resolve
 
 
@@ -37,6 +39,17 @@ class _Step:
         self.never = False
         self.release: list[int] = []  # env slots whose last use is this node
 
+    def value_status(self, value: Any, status: int) -> int:
+        """A non-tensor output equal to the last one is as good as cached."""
+        if not _is_plain(value):
+            self.last_value = _MISS
+            return status
+        last = self.last_value
+        self.last_value = value
+        if last is not _MISS and type(last) is type(value) and last == value:
+            return STABLE
+        return status
+
 
 class _Plan:
     """A graph prepared for running: a _Step per node (the output node's included), the sources,
@@ -62,17 +75,65 @@ class _Plan:
         self._find_sources(nodes)
         self.compute_steps = [step for step in self.steps if not self.is_source[step.index]]
         self.module_steps = [step for step in self.steps if step.op == "call_module"]
-        self.n_nodes = sum(1 for step in self.compute_steps if step.op != "output")
         self.analyses: dict = {}
         self.last_analysis = None
         self.epoch = 0  # bumped when a step's has_tensor changes: which frontier nodes are looked up
+
+    def bind(self, args: tuple, kwargs: dict, signature: Optional[inspect.Signature], name: str) -> list:
+        """The placeholders' values for a call (module is named in errors); for an exported graph,
+        checked against its guards."""
+        if kwargs:
+            if signature is None:
+                raise TypeError(f"LazyExecutor: {name} takes no keyword arguments")
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as error:
+                raise TypeError(f"LazyExecutor({name}): {error}") from None
+            bound.apply_defaults()
+            args = tuple(bound.args) + tuple(bound.kwargs.values())
+        if self.pytree_io:
+            flat = list(self.codegen.process_inputs(*args))
+            problem = _check_exported_inputs(self.graph_module, flat)
+            if problem is not None:
+                raise ValueError(f"LazyExecutor({name}): the arguments do not match the exported program: {problem}")
+            return flat
+        values = []
+        positional = list(args)
+        for step in self.placeholders:
+            if step.target.startswith("**"):
+                values.append({})
+            elif step.target.startswith("*"):
+                values.append(tuple(positional))
+                positional = []
+            elif positional:
+                values.append(positional.pop(0))
+            elif step.placeholder_default is not _MISS:
+                values.append(step.placeholder_default)
+            else:
+                raise TypeError(f"LazyExecutor({name}): missing argument {step.target!r}")
+        if positional:
+            raise TypeError(f"LazyExecutor({name}): takes {len(self.placeholders)} arguments, got {len(args)}")
+        return values
+
+    def ids_covering(self, name: str) -> list[int]:
+        """Node ids of the node called name and of the frontier nodes whose reused subgraph contains it."""
+        ids = []
+        for step in self.steps:
+            if step.name == name:
+                ids.append(step.node_id)
+                for analysis in list(self.analyses.values()):
+                    for frontier, closure in list(analysis.closures.items()):
+                        if step.index in closure[3]:
+                            ids.append(self.steps[frontier].node_id)
+        return ids
 
     def _make_step(self, i: int, node_id: int, node: fx.Node, roots: tuple, never_cache: set) -> _Step:
         """node's step: its inputs, argument builder, kind, and what it reads (placeholder default,
         attribute owner, module state); the output node's builder becomes output_build."""
         step = _Step(i, node_id, node)
         step.inputs = [self.index[n] for n in node.all_input_nodes]
-        step.never = node.name in never_cache or node.target in never_cache
+        step.never = node.name in never_cache or node.target in never_cache or any(
+            kind in never_cache for _, kind in node.meta.get("nn_module_stack", {}).values())  # exported graphs
         if node.op == "placeholder":
             if node.args:
                 step.placeholder_default = node.args[0]
@@ -161,7 +222,7 @@ class _Analysis:
     their closure\'s sources and module state; the interior of a reused subgraph is not run, not
     looked up and not held."""
 
-    __slots__ = ("closure_ok", "frontier", "roots", "closures", "interior", "programs", "demand")
+    __slots__ = ("closure_ok", "frontier", "roots", "closures", "interior", "programs", "demand", "n_live")
 
     def __init__(self, plan: "_Plan", varying: int, fresh: int) -> None:
         n = plan.size
@@ -209,6 +270,13 @@ class _Analysis:
                     steps[u].op != "output" and (not now[u] or mask[u] & boundary & ~mask[i])
                     for u in plan.users[i])
         self.closure_ok, self.frontier, self.roots = closure_ok, frontier, roots
+        # Nodes a call may need; the others (dead code, as exported graphs have) never run nor count as reused.
+        live = bytearray(roots)
+        for step in reversed(plan.compute_steps):
+            if live[step.index]:
+                for j in step.inputs:
+                    live[j] = 1
+        self.n_live = sum(live[step.index] for step in plan.compute_steps if step.op != "output")
         self.closures: dict[int, tuple] = {}
         self.programs: dict[tuple, list] = {}  # steps to run (last first) -> what runs them
         # (plan.epoch, [(frontier step, found)] in lookup order, program, steps in it) of the last call

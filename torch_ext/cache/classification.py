@@ -1,11 +1,12 @@
 """What a graph node and a value are, as the lazy executor sees them.
 
-Node kinds: "pure", "random" (a new value at every call: never cached) or "side_effect" (writes
-somewhere: never cached, and what runs after it keeps per-node keys), from the function, method
-or module a node calls and its constant arguments; shape nodes (x.shape, x.size(), x.device),
-which are sources like the inputs they describe. Source statuses across calls: STABLE (same as
-last call), FRESH (changed once), VARYING (changed on two calls in a row). Value helpers: plain
-(comparable) values and the tensors a value holds.
+Node kinds: "pure", "random" (a new value at every call: never cached), "side_effect" (writes
+somewhere: never cached, and what runs after it keeps per-node keys) or "check" (a runtime
+assertion of an exported graph: run at every call, never cached, nothing depends on it), from the
+function, method, operator or module a node calls and its constant arguments; shape nodes
+(x.shape, x.size(), x.device, aten.sym_size), which are sources like the inputs they describe.
+Source statuses across calls: STABLE (same as last call), FRESH (changed once), VARYING (changed
+on two calls in a row). Value helpers: plain (comparable) values and the tensors a value holds.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def _argument(node: fx.Node, position: int, keyword: str, default: Any) -> Any:
 
 
 def _function_kind(node: fx.Node) -> str:
-    """'pure', 'random' or 'side_effect' for a call_function / call_method node."""
+    """'pure', 'random', 'side_effect' or 'check' for a call_function / call_method node."""
     target = node.target
     if node.op == "call_method":
         if target in _RANDOM_METHODS:
@@ -84,22 +85,12 @@ def _function_kind(node: fx.Node) -> str:
                 and node.kwargs.get("inplace") is not False):
             return "side_effect"
         return "pure"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _operator_kind(node)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return _subgraph_kind(node)
     if "out" in node.kwargs or target in _SIDE_EFFECT_FUNCTIONS or _writes_in_place(node):
         return "side_effect"
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        overloads = ([target] if isinstance(target, torch._ops.OpOverload)
-                     else [getattr(target, name) for name in target.overloads()])
-        if any(op._schema.is_mutable for op in overloads):
-            return "side_effect"
-        if any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads):
-            if any(op.__name__.split(".")[0] in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout")
-                   for op in overloads) and _argument(node, 2, "train", True) is False:
-                return "pure"
-            return "random"
-        name = target.__name__.split(".")[0]
-        if name.startswith("empty") or name.startswith("new_empty"):
-            return "side_effect"
-        return "pure"
     if target in _RANDOM_FUNCTIONS:
         return "random"
     if target in _DROPOUT_FUNCTIONS:
@@ -133,6 +124,75 @@ def _writes_in_place(node: fx.Node) -> bool:
     return value is not False
 
 
+_KIND_ORDER = ("pure", "check", "random", "side_effect")
+
+
+def _operator_kind(node: fx.Node) -> str:
+    """The kind of a node calling a torch.ops operator (as torch.export graphs do): from its schema
+    (mutable: side effect), its tags (nondeterministic_seeded: random, unless its dropout is off),
+    and its name (runtime assertions of exported graphs are checks: run at every call)."""
+    target = node.target
+    overloads = ([target] if isinstance(target, torch._ops.OpOverload)
+                 else [getattr(target, name) for name in target.overloads()])
+    name = overloads[0]._schema.name.split("::")[-1]
+    if name.startswith("_assert") or name.startswith("sym_constrain_range"):
+        return "check"
+    if "out" in node.kwargs or any(op._schema.is_mutable for op in overloads):
+        # torch.tensor(...) in forward exports as lift_fresh_copy then detach_: autograd metadata of a
+        # fresh copy, nothing another node reads.
+        if name == "detach_" and isinstance(node.args[0], fx.Node) and getattr(
+                node.args[0].target, "__name__", "").startswith("lift_fresh_copy"):
+            return "pure"
+        return "side_effect"
+    seeded = [op for op in overloads if torch.Tag.nondeterministic_seeded in op.tags]
+    if seeded:
+        return "pure" if all(_dropout_is_off(node, op) for op in seeded) else "random"
+    if name.startswith("empty") or name.startswith("new_empty"):
+        return "side_effect"
+    return "pure"
+
+
+def _dropout_is_off(node: fx.Node, op: torch._ops.OpOverload) -> bool:
+    """A seeded operator that draws nothing: its train argument the constant False (dropout), or its
+    dropout_p the constant 0 (attention)."""
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.name not in ("train", "dropout_p"):
+            continue
+        if position < len(node.args) and not argument.kwarg_only:
+            value = node.args[position]
+        elif argument.name in node.kwargs:
+            value = node.kwargs[argument.name]
+        elif argument.has_default_value():
+            value = argument.default_value
+        else:
+            return False
+        if argument.name == "train" and value is False:
+            return True
+        if argument.name == "dropout_p" and type(value) in (int, float) and value == 0:
+            return True
+    return False
+
+
+def _subgraph_kind(node: fx.Node) -> str:
+    """A higher-order operator (wrap_with_set_grad_enabled, cond, ...) is what its subgraphs' nodes
+    are at worst; one without a subgraph (auto_functionalized and the like) is a side effect."""
+    owner = node.graph.owning_module
+    kinds = []
+    for argument in node.all_input_nodes:
+        if argument.op != "get_attr" or owner is None:
+            continue
+        subgraph = owner
+        for part in argument.target.split("."):
+            subgraph = getattr(subgraph, part, None)
+        if isinstance(subgraph, fx.GraphModule):
+            kinds.extend(_function_kind(n) if n.op in ("call_function", "call_method") else "side_effect"
+                         for n in subgraph.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+            kinds.append("pure")
+    if not kinds:
+        return "side_effect"
+    return max(kinds, key=_KIND_ORDER.index)
+
+
 def _random_in_training(module: nn.Module) -> bool:
     for m in module.modules():
         if isinstance(m, _RANDOM_MODULES):
@@ -143,8 +203,8 @@ def _random_in_training(module: nn.Module) -> bool:
     return False
 
 
-
 _SHAPE_ATTRIBUTES = {"shape", "ndim", "dtype", "device", "is_cuda", "layout"}
+_SHAPE_OPERATORS = {"aten::sym_size", "aten::sym_numel", "aten::sym_stride", "aten::sym_storage_offset"}
 
 
 def _is_shape_node(node: fx.Node) -> bool:
@@ -153,6 +213,8 @@ def _is_shape_node(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in ("size", "dim", "numel")
     if node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload):
+            return node.target._schema.name in _SHAPE_OPERATORS
         if node.target is getattr:
             return len(node.args) == 2 and node.args[1] in _SHAPE_ATTRIBUTES
         if node.target is operator.getitem:

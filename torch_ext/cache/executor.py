@@ -7,6 +7,7 @@ import inspect
 import operator
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Iterable, Optional, Union
 
@@ -15,9 +16,10 @@ from torch import fx, nn
 
 from .. import _C
 from .analysis import _Analysis, _KeyedStretch, _Plan, _Step
-from .classification import _MISS, FRESH, STABLE, VARYING, _is_plain, _tensors_of
+from .classification import _MISS, FRESH, STABLE, VARYING, _tensors_of
 from .codegen import _Segment
-from .tracing import _trace
+from .exporting import _Exports
+from .tracing import _FxTraceError, _trace
 
 NodeCache = torch.classes.torch_ext.NodeCache
 
@@ -27,8 +29,10 @@ _training = operator.attrgetter("training")
 class LazyExecutor(nn.Module):
     """Runs a module's graph node by node, reusing node outputs whose inputs are unchanged.
 
-    module: an nn.Module (traced with torch.fx, once per training-mode setting), a
-    torch.fx.GraphModule (run as is), or a torch.export.ExportedProgram (its .module()).
+    module: an nn.Module (traced with torch.fx, once per training-mode setting; where torch.fx
+    cannot trace it, exported with non-strict torch.export once per call signature, with a
+    warning: see torch_ext.cache.exporting), a torch.fx.GraphModule (run as is), or a
+    torch.export.ExportedProgram (its .module(), its guards checked at every call).
     Keyword options are the NodeCache's (capacity_bytes: the most bytes of cached outputs to
     hold; None, the default: no limit); `cache` is that NodeCache (torch.classes.torch_ext).
     never_cache: node names, callables or module classes never to cache, for functions with
@@ -54,7 +58,8 @@ class LazyExecutor(nn.Module):
         self.module = module
         self.cache = NodeCache(**options)
         self._values = _C.cache.PythonValues(self.cache)
-        self._never_cache = set(never_cache)
+        self._never_cache = set(never_cache)  # and classes by qualified name, as exported graphs record them
+        self._never_cache |= {f"{c.__module__}.{c.__qualname__}" for c in self._never_cache if isinstance(c, type)}
         self._lock = threading.Lock()
         self._plans: dict = {}
         self._names: dict[int, str] = {}
@@ -64,24 +69,49 @@ class LazyExecutor(nn.Module):
             self._signature = inspect.signature(module.forward)
         except (TypeError, ValueError):
             self._signature = None
-        self._plan()  # trace now: errors surface at construction
+        self._exports: Optional[_Exports] = None
+        try:
+            self._plan()  # trace now: errors surface at construction
+        except _FxTraceError as error:
+            self._fall_back(error)
 
     # ---- plans ----
     def _plan(self) -> _Plan:
         key = tuple(map(_training, self._all_modules)) if self._trace else None
         plan = self._plans.get(key)
         if plan is None:
-            if self._trace:
-                graph_module = _trace(self.module)
-            else:
-                graph_module = self.module
-            plan = _Plan(graph_module, self.module, self._next_id, self._never_cache)
-            self._next_id += plan.size
-            for step in plan.steps:
-                self._names[step.node_id] = step.name
-                step.on_backward = self._backward_hook(step)
-            self._plans[key] = plan
+            plan = self._plans[key] = self._new_plan(_trace(self.module) if self._trace else self.module, self.module)
         return plan
+
+    def _new_plan(self, graph_module: fx.GraphModule, root: nn.Module) -> _Plan:
+        plan = _Plan(graph_module, root, self._next_id, self._never_cache)
+        self._next_id += plan.size
+        for step in plan.steps:
+            self._names[step.node_id] = step.name
+            step.on_backward = self._backward_hook(step)
+        return plan
+
+    def _fall_back(self, error: _FxTraceError) -> None:
+        self._exports = _Exports(self.module, error.__cause__, self._never_cache)
+        warnings.warn(f"torch_ext.LazyExecutor: {self._exports.name} could not be fx-traced ({self._exports.fx_error}); "
+                      f"running it through torch.export (non-strict) instead", UserWarning, stacklevel=3)
+
+    def _exported_plan(self, args: tuple, kwargs: dict) -> tuple[_Plan, list]:
+        """The plan of the program exported for this call's signature (exported now if none
+        matches), and the call's flattened arguments."""
+        exports = self._exports
+        call = exports.bind(args, kwargs, self._all_modules)
+        entry = exports.find(call)
+        if entry is None:
+            entry, evicted = exports.export(call)
+            for old in evicted:
+                plan = self._plans.pop(("export", old.serial))
+                self.cache.invalidate_nodes(plan.ids)
+                for node_id in plan.ids:
+                    del self._names[node_id]
+            # Parameters resolve on the user's module (through the wrapper) first: reassignments are seen.
+            self._plans[("export", entry.serial)] = self._new_plan(entry.graph_module, exports.wrapper)
+        return self._plans[("export", entry.serial)], call.flat
 
     def _backward_hook(self, step: _Step):
         cache_ref = weakref.ref(self.cache)
@@ -94,37 +124,6 @@ class LazyExecutor(nn.Module):
                 cache.invalidate_node(node_id)
         return on_backward
 
-    def _bind(self, plan: _Plan, args: tuple, kwargs: dict) -> list:
-        if kwargs:
-            if self._signature is None:
-                raise TypeError(f"LazyExecutor: {type(self.module).__name__} takes no keyword arguments")
-            try:
-                bound = self._signature.bind(*args, **kwargs)
-            except TypeError as error:
-                raise TypeError(f"LazyExecutor({type(self.module).__name__}): {error}") from None
-            bound.apply_defaults()
-            args = tuple(bound.args) + tuple(bound.kwargs.values())
-        if plan.pytree_io:
-            return list(plan.codegen.process_inputs(*args))
-        values = []
-        positional = list(args)
-        for step in plan.placeholders:
-            if step.target.startswith("**"):
-                values.append({})
-            elif step.target.startswith("*"):
-                values.append(tuple(positional))
-                positional = []
-            elif positional:
-                values.append(positional.pop(0))
-            elif step.placeholder_default is not _MISS:
-                values.append(step.placeholder_default)
-            else:
-                raise TypeError(f"LazyExecutor({type(self.module).__name__}): missing argument {step.target!r}")
-        if positional:
-            raise TypeError(f"LazyExecutor({type(self.module).__name__}): takes {len(plan.placeholders)} "
-                            f"arguments, got {len(args)}")
-        return values
-
     # ---- running ----
     def _source_status(self, step: _Step, inputs: list) -> int:
         if not self._values.observe(step.node_id, inputs):
@@ -135,8 +134,15 @@ class LazyExecutor(nn.Module):
 
     def forward(self, *args, **kwargs):
         with self._lock:
-            plan = self._plan()
-            return self._run(plan, self._bind(plan, args, kwargs))
+            if self._exports is None:
+                try:  # a retrace, for another training mode, can fail too
+                    plan = self._plan()
+                    values = plan.bind(args, kwargs, self._signature, type(self.module).__name__)
+                except _FxTraceError as error:
+                    self._fall_back(error)
+            if self._exports is not None:
+                plan, values = self._exported_plan(args, kwargs)
+            return self._run(plan, values)
 
     def _run(self, plan: _Plan, placeholder_values: list):
         """One call, in four passes: 1. the sources' values and statuses; 2. the analysis of that
@@ -156,7 +162,7 @@ class LazyExecutor(nn.Module):
         program, n_run = demand
         computed, reused = self._execute(plan, analysis, program, env, status, keys, varying, grad_enabled)
         result = plan.output_build(env)
-        self._values.record_call(computed, plan.n_nodes - n_run + reused)  # not run: served, or in a served subgraph
+        self._values.record_call(computed, analysis.n_live - n_run + reused)  # not run: served, or in a served subgraph
         if plan.pytree_io:
             return plan.codegen.process_outputs(result)
         return result
@@ -337,7 +343,7 @@ class LazyExecutor(nn.Module):
                 elif kind == "side_effect" and st == STABLE:
                     st = FRESH
                 elif kind == "pure" and not step.has_tensor:
-                    st = self._value_status(step, value, st)
+                    st = step.value_status(value, st)
                     if _tensors_of(value):
                         step.has_tensor = True  # learned wrong once: look it up from now on
                         plan.epoch += 1
@@ -359,7 +365,7 @@ class LazyExecutor(nn.Module):
                     cost = perf_counter() - start
                     computed += 1
                     if not self._store(plan, step, key, value, cost, st == VARYING, grad_enabled):
-                        st = self._value_status(step, value, max(st, FRESH))
+                        st = step.value_status(value, max(st, FRESH))
                     elif st != VARYING:  # VARYING: its parameters change at every call (training)
                         st = FRESH
             env[i] = value
@@ -417,18 +423,6 @@ class LazyExecutor(nn.Module):
             return getattr(args[0], step.target)(*args[1:], **kwargs)
         return step.target(*args, **kwargs)
 
-    @staticmethod
-    def _value_status(step: _Step, value: Any, status: int) -> int:
-        """A non-tensor output equal to the last one is as good as cached."""
-        if not _is_plain(value):
-            step.last_value = _MISS
-            return status
-        last = step.last_value
-        step.last_value = value
-        if last is not _MISS and type(last) is type(value) and last == value:
-            return STABLE
-        return status
-
     # ---- inspection and control ----
     def stats(self) -> torch.ScriptObject:
         """The NodeCache's CacheStats: its counters (hits, misses, tensors_recomputed, evictions,
@@ -450,15 +444,7 @@ class LazyExecutor(nn.Module):
         node whose reused subgraph contains it: the next call recomputes the node and what depends
         on it. Interior nodes of a reused subgraph hold no entry of their own (only its frontier
         nodes do), so invalidating one drops the frontier entries that cover it."""
-        ids = [node_id for node_id, node_name in self._names.items() if node_name == name]
-        for plan in list(self._plans.values()):
-            for step in plan.steps:
-                if step.name != name:
-                    continue
-                for analysis in list(plan.analyses.values()):
-                    for frontier, closure in list(analysis.closures.items()):
-                        if step.index in closure[3]:
-                            ids.append(plan.steps[frontier].node_id)
+        ids = [node_id for plan in list(self._plans.values()) for node_id in plan.ids_covering(name)]
         if not ids:
             known = sorted(set(self._names.values()))
             raise ValueError(f"LazyExecutor: no node named {name!r}; nodes are {known[:20]}"
@@ -484,9 +470,22 @@ class LazyExecutor(nn.Module):
 
     @property
     def graph_module(self) -> fx.GraphModule:
-        """The graph run for the module's current training mode."""
+        """The graph run for the module's current training mode (run through torch.export: the
+        graph of the last call)."""
         with self._lock:
-            return self._plan().graph_module
+            if self._exports is None:
+                return self._plan().graph_module
+            if not self._exports.entries:
+                raise RuntimeError(f"LazyExecutor: {self._exports.name} is run through torch.export, which "
+                                   f"needs a call's arguments: call the executor before asking for its graph")
+            return self._plans[("export", self._exports.entries[-1].serial)].graph_module
+
+    @property
+    def exported_programs(self) -> list:
+        """The torch.export programs held for a module torch.fx could not trace, least recently
+        used first (empty for traced modules and given graphs)."""
+        with self._lock:
+            return [] if self._exports is None else [entry.program for entry in self._exports.entries]
 
 
 def lazy(module, never_cache: Iterable[Any] = (), **options: Any) -> LazyExecutor:

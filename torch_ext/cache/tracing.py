@@ -6,6 +6,10 @@ import torch
 from torch import fx, nn
 
 
+class _FxTraceError(RuntimeError):
+    """torch.fx could not trace the module (its error is the __cause__): the executor exports it instead."""
+
+
 class _Tracer(fx.Tracer):
     # Buffers become get_attr nodes even where forward calls their methods (self.qweight.float()),
     # instead of being evaluated once at trace time into a constant that in-place edits never reach.
@@ -33,8 +37,8 @@ def _trace(module: nn.Module) -> fx.GraphModule:
             torch.manual_seed(0x3C4D)
             second = _trace_once(module)
     except Exception as error:
-        raise RuntimeError(f"LazyExecutor: torch.fx could not trace {name}: {error}; pass a torch.fx.GraphModule "
-                           f"or a torch.export.ExportedProgram instead") from error
+        raise _FxTraceError(f"LazyExecutor: torch.fx could not trace {name}: {error}; pass a torch.fx.GraphModule "
+                            f"or a torch.export.ExportedProgram instead") from error
     own = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
     for node in first.graph.nodes:
         if node.op == "get_attr" and node.target not in own:

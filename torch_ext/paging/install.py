@@ -1,89 +1,22 @@
-"""Weight paging: run models whose weights do not fit in memory, loading them from safetensors
-files on demand within a byte budget.
-
-    source = torch_ext.SafetensorsSource("model.safetensors")     # or an index.json / folder
-    pager = torch_ext.page_weights(model, source, budget_bytes=2**30)
-    model(x)                       # each module's weights are acquired just before its forward
-    pager.stats()                  # hits, misses, evictions, bytes_loaded, stall_seconds, ...
-    torch_ext.unpage(model)        # resident again
-
-The pager itself (C++: torch_ext::paging::LayerPager) is torch.classes.torch_ext.LayerPager;
-LayerPager and SafetensorsSource here are thin Python wrappers over those classes (their
-`script_object` is what TorchScript code takes).
-"""
+"""page_weights and unpage: a model's weights replaced by placeholders that hooks fill from a
+LayerPager around each module's forward; state_dict() reads through the pager's source."""
 from __future__ import annotations
 
 import os
-import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from ._script import ScriptObjectFace
+from .placeholder import PagedParameter
+from .source import LayerPager, SafetensorsSource
+from .training import SavedWeightHooks
 
-__all__ = ["SafetensorsSource", "LayerPager", "page_weights", "unpage", "save_pageable", "is_paged"]
+__all__ = ["page_weights", "unpage", "save_pageable", "is_paged", "pager_of"]
 
 _STATE = "_torch_ext_paging"
-
-
-class SafetensorsSource(ScriptObjectFace):
-    """A .safetensors file, a sharded checkpoint's model.safetensors.index.json, or a folder holding
-    either; validated completely when opened (errors name the file and the tensor).
-
-    The object is torch.classes.torch_ext.SafetensorsSource: names(), meta(name) (a meta tensor
-    with the stored dtype and shape), nbytes(name), view(name) (zero-copy), load(name) (a copy),
-    files(), metadata(), total_bytes(), path(), len() and `in`. Keyword options are those of the
-    C++ SourceOptions (direct_io: read with O_DIRECT, bypassing the page cache)."""
-
-    def __init__(self, path: str | os.PathLike, **options: Any) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"SafetensorsSource: path must be a str or os.PathLike, got {type(path).__name__}")
-        self.script_object = torch.classes.torch_ext.SafetensorsSource(os.fspath(path), **options)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self.script_object.meta(name).dtype
-
-    def shape(self, name: str) -> torch.Size:
-        return self.script_object.meta(name).shape
-
-    def __len__(self) -> int:
-        return len(self.script_object)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.script_object
-
-
-class LayerPager(ScriptObjectFace):
-    """Keeps a source's tensors resident within a byte budget (csrc/torch_ext/paging/layer_pager.h).
-
-    The object is torch.classes.torch_ext.LayerPager: acquire(id) returns the tensor (valid while
-    you hold it; the pager never evicts a tensor someone holds, a pinned one, or one being loaded),
-    acquire_many(ids), begin_pass(), set_order(ids), order(), resident_bytes(), resident_count(),
-    is_resident(id), is_pinned(id), evict_all(), stats() (a PagerStats), reset_stats(), and each
-    option as a property. source: a SafetensorsSource or the path of one. Keyword options are those
-    of the C++ PagerOptions: budget_bytes (an int or float of bytes, or "1GB", "512MiB", "30%"),
-    pinned, policy, prefetch, device, zero_copy, own_buffers, wait_timeout_seconds. Thread-safe and
-    fork-safe (docs/paging.md)."""
-
-    def __init__(self, source: SafetensorsSource | str | os.PathLike, **options: Any) -> None:
-        self.source = source if isinstance(source, SafetensorsSource) else SafetensorsSource(source)
-        options = {name: _as_script_value(value) for name, value in options.items()}
-        self.script_object = torch.classes.torch_ext.LayerPager(self.source.script_object, **options)
-        stats = self.script_object.stats()
-        if stats.budget_below_largest_tensor:  # C++ warns on stderr (TORCH_WARN); Python users get a warning
-            warnings.warn(f"LayerPager({self.source.path()}): budget_bytes={self.script_object.budget_bytes} is "
-                          f"smaller than the largest tensor ({stats.largest_tensor_bytes} bytes): loading it "
-                          f"exceeds the budget (stats: budget_below_largest_tensor)", UserWarning, stacklevel=2)
-
-
-def _as_script_value(value: Any) -> Any:
-    """TorchScript carries 64-bit ints only: a larger int goes to C++ as its decimal text, which the
-    option's own parser reads or rejects naming the option (budget_bytes=2**63 is a ValueError)."""
-    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
-        return str(value)
-    return value
 
 
 @dataclass
@@ -101,6 +34,15 @@ class _PagingState:
     placeholders: dict[str, torch.Tensor]      # key -> placeholder (shared by tied slots)
     requires_grad: dict[str, bool]             # key -> the original parameter's flag
     handles: list[Any] = field(default_factory=list)
+    # key -> the tensor state_dict() returned for it, while someone holds it (tied names get one)
+    stored: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+
+    def stored_tensor(self, key: str) -> torch.Tensor:
+        """The weight as stored: a zero-copy view of the source's file (CPU; the budget is not used)."""
+        t = self.stored.get(key)
+        if t is None:
+            t = self.stored[key] = self.pager.source.view(key)
+        return t
 
 
 def _key_function(key_map, strip_prefix: str, add_prefix: str) -> Callable[[str], str]:
@@ -120,6 +62,29 @@ def is_paged(model: nn.Module) -> bool:
     return _STATE in model.__dict__
 
 
+def pager_of(model: nn.Module) -> LayerPager:
+    """The LayerPager a paged model's weights come from (its stats(), resident_bytes(), ...)."""
+    state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
+    if state is None:
+        raise ValueError(f"pager_of: {type(model).__name__} is not paged (torch_ext.page_weights or load_paged)")
+    return state.pager
+
+
+def _refuse_accelerate_hooks(model: nn.Module, caller: str) -> None:
+    """A model dispatched by accelerate (cpu_offload, disk_offload, device_map) moves its weights
+    in its own hooks; paging it as well would fight them."""
+    for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            where = f"module {name!r}" if name else f"the model ({type(model).__name__})"
+            raise ValueError(
+                f"{caller}: {where} has an accelerate hook (_hf_hook): the model is dispatched by accelerate "
+                f"(cpu_offload, disk_offload or from_pretrained(device_map=...)), which moves its weights itself. "
+                f"Page a model that accelerate has not dispatched: torch_ext.load_paged(folder, budget) builds one "
+                f"from a Hugging Face folder, or remove the hooks first with "
+                f"accelerate.hooks.remove_hook_from_module(model, recurse=True) (weights then on the meta device "
+                f"are fine: they are paged from the file).")
+
+
 def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike, budget_bytes: int | float | str, *,
                  pinned: Iterable[str] = (), buffers: bool = False,
                  key_map: Callable[[str], str] | Mapping[str, str] | None = None,
@@ -131,16 +96,23 @@ def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike
     on its module acquires it from the pager and a forward hook puts the placeholder back. Tied
     weights are one pager entry. The checkpoint key of a tensor named `name` in the model is
     key_map(name) (a callable or mapping), else add_prefix + name with strip_prefix removed.
-    pinned: parameter or module names whose tensors are never evicted. Other keyword options are
-    the pager's (LayerPager: policy, prefetch, device, zero_copy). Everything is validated before
-    the model is changed. Paged weights are for inference: they are acquired with
-    requires_grad=False."""
+    pinned: parameter or module names whose tensors are never evicted. budget_bytes: an int or
+    float of bytes, "1GB", "512MiB", "30%" (of the source's bytes) or a max_memory-style dict by
+    device ({"cpu": "1GB"}). Other keyword options are the pager's (LayerPager: policy, prefetch,
+    device, zero_copy, ...). Everything is validated before the model is changed.
+
+    Paged parameters become PagedParameter placeholders (meta storage; `device` reports the
+    pager's device) with requires_grad=False: paged weights are frozen. Gradients flow through
+    them to inputs and to resident parameters (adapters); in backward each weight is acquired again
+    for the node that needs it (torch_ext.paging.training). state_dict() returns the stored
+    weights as zero-copy views of the source's file. A model with accelerate hooks is refused."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"page_weights: model must be an nn.Module, got {type(model).__name__}")
     if is_paged(model):
         raise RuntimeError(f"page_weights: {type(model).__name__} is already paged; call torch_ext.unpage first")
     if isinstance(pinned, str):
         raise TypeError("page_weights: pinned must be an iterable of names, not a str")
+    _refuse_accelerate_hooks(model, "page_weights")
     to_key = _key_function(key_map, strip_prefix, add_prefix)
     source = source if isinstance(source, SafetensorsSource) else SafetensorsSource(source)
     names_of, tensors = _named_tensors(model, buffers)
@@ -212,10 +184,11 @@ def _pinned_keys(model: nn.Module, pinned: Iterable[str], name_to_key: dict[str,
 
 
 def _install(model: nn.Module, pager: LayerPager, key_of: dict[int, str], buffers: bool) -> None:
-    """Replace the paged tensors by meta placeholders and hook each module that holds some."""
+    """Replace the paged tensors by placeholders and hook each module that holds some."""
     slots: dict[nn.Module, list[_Slot]] = {}
     placeholders: dict[str, torch.Tensor] = {}
     requires_grad: dict[str, bool] = {}
+    device = torch.device(str(pager.script_object.device))
     for module in model.modules():
         for kind, table in (("parameter", module._parameters), ("buffer", module._buffers if buffers else {})):
             for attr, t in table.items():
@@ -223,9 +196,8 @@ def _install(model: nn.Module, pager: LayerPager, key_of: dict[int, str], buffer
                     continue
                 key = key_of[id(t)]
                 if key not in placeholders:
-                    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-                    placeholders[key] = nn.Parameter(meta, requires_grad=t.requires_grad) if kind == "parameter" \
-                        else meta
+                    placeholders[key] = PagedParameter(t, device, key) if kind == "parameter" \
+                        else torch.empty(t.shape, dtype=t.dtype, device="meta")
                     requires_grad[key] = t.requires_grad
                 slots.setdefault(module, []).append(_Slot(module, attr, kind, key))
     for module, module_slots in slots.items():
@@ -234,24 +206,58 @@ def _install(model: nn.Module, pager: LayerPager, key_of: dict[int, str], buffer
             table[slot.attr] = placeholders[slot.key]
 
     state = _PagingState(pager, slots, placeholders, requires_grad)
-    acquire_many = pager.script_object.acquire_many
     state.handles.append(model.register_forward_pre_hook(lambda module, args: pager.begin_pass(), prepend=True))
+    saved = SavedWeightHooks(pager.script_object.acquire)
     for module, module_slots in slots.items():
-        def pre_hook(module, args, module_slots=module_slots, keys=[slot.key for slot in module_slots]):
-            for slot, t in zip(module_slots, acquire_many(keys)):
-                if slot.kind == "parameter":
-                    module._parameters[slot.attr] = nn.Parameter(t, requires_grad=False)
-                else:
-                    module._buffers[slot.attr] = t
-
-        def post_hook(module, args, output, module_slots=module_slots):
-            for slot in module_slots:
-                table = module._parameters if slot.kind == "parameter" else module._buffers
-                table[slot.attr] = placeholders[slot.key]
-
-        state.handles.append(module.register_forward_pre_hook(pre_hook))
-        state.handles.append(module.register_forward_hook(post_hook, always_call=True))
+        state.handles.extend(_hook_module(module, module_slots, state, saved))
     model.__dict__[_STATE] = state
+
+
+def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingState,
+                 saved: SavedWeightHooks) -> list[Any]:
+    """The hooks of one module holding paged tensors: acquire around its forward (and save those
+    weights for backward by key), stored weights in state_dict(), no load_state_dict()."""
+    acquire_many = state.pager.script_object.acquire_many
+    placeholders = state.placeholders
+    keys = [slot.key for slot in module_slots]
+
+    def pre_hook(module, args):
+        if torch.is_grad_enabled():
+            for slot in module_slots:
+                if placeholders[slot.key].requires_grad:
+                    raise RuntimeError(f"paged parameter {slot.key!r} ({type(module).__name__}.{slot.attr}) requires "
+                                       f"grad: paged weights are frozen; train adapters over them, or "
+                                       f"torch_ext.unpage the model to train its weights")
+        acquired = acquire_many(keys)
+        for slot, t in zip(module_slots, acquired):
+            if slot.kind == "parameter":
+                module._parameters[slot.attr] = nn.Parameter(t, requires_grad=False)
+            else:
+                module._buffers[slot.attr] = t
+        saved.push(module, list(zip(keys, acquired)))
+
+    def post_hook(module, args, output):
+        saved.pop(module)
+        for slot in module_slots:
+            table = module._parameters if slot.kind == "parameter" else module._buffers
+            table[slot.attr] = placeholders[slot.key]
+
+    def state_dict_hook(module, state_dict, prefix, local_metadata):
+        for slot in module_slots:
+            entry = state_dict.get(prefix + slot.attr)
+            if isinstance(entry, torch.Tensor) and entry.is_meta:
+                state_dict[prefix + slot.attr] = state.stored_tensor(slot.key)
+
+    def load_state_dict_hook(module, state_dict, prefix, *args):
+        names = [prefix + slot.attr for slot in module_slots if prefix + slot.attr in state_dict]
+        if names:
+            raise RuntimeError(f"load_state_dict: {names[0]!r} is paged from {state.pager.source.path()}: a paged "
+                               f"model's weights are that file's; torch_ext.unpage the model first, or page it from "
+                               f"a file holding the new weights")
+
+    return [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook, always_call=True),
+            module.register_state_dict_post_hook(state_dict_hook),
+            module.register_load_state_dict_pre_hook(load_state_dict_hook)]
 
 
 def unpage(model: nn.Module) -> nn.Module:

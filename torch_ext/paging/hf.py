@@ -1,0 +1,155 @@
+"""load_paged: a Hugging Face folder (config.json and model.safetensors or a sharded
+model.safetensors.index.json) or a .safetensors file straight to a paged model, without reading
+the weights: the model is built with its parameters on the meta device (its buffers computed as
+its constructor computes them), then paged from the file. transformers is imported only here and
+only when no model_fn is given."""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .install import page_weights
+from .source import SafetensorsSource
+
+__all__ = ["load_paged"]
+
+
+def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable[[], nn.Module] | None = None,
+               dtype: torch.dtype | None = None, device: Any = "cpu", **options: Any) -> nn.Module:
+    """A paged model from a Hugging Face folder or a .safetensors file, in one call; returns the
+    model in eval mode (torch_ext.pager_of(model) is its pager).
+
+    path: a folder with model.safetensors or model.safetensors.index.json (and config.json unless
+    model_fn is given), an index file, or a .safetensors file. budget_bytes: an int or float of
+    bytes, "1GB", "512MiB", "30%" (of the file's weights), or a max_memory-style dict by device
+    ({"cpu": "1GB"}, {0: "2GiB", "cpu": "8GB"}: the entry of `device` applies).
+    model_fn: a constructor of the model (called with parameters created on the meta device);
+    without it, transformers builds the class named in config.json's architectures (else
+    AutoModelForCausalLM, else AutoModel) from the config, in `dtype` (default: the file's).
+    device: where the weights are used (the pager's device; buffers go there too).
+    options: page_weights' (pinned, buffers, key_map, strip_prefix, add_prefix) and the pager's
+    (prefetch, zero_copy, policy, ...). Checkpoint keys are found with or without the model's
+    base_model_prefix ("transformer." for GPT-2); tied weights are one pager entry, the file may
+    omit the tied copy. Nothing but the files' headers (and persistent buffers) is read."""
+    source_path, folder = _locate(path)
+    source = SafetensorsSource(source_path)
+    if model_fn is None:
+        model = _from_config(folder, dtype if dtype is not None else _stored_dtype(source))
+    else:
+        if not callable(model_fn):
+            raise TypeError(f"load_paged: model_fn must be a callable returning an nn.Module, got "
+                            f"{type(model_fn).__name__}")
+        if dtype is not None:
+            raise ValueError("load_paged: dtype applies to models built from config.json; build the model "
+                             "in that dtype in model_fn")
+        with parameters_on_meta():
+            model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"load_paged: model_fn returned {type(model).__name__}, not an nn.Module")
+    if not any(key in options for key in ("key_map", "strip_prefix", "add_prefix")):
+        options["key_map"] = _prefix_tolerant_keys(source, getattr(model, "base_model_prefix", "") or "")
+    _load_buffers(model, source, options.get("key_map"), torch.device(device), read=not options.get("buffers"))
+    page_weights(model, source, budget_bytes, device=device, **options)
+    return model.eval()
+
+
+def _locate(path: Any) -> tuple[Path, Path]:
+    """(what SafetensorsSource opens, the folder holding config.json)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_paged: path must be a str or os.PathLike, got {type(path).__name__}")
+    path = Path(path)
+    if path.is_dir():
+        return path, path
+    if not path.exists():
+        raise FileNotFoundError(f"load_paged: {path} does not exist (expected a folder with model.safetensors or "
+                                f"model.safetensors.index.json, an index file, or a .safetensors file)")
+    return path, path.parent
+
+
+def _stored_dtype(source: SafetensorsSource) -> torch.dtype | None:
+    """The dtype of the file's first floating-point tensor (the model is built in it)."""
+    for name in source.names():
+        dtype = source.dtype(name)
+        if dtype.is_floating_point:
+            return dtype
+    return None
+
+
+def _from_config(folder: Path, dtype: torch.dtype | None) -> nn.Module:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"load_paged: {config_file} is missing: a model is built from the folder's config.json "
+                                f"(pass model_fn=... to build it yourself)")
+    try:
+        import transformers
+    except ImportError as error:
+        raise RuntimeError(f"load_paged: building the model of {config_file} needs transformers "
+                           f"(pip install transformers==5.17.0), or pass model_fn=... to build it yourself") from error
+    config = transformers.AutoConfig.from_pretrained(folder)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    with parameters_on_meta():
+        if architecture and hasattr(transformers, architecture):
+            model = getattr(transformers, architecture)._from_config(config, dtype=dtype)
+        else:
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            except ValueError:
+                model = transformers.AutoModel.from_config(config, dtype=dtype)
+    generation_file = folder / "generation_config.json"
+    if generation_file.is_file() and getattr(model, "generation_config", None) is not None:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Parameters registered while this is active move to the meta device as they are registered
+    (their initialisation then runs on meta, at no cost); buffers and everything else are built as
+    usual, so non-persistent buffers (rotary inv_freq, masks) get their real values. Patches
+    nn.Module.register_parameter for the duration (process-wide, as accelerate's
+    init_empty_weights(include_buffers=False) does)."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            kwargs = dict(param.__dict__)
+            kwargs["requires_grad"] = param.requires_grad
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _prefix_tolerant_keys(source: SafetensorsSource, prefix: str) -> Callable[[str], str]:
+    """A parameter name's checkpoint key: the name, else the name without or with the model's
+    base_model_prefix (checkpoints of a base model loaded into a model with a head, or back)."""
+    def key(name: str) -> str:
+        candidates = [name]
+        if prefix:
+            candidates += [name[len(prefix) + 1:]] if name.startswith(prefix + ".") else [f"{prefix}.{name}"]
+        return next((c for c in candidates if c in source), name)
+    return key
+
+
+def _load_buffers(model: nn.Module, source: SafetensorsSource, key_map: Any, device: torch.device, read: bool) -> None:
+    """Persistent buffers the file holds are read from it (read=False: buffers=True pages them);
+    all buffers go to `device`."""
+    to_key = key_map if callable(key_map) else (lambda name: key_map.get(name, name)) if key_map else (lambda n: n)
+    for module_name, module in model.named_modules():
+        for attr, buffer in module._buffers.items():
+            if buffer is None:
+                continue
+            key = to_key(f"{module_name}.{attr}" if module_name else attr)
+            if read and attr not in module._non_persistent_buffers_set and key in source and \
+                    source.shape(key) == buffer.shape and source.dtype(key) == buffer.dtype:
+                buffer = source.load(key)
+            module._buffers[attr] = buffer.to(device)
