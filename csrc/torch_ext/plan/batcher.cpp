@@ -88,15 +88,10 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback) {
       TORCH_CHECK(false, "Batcher: the queue is full (", queue_.size(), " requests waiting, max_queue=",
                   options_.max_queue, "); retry later, or raise max_queue");
     }
-    // The batcher's thread waits for the first request (idle) or for a full batch (gathering; its
-    // deadline is timed): only those two wake it, not every request that joins a batch.
-    const bool first = queue_.empty();
     queue_.push_back(Request{std::move(inputs), sizes, bucket, std::move(callback), Clock::now()});
-    const bool filled = queued_rows_ < max_rows_ && queued_rows_ + sizes[0] >= max_rows_;
     queued_rows_ += sizes[0];
     ++stats_.requests;
     stats_.max_queued = std::max(stats_.max_queued, static_cast<int64_t>(queue_.size()));
-    if (!first && !filled) return;
   }
   cv_.notify_one();
 }
