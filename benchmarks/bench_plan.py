@@ -19,6 +19,7 @@ hit's lookup.
     python benchmarks/bench_plan.py                  # 2000 requests per variant and model, CPU
     python benchmarks/bench_plan.py --quick          # 300 requests, a smoke run
     python benchmarks/bench_plan.py --device cuda    # on a GPU: results in plan_cuda{,_steps}.{md,json}
+    python benchmarks/bench_plan.py --export         # torch.export programs: see bench_plan_export.py
 """
 from __future__ import annotations
 
@@ -408,6 +409,15 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
 
 def main() -> None:
+    if "--export" in sys.argv[1:]:
+        import os
+        import tempfile
+        # Cold compiles: Inductor's caches start empty (this process and the compile workers it starts).
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_plan_inductor_"))
+        import bench_plan_export
+        torch.set_num_threads(1)
+        bench_plan_export.main([arg for arg in sys.argv[1:] if arg != "--export"])
+        return
     # One intra-op thread: on this shared, oversubscribed 2-core machine a second OpenMP thread
     # stalls at every barrier whenever it is descheduled (80 ms outliers), which would bury
     # the differences measured here. Every variant runs under the same setting.

@@ -1,5 +1,6 @@
 """Type stubs for torch_ext._C, the pybind11 module: what torch.ops and torch.classes cannot carry
-(Python callables as checkpoint segments, Python objects as cached values). Internal: use the
+(Python callables as checkpoint segments and as a plan cache's compiler, Python objects as cached
+values). Internal: use the
 torch_ext package. tests/python/test_layout.py checks that these stubs name every attribute."""
 from typing import Any, Callable
 
@@ -36,3 +37,16 @@ class _CacheModule:
     PythonValues: type[PythonValues]
 
 cache: _CacheModule
+
+class _PlanModule:
+    def set_compiler(
+        self,
+        cache: torch.ScriptObject,
+        compiler: Callable[[list[int], list[int], bool, list[torch.Tensor], str, bool, Callable[[], bool]], None],
+    ) -> None:
+        """compiler(upper, lower, dynamic, example, package_path, background, cancelled) writes one bucket's
+        AOTInductor package; cache: a torch.classes.torch_ext.PlanCache of an exported program."""
+    def set_source(self, cache: torch.ScriptObject, source: Callable[..., Any]) -> None:
+        """source(*inputs) runs a request no plan serves: a tensor or a tuple of tensors."""
+
+plan: _PlanModule

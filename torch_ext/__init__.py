@@ -29,7 +29,7 @@ from .cache import LazyExecutor, NodeCache, lazy  # noqa: E402
 from .checkpointing import (  # noqa: E402
     CheckpointedSequential, CheckpointPlan, checkpoint, checkpoint_call, checkpoint_sequential, plan_checkpoints)
 from .paging import LayerPager, SafetensorsSource, load_paged, page_weights, pager_of, save_pageable, unpage  # noqa: E402
-from .plan import PlanCache  # noqa: E402
+from .plan import Batcher, PlanCache  # noqa: E402
 
 __all__ = [
     "library_path", "memory",
@@ -40,5 +40,5 @@ __all__ = [
     # lazy node cache
     "cache", "LazyExecutor", "NodeCache", "lazy",
     # dynamic-batch plan cache
-    "plan", "PlanCache",
+    "plan", "PlanCache", "Batcher",
 ]

@@ -5,12 +5,14 @@ namespace py = pybind11;
 
 void bind_checkpoint(py::module_& m);
 void bind_cache(py::module_& m);
+void bind_plan(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_ext's Python bindings (internal; use the torch_ext package)";
 
   bind_checkpoint(m);
   bind_cache(m);
+  bind_plan(m);
 
   py::dict build;
 #ifdef TORCH_EXT_WITH_CUDA

@@ -3,6 +3,8 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <future>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -22,7 +24,10 @@
 #include <c10/util/irange.h>
 #include <torch/csrc/jit/api/module.h>
 
+#include "torch_ext/plan/batcher.h"
 #include "torch_ext/plan/plan_cache.h"
+#include "torch_ext/plan/sha256.h"
+#include "reliability_helpers.h"
 
 namespace plan = torch_ext::plan;
 using plan::MissMode;
@@ -610,4 +615,143 @@ TEST(Plan, CudaGraphPlansReplayFreshInputsAndReturnCopies) {
   EXPECT_EQ(size_stats(s, 8)->graph_replays, 3);  // 8, 5 (padded to 8), 8
   EXPECT_GT(size_stats(s, 2)->graph_bytes, 0);
   EXPECT_GE(s.plan_bytes, size_stats(s, 2)->graph_bytes + size_stats(s, 8)->graph_bytes);
+}
+
+TEST(Plan, Sha256MatchesTheStandardsTestVectors) {
+  EXPECT_EQ(plan::sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(plan::sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(plan::sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  // A million 'a's fed in uneven pieces: the block boundaries fall everywhere.
+  plan::Sha256 h;
+  const std::string piece(997, 'a');
+  int64_t fed = 0;
+  for (; fed + 997 <= 1000000; fed += 997) h.update(piece);
+  h.update(std::string(1000000 - fed, 'a'));
+  EXPECT_EQ(h.hex_digest(), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+TEST(Plan, BatcherGathersConcurrentRequestsAndHandsEachCallerItsRows) {
+  auto m = rowwise();
+  PlanCacheOptions o = options(MissMode::pad);
+  o.max_batch_size = 16;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  plan::BatcherOptions b;
+  b.max_batch_size = 8;
+  b.max_delay_ms = 600000;  // a batch runs when full: the counts below do not depend on timing
+  plan::Batcher batcher(cache, b);
+  constexpr int kThreads = 8, kRounds = 5;
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> clients;
+  for (int t = 0; t < kThreads; ++t) {
+    clients.emplace_back([&] {
+      for (int r = 0; r < kRounds; ++r) {
+        auto x = input(1);
+        if (!at::equal(batcher.infer({x}).toTensor(), reference(m, x))) ++wrong;
+      }
+    });
+  }
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(wrong.load(), 0);
+  const auto s = batcher.stats();
+  EXPECT_EQ(s.requests, kThreads * kRounds);
+  EXPECT_EQ(s.batches, kRounds);  // every round's 8 requests ran as one batch
+  EXPECT_EQ(s.max_batch_rows, 8);
+  EXPECT_EQ(cache->stats().calls, kRounds);
+}
+
+TEST(Plan, BatcherQueueIsBoundedAndAFullQueueRaises) {
+  auto m = rowwise();
+  PlanCacheOptions o = options();
+  o.max_batch_size = 16;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  plan::BatcherOptions b;
+  b.max_delay_ms = 600000;
+  b.max_queue = 3;
+  auto batcher = std::make_unique<plan::Batcher>(cache, b);
+  std::vector<at::Tensor> xs;
+  std::vector<c10::intrusive_ptr<plan::BatchResult>> futures;
+  for (int i = 0; i < 3; ++i) {
+    xs.push_back(input(2));
+    futures.push_back(batcher->submit({xs.back()}));
+  }
+  try {
+    batcher->submit({input(1)});
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the queue is full (3 requests waiting, max_queue=3)"), std::string::npos);
+  }
+  EXPECT_EQ(batcher->stats().rejected, 1);
+  EXPECT_FALSE(futures[0]->wait(0.05));  // 6 rows of 16: the batch waits
+  EXPECT_THROW(futures[0]->result(0.05), c10::Error);
+  batcher->close();  // runs what was queued
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(futures[i]->done());
+    EXPECT_TRUE(at::equal(futures[i]->result(0).toTensor(), reference(m, xs[i])));
+  }
+}
+
+// Issue 16's stress run for the plan cache (TORCH_EXT_STRESS_SECONDS; `bash .ci/run sanitize`
+// runs it 30 s under ASan+UBSan and TSan): 8 threads over caches in every mode, bounded to force
+// evictions and background builds, and a batcher in front of one of them. Every output equals the
+// module's; the counts add up and the bounds hold.
+TEST(PlanStress, EightThreadsOverEveryModeAndABatcherKeepOutputsCountsAndBounds) {
+  auto m = rowwise();
+  std::vector<c10::intrusive_ptr<PlanCache>> caches;
+  for (MissMode mode : {MissMode::exact, MissMode::pad, MissMode::split, MissMode::auto_}) {
+    PlanCacheOptions o = options(mode);
+    o.max_plans = 3;
+    o.background_builds = mode != MissMode::exact;
+    o.max_batch_size = 16;
+    o.warmup_calls = 1;
+    caches.push_back(c10::make_intrusive<PlanCache>(m, o));
+    caches.back()->preload({8}, {input(8)});
+  }
+  plan::BatcherOptions b;
+  b.max_batch_size = 8;
+  b.max_delay_ms = 1;
+  auto batcher = std::make_unique<plan::Batcher>(caches[1], b);
+  std::atomic<int64_t> wrong{0}, direct_calls[4] = {0, 0, 0, 0}, batched{0};
+  std::mutex errors_mutex;
+  std::vector<std::string> errors;
+  const auto stop = std::chrono::steady_clock::now() + std::chrono::duration<double>(torch_ext::testing::stress_seconds());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      while (std::chrono::steady_clock::now() < stop) {
+        const int which = static_cast<int>(rng() % 5);
+        const int64_t n = 1 + static_cast<int64_t>(rng() % (which == 4 ? 4 : 12));
+        auto x = input(n);
+        try {
+          at::Tensor y = which == 4 ? batcher->infer({x}).toTensor() : run(*caches[which], x);
+          if (!at::equal(y, reference(m, x))) ++wrong;
+          ++(which == 4 ? batched : direct_calls[which]);
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(errors_mutex);
+          errors.push_back(e.what());
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  batcher->close();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_TRUE(errors.empty()) << errors.size() << " errors, the first: " << errors.front();
+  const auto bs = batcher->stats();
+  EXPECT_EQ(bs.requests, batched.load());
+  EXPECT_EQ(bs.failed, 0);
+  EXPECT_LE(bs.max_batch_rows, 8);
+  for (int i = 0; i < 4; ++i) {
+    caches[i]->wait_for_builds();
+    const auto s = caches[i]->stats();
+    if (i == 1) {
+      EXPECT_GE(s.calls, direct_calls[i].load() + bs.batches);  // a batch may run as several calls
+    } else {
+      EXPECT_EQ(s.calls, direct_calls[i].load()) << "cache " << i;
+    }
+    EXPECT_EQ(s.hits + s.misses, s.calls) << "cache " << i;
+    EXPECT_LE(s.plans, 3) << "cache " << i;
+    EXPECT_EQ(s.build_failures, 0) << "cache " << i;
+  }
 }

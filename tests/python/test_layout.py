@@ -30,7 +30,7 @@ def test_the_stubs_of_torch_ext_C_name_every_attribute_it_has():
     # Module attributes are annotated assignments; a submodule is stubbed as the class it is annotated with.
     top = {node.target.id: ast.unparse(node.annotation) for node in tree.body if isinstance(node, ast.AnnAssign)}
     assert public(torch_ext._C) == set(top)
-    for submodule in ("checkpoint", "cache"):
+    for submodule in ("checkpoint", "cache", "plan"):
         assert public(getattr(torch_ext._C, submodule)) == names(classes[top[submodule]].body), submodule
     assert public(torch_ext._C.cache.PythonValues) == names(classes["PythonValues"].body) - {"__init__"}
 

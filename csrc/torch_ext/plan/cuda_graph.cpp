@@ -146,6 +146,8 @@ class CudaGraph final : public CapturedGraph {
     for (size_t i = 0; i < inputs.size(); ++i) {
       if (inputs[i].isTensor() != static_inputs_[i].isTensor()) return false;
       if (!inputs[i].isTensor() && !(inputs[i] == static_inputs_[i])) return false;
+      // A plan over a range of sizes (an exported program's dynamic plan) is captured at one.
+      if (inputs[i].isTensor() && inputs[i].toTensor().sizes() != static_inputs_[i].toTensor().sizes()) return false;
     }
     return true;
   }

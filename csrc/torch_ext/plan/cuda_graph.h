@@ -23,7 +23,8 @@ class CapturedGraph {
   virtual ~CapturedGraph() = default;
   // Inputs as at capture: the same shapes, dtypes and device; equal non-tensor values.
   virtual c10::IValue replay(const std::vector<c10::IValue>& inputs) = 0;
-  // Whether replay() can serve these inputs: its non-tensor inputs equal the captured ones.
+  // Whether replay() can serve these inputs: tensors of the captured shapes, non-tensor inputs
+  // equal to the captured ones.
   virtual bool serves(const std::vector<c10::IValue>& inputs) const = 0;
   // Device memory the graph holds: its private memory pool (intermediates and outputs) and
   // its static inputs, measured as the growth of the caching allocator's reserved bytes.

@@ -1,7 +1,7 @@
-// What a call's inputs must be: one batch size along their batch dimensions, and the signature
-// (count, kinds, non-batch shapes, dtypes, devices) of the inputs the cache took first, whose
-// first row is kept as the example that later builds repeat to their size.
-#include "torch_ext/plan/plan_cache.h"
+// What a call's inputs must be: the signature (count, kinds, the sizes of dimensions that are not
+// dynamic, dtypes, devices) of the inputs the cache took first, whose first row is kept as the
+// example that later builds resize to their bucket.
+#include "torch_ext/plan/plan.h"
 
 #include <memory>
 #include <mutex>
@@ -18,62 +18,38 @@ namespace torch_ext::plan {
 struct PlanCache::Signature {
   struct Input {
     bool tensor = false;
-    int64_t batch_dim = -1;
-    std::vector<int64_t> sizes;  // the batch dimension's entry is ignored
+    std::vector<int64_t> sizes;
+    std::vector<int> dynamic;  // per tensor dimension: the dynamic dimension it is, or -1
     at::ScalarType dtype = at::kFloat;
     at::Device device = at::kCPU;
   };
   std::vector<Input> inputs;
 };
 
-int64_t PlanCache::batch_size_of(const std::vector<c10::IValue>& inputs) const {
-  TORCH_CHECK(!inputs.empty(), "PlanCache: no inputs given");
-  int64_t batch = -1;
-  size_t first = 0;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const int64_t d = input_batch_dim(i, 0);
-    if (d < 0 || !inputs[i].isTensor()) {
-      continue;
-    }
-    const at::Tensor& t = inputs[i].toTensor();
-    TORCH_CHECK(t.defined(), "PlanCache: input ", i, " is an undefined tensor");
-    TORCH_CHECK(d < t.dim(), "PlanCache: input ", i, " has ", t.dim(), " dimension(s), so it has no batch dimension ",
-                d);
-    const int64_t n = t.size(d);
-    if (batch < 0) {
-      batch = n;
-      first = i;
-    } else {
-      TORCH_CHECK(n == batch, "PlanCache: inputs have different batch sizes: input ", first, " has ", batch,
-                  " and input ", i, " has ", n, " along their batch dimensions");
-    }
-  }
-  TORCH_CHECK(batch >= 0, "PlanCache: none of the ", inputs.size(), " inputs is a tensor with a batch dimension");
-  TORCH_CHECK(batch > 0, "PlanCache: empty batch (batch size 0); nothing to run");
-  return batch;
+Bucket PlanCache::check_request(const std::vector<c10::IValue>& inputs) const {
+  const Bucket sizes = layout_->sizes_of(inputs);
+  check_signature(inputs, sizes);
+  return sizes;
 }
 
-void PlanCache::check_signature(const std::vector<c10::IValue>& inputs, int64_t batch_size) const {
+void PlanCache::check_signature(const std::vector<c10::IValue>& inputs, const Bucket& sizes) const {
   std::shared_ptr<const Signature> signature;
   {
     std::shared_lock<std::shared_mutex> lock(mutex_);
     signature = signature_;
   }
-  check_signature(signature.get(), inputs, batch_size);
+  check_signature(signature.get(), inputs, sizes);
 }
 
 void PlanCache::check_signature(const Signature* signature, const std::vector<c10::IValue>& inputs,
-                                int64_t batch_size) const {
-  if (!signature) {
-    return;
-  }
+                                const Bucket& sizes) const {
+  if (!signature) return;
   TORCH_CHECK(inputs.size() == signature->inputs.size(), "PlanCache: got ", inputs.size(),
               " inputs; the cache serves ", signature->inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     const auto& expected = signature->inputs[i];
     if (!expected.tensor) {
-      TORCH_CHECK(!inputs[i].isTensor(), "PlanCache: input ", i, " is a tensor; the cache serves a ",
-                  "non-tensor there");
+      TORCH_CHECK(!inputs[i].isTensor(), "PlanCache: input ", i, " is a tensor; the cache serves a non-tensor there");
       continue;
     }
     TORCH_CHECK(inputs[i].isTensor(), "PlanCache: input ", i, " is a ", inputs[i].tagKind(),
@@ -81,27 +57,27 @@ void PlanCache::check_signature(const Signature* signature, const std::vector<c1
     const at::Tensor& t = inputs[i].toTensor();
     bool same = t.dim() == static_cast<int64_t>(expected.sizes.size());
     for (int64_t d = 0; same && d < t.dim(); ++d) {
-      same = d == expected.batch_dim || t.size(d) == expected.sizes[d];
+      same = expected.dynamic[d] >= 0 || t.size(d) == expected.sizes[d];
     }
     if (!same) {
       std::ostringstream want;
       want << "[";
       for (size_t d = 0; d < expected.sizes.size(); ++d) {
         want << (d ? ", " : "");
-        if (static_cast<int64_t>(d) == expected.batch_dim) want << "*"; else want << expected.sizes[d];
+        if (expected.dynamic[d] >= 0) want << layout_->name(expected.dynamic[d]); else want << expected.sizes[d];
       }
       want << "]";
-      TORCH_CHECK(false, "PlanCache: input ", i, " has shape ", t.sizes(), " at batch size ", batch_size,
-                  "; the module's plans take ", want.str(), " (* is the batch dimension)");
+      TORCH_CHECK(false, "PlanCache: input ", i, " has shape ", t.sizes(), " at ", layout_->describe(sizes),
+                  "; the module's plans take ", want.str(), " (the names are its dynamic dimensions)");
     }
     TORCH_CHECK(t.scalar_type() == expected.dtype, "PlanCache: input ", i, " has dtype ", t.scalar_type(),
                 "; the cache serves ", expected.dtype);
-    TORCH_CHECK(t.device() == expected.device, "PlanCache: input ", i, " is on ", t.device(),
-                "; the cache serves ", expected.device);
+    TORCH_CHECK(t.device() == expected.device, "PlanCache: input ", i, " is on ", t.device(), "; the cache serves ",
+                expected.device);
   }
 }
 
-void PlanCache::remember_example(const std::vector<c10::IValue>& inputs, int64_t batch_size) {
+void PlanCache::remember_example(const std::vector<c10::IValue>& inputs) {
   {
     std::shared_lock<std::shared_mutex> lock(mutex_);
     if (signature_) return;
@@ -113,17 +89,21 @@ void PlanCache::remember_example(const std::vector<c10::IValue>& inputs, int64_t
     input.tensor = inputs[i].isTensor();
     if (input.tensor) {
       const at::Tensor& t = inputs[i].toTensor();
-      input.batch_dim = input_batch_dim(i, t.dim());
       input.sizes = t.sizes().vec();
+      input.dynamic.assign(t.dim(), -1);
+      for (int k = 0; k < layout_->rank(); ++k) {
+        const int64_t d = layout_->input_dim(i, k);
+        if (d >= 0 && d < t.dim()) input.dynamic[d] = k;
+      }
       input.dtype = t.scalar_type();
       input.device = t.device();
-      example.emplace_back(input.batch_dim >= 0 ? t.narrow(input.batch_dim, 0, 1).clone() : t);
+      const int64_t batch = layout_->input_dim(i, 0);
+      example.emplace_back(batch >= 0 && batch < t.dim() ? t.narrow(batch, 0, 1).clone() : t);
     } else {
       example.push_back(inputs[i]);
     }
     signature->inputs.push_back(std::move(input));
   }
-  (void)batch_size;
   std::unique_lock<std::shared_mutex> lock(mutex_);
   if (!signature_) {
     signature_ = std::move(signature);
@@ -131,23 +111,14 @@ void PlanCache::remember_example(const std::vector<c10::IValue>& inputs, int64_t
   }
 }
 
-std::vector<c10::IValue> PlanCache::example_at(int64_t batch_size) const {
+std::vector<c10::IValue> PlanCache::example_at(const Bucket& sizes) const {
   std::vector<c10::IValue> example;
   {
     std::shared_lock<std::shared_mutex> lock(mutex_);
     example = example_;
   }
   TORCH_CHECK(!example.empty(), "PlanCache: no example inputs yet; pass example inputs or call infer() first");
-  for (size_t i = 0; i < example.size(); ++i) {
-    const int64_t d = input_batch_dim(i, 0);
-    if (d >= 0 && example[i].isTensor()) {
-      const at::Tensor& row = example[i].toTensor();
-      std::vector<int64_t> repeats(row.dim(), 1);
-      repeats[d] = batch_size;
-      example[i] = row.repeat(repeats);
-    }
-  }
-  return example;
+  return layout_->resize(example, sizes);
 }
 
 }  // namespace torch_ext::plan

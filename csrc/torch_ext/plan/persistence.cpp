@@ -1,141 +1,175 @@
-// Saving and loading a cache: the frozen module, one example row of each input, and a manifest
-// of the cached sizes with a fingerprint of the source module, which load() checks.
-#include "torch_ext/plan/plan.h"
+// Saving and loading a cache, whatever its plans: the example rows, the source's files and
+// identity, each plan's bucket (and an exported program's package), all listed with their
+// SHA-256 in a manifest that load() checks line by line against this cache's layout.
+#include "torch_ext/plan/persistence.h"
 
-#include <cstdint>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iterator>
+#include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include <ATen/ops/sum.h>
-#include <torch/csrc/jit/serialization/import.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+
+#include "torch_ext/plan/plan.h"
+#include "torch_ext/plan/sha256.h"
 
 namespace torch_ext::plan {
 
 namespace {
 
-constexpr const char* kManifestHeader = "torch_ext.PlanCache 1";
+namespace fs = std::filesystem;
 
-uint64_t fingerprint(const torch::jit::Module& module, const std::string& method) {
-  // The method's schema and every parameter and buffer (name, shape, dtype, sum of values).
-  std::ostringstream text;
-  text << module.get_method(method).function().getSchema() << "\n";
-  for (const auto& p : module.named_parameters(true)) {
-    text << p.name << " " << p.value.sizes() << " " << p.value.scalar_type() << " "
-         << at::sum(p.value.detach().to(at::kDouble)).item<double>() << "\n";
-  }
-  for (const auto& b : module.named_buffers(true)) {
-    text << b.name << " " << b.value.sizes() << " " << b.value.scalar_type() << " "
-         << (b.value.is_complex() ? 0.0 : at::sum(b.value.detach().to(at::kDouble)).item<double>()) << "\n";
-  }
-  return std::hash<std::string>{}(text.str());
+// Sizes a saved cache may ask for when the dimension has no limit: a manifest is checked before
+// anything is allocated for it (set max_batch_size or size_ranges to load larger ones).
+constexpr int64_t kUnboundedLoadLimit = 1 << 16;
+
+bool default_layout(const PlanCacheOptions& o) {
+  return o.batch_dims.empty() && o.output_batch_dims.empty() && o.dims.empty() && o.output_dims.empty() &&
+         o.dim_names.empty() && o.size_ranges.empty() && o.buckets.empty() && o.pad_values.empty();
 }
 
-struct Manifest {
-  uint64_t fingerprint = 0;
-  std::string method;
-  std::vector<int64_t> sizes;
-};
+std::vector<c10::IValue> read_rows(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  try {
+    return torch::jit::pickle_load(bytes).toList().vec();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "PlanCache.load: ", path, " holds no example rows: ", message_of(e));
+  }
+}
 
-// Parses the manifest save() writes; errors name the file and the line expected.
-Manifest read_manifest(const std::string& manifest_path) {
-  std::ifstream manifest(manifest_path);
-  TORCH_CHECK(manifest.good(), "PlanCache.load: ", manifest_path, " does not exist or cannot be read");
-  std::string header;
-  std::getline(manifest, header);
-  TORCH_CHECK(header == kManifestHeader, "PlanCache.load: ", manifest_path, " is not a PlanCache manifest (first line '",
-              header, "', expected '", kManifestHeader, "')");
-  Manifest out;
-  std::string key;
-  manifest >> key >> out.fingerprint;
-  TORCH_CHECK(key == "fingerprint", "PlanCache.load: ", manifest_path, " is malformed (expected fingerprint)");
-  manifest >> key >> out.method;
-  TORCH_CHECK(key == "method", "PlanCache.load: ", manifest_path, " is malformed (expected method)");
-  manifest >> key;
-  TORCH_CHECK(key == "sizes", "PlanCache.load: ", manifest_path, " is malformed (expected sizes)");
-  for (int64_t n; manifest >> n;) out.sizes.push_back(n);
-  return out;
+// Every plan line against the layout, before anything is allocated for one.
+void check_plans(const Layout& layout, const Manifest& manifest) {
+  std::set<std::vector<int64_t>> seen;
+  for (const auto& entry : manifest.plans) {
+    const std::string where = "PlanCache.load: " + manifest.path + " line " + std::to_string(entry.line);
+    layout.check_bucket(entry.upper, where);
+    for (int k = 0; k < entry.upper.rank; ++k) {
+      TORCH_CHECK(layout.max_size(k) > 0 || entry.upper[k] <= kUnboundedLoadLimit, where, ": ", layout.name(k), " ",
+                  entry.upper[k], " is above ", kUnboundedLoadLimit, ", the most a cache without a limit on ",
+                  layout.name(k), " loads (set max_batch_size or size_ranges)");
+    }
+    TORCH_CHECK(layout.bucket_of(entry.upper) == entry.upper, where, ": ", entry.upper.str(),
+                " is not a bucket of this cache's layout (buckets)");
+    TORCH_CHECK(!entry.dynamic || layout.lower_of(entry.upper) == entry.lower, where, ": the plan's range starts at ",
+                entry.lower.str(), "; this layout's bucket starts at ", layout.lower_of(entry.upper).str());
+    TORCH_CHECK(seen.insert(entry.upper.vec()).second, where, ": bucket ", entry.upper.str(), " is listed twice");
+  }
 }
 
 }  // namespace
 
 void PlanCache::save(const std::string& dir) const {
-  std::vector<int64_t> sizes = cached_sizes();
+  std::vector<std::shared_ptr<Plan>> plans;
   std::vector<c10::IValue> example;
   {
     std::shared_lock<std::shared_mutex> lock(mutex_);
+    for (const auto& entry : plans_) plans.push_back(entry.second);
     example = example_;
   }
   TORCH_CHECK(!example.empty(), "PlanCache.save: nothing to save to ", dir, "; no plan was built yet");
-  namespace fs = std::filesystem;
-  fs::create_directories(dir);
-  // optimize_for_inference's MKLDNN constants cannot be loaded back, so the frozen module is
-  // what is saved; load() runs optimize_for_inference again.
-  {
-    std::lock_guard<std::mutex> lock(source_mutex_);
-    frozen_locked().save((fs::path(dir) / "module.pt").string());
-  }
+  std::sort(plans.begin(), plans.end(), [](const auto& a, const auto& b) { return a->bucket() < b->bucket(); });
+  fs::create_directories(fs::path(dir) / "plans");
+  Manifest manifest;
+  manifest.kind = source_->kind();
+  copy_layout(options_, manifest.layout);
   c10::impl::GenericList rows(c10::AnyType::get());
   for (const auto& v : example) rows.push_back(v);
   const auto bytes = torch::jit::pickle_save(rows);
-  std::ofstream((fs::path(dir) / "example.pkl").string(), std::ios::binary).write(bytes.data(), bytes.size());
-  std::ofstream manifest((fs::path(dir) / "manifest.txt").string());
-  manifest << kManifestHeader << "\n";
-  manifest << "fingerprint " << fingerprint(source_, options_.method) << "\n";
-  manifest << "method " << options_.method << "\n";
-  manifest << "sizes";
-  for (int64_t n : sizes) manifest << " " << n;
-  manifest << "\n";
-  TORCH_CHECK(manifest.good(), "PlanCache.save: writing ", (fs::path(dir) / "manifest.txt").string(), " failed");
+  const auto example_path = (fs::path(dir) / "example.pkl").string();
+  std::ofstream(example_path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  manifest.add_file(dir, "example.pkl");
+  source_->save(dir, manifest);
+  for (const auto& plan : plans) {
+    ManifestPlan entry{plan->spec.upper, plan->spec.lower, plan->spec.dynamic, "", "", 0};
+    if (const std::string file = plan->exec->file(); !file.empty()) {
+      entry.file = "plans/" + plan->bucket().str() + (plan->spec.dynamic ? "-dynamic.pt2" : "-static.pt2");
+      const fs::path target = fs::path(dir) / entry.file;
+      if (!fs::exists(target) || !fs::equivalent(file, target)) {
+        fs::copy_file(file, target, fs::copy_options::overwrite_existing);
+      }
+      entry.sha256 = sha256_file(target.string());
+    }
+    manifest.plans.push_back(entry);
+  }
+  write_manifest(dir, manifest);
 }
 
 int64_t PlanCache::load(const std::string& dir, const ProgressFn& progress) {
-  namespace fs = std::filesystem;
-  const auto manifest_path = (fs::path(dir) / "manifest.txt").string();
-  const Manifest manifest = read_manifest(manifest_path);
-  TORCH_CHECK(manifest.method == options_.method, "PlanCache.load: ", manifest_path, " holds plans of method '",
-              manifest.method, "'; this cache serves '", options_.method, "'");
-  const uint64_t mine = fingerprint(source_, options_.method);
-  TORCH_CHECK(manifest.fingerprint == mine, "PlanCache.load: ", manifest_path, " was saved from a different module ",
-              "(fingerprint ", manifest.fingerprint, ", this cache's module ", mine, ")");
-  const auto example_path = (fs::path(dir) / "example.pkl").string();
-  std::ifstream example_file(example_path, std::ios::binary);
-  TORCH_CHECK(example_file.good(), "PlanCache.load: ", example_path, " does not exist or cannot be read");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(example_file)), std::istreambuf_iterator<char>());
-  const auto rows = torch::jit::pickle_load(bytes).toList().vec();
-  check_signature(rows, 1);
-  remember_example(rows, 1);
-  const auto module_path = (fs::path(dir) / "module.pt").string();
-  TORCH_CHECK(fs::exists(module_path), "PlanCache.load: ", module_path, " does not exist");
-  {
-    std::lock_guard<std::mutex> lock(source_mutex_);
-    if (!frozen_ready_) {
-      try {
-        frozen_ = torch::jit::load(module_path);
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "PlanCache.load: cannot load ", module_path, ": ", message_of(e));
-      }
-      frozen_ready_ = true;
-    }
+  recover_after_fork();
+  TORCH_CHECK(fs::is_directory(dir), "PlanCache.load: ", dir, " is not a directory");
+  return load_folder(dir, progress, /*adopt_layout=*/false);
+}
+
+int64_t PlanCache::load_folder(const std::string& dir, const ProgressFn& progress, bool adopt_layout) {
+  const Manifest manifest = read_manifest(dir);
+  TORCH_CHECK(manifest.kind == source_->kind(), "PlanCache.load: ", manifest.path, " holds ", manifest.kind,
+              " plans; this cache's plans are ", source_->kind());
+  if (adopt_layout && default_layout(options_)) {
+    copy_layout(manifest.layout, options_);
+    options_.validate();
+  } else {
+    std::string mine, saved;
+    const std::string field = layout_difference(options_, manifest.layout, mine, saved);
+    TORCH_CHECK(field.empty(), "PlanCache.load: ", manifest.path, " was saved with ", field, " =", saved,
+                "; this cache has ", field, " =", mine);
   }
-  const std::vector<int64_t>& sizes = manifest.sizes;
+  if (!layout_) layout_ = std::make_unique<Layout>(options_);
+  source_->check_saved(dir, manifest, adopt_layout);
+  const std::string example_path = manifest.checked_file(dir, "example.pkl");
+  const std::vector<c10::IValue> rows = read_rows(example_path);
+  const Bucket row_sizes = layout_->sizes_of(rows);
+  TORCH_CHECK(row_sizes[0] == 1, "PlanCache.load: ", example_path, " holds ", row_sizes[0], " rows, not 1");
+  check_signature(rows, row_sizes);
+  remember_example(rows);
+  check_plans(*layout_, manifest);
   int64_t loaded = 0;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    const int64_t n = sizes[i];
-    if (!contains(n)) {
-      get_or_build(n, example_at(n));
+  const auto total = static_cast<int64_t>(manifest.plans.size());
+  for (int64_t i = 0; i < total; ++i) {
+    const ManifestPlan& entry = manifest.plans[i];
+    bool cached = false;
+    {
+      std::shared_lock<std::shared_mutex> lock(mutex_);
+      cached = plans_.count(entry.upper) > 0;
+    }
+    if (!cached) {
+      load_plan(dir, entry);
       ++loaded;
     }
-    if (progress) progress(static_cast<int64_t>(i) + 1, static_cast<int64_t>(sizes.size()), n);
+    if (progress) progress(i + 1, total, entry.upper[0]);
   }
   return loaded;
+}
+
+void PlanCache::load_plan(const std::string& dir, const ManifestPlan& entry) {
+  const auto start = Clock::now();
+  auto plan = std::make_shared<Plan>();
+  plan->spec = PlanSpec{entry.upper, entry.lower, entry.dynamic};
+  plan->record = record(entry.upper);
+  const auto example = example_at(entry.upper);
+  try {
+    plan->exec = source_->load_plan(dir, entry, example);
+    plan->constants = plan->exec->constants();
+    for (const auto& [storage, size] : plan->constants) plan->bytes += size;
+    c10::AutoGradMode no_grad(false);
+    plan->warm_ns = fastest_run(*plan->exec, example, options_.warmup_calls);
+  } catch (const std::exception& e) {
+    build_failures_.fetch_add(1, std::memory_order_relaxed);
+    TORCH_CHECK(false, "PlanCache.load: loading the plan for ", layout_->describe(entry.upper), " from ", dir,
+                " failed: ", message_of(e));
+  }
+  if (options_.cuda_graphs && on_cuda(example)) plan->capture_pending.store(true, std::memory_order_relaxed);
+  plan->build_ns = elapsed_ns(start);
+  plan->record->builds.fetch_add(1, std::memory_order_relaxed);
+  plan->record->build_ns.fetch_add(plan->build_ns, std::memory_order_relaxed);
+  insert_plan(plan);
 }
 
 }  // namespace torch_ext::plan

@@ -1,8 +1,10 @@
-// Plans, whatever runs them: building one (its executor from script_plan.cpp, then its warm-ups
-// at its size, timed), running it (by its CUDA graph where it has one), and capturing that graph
-// once the plan is cached.
+// Plans, whatever runs them: building one (its executable from the source; with
+// plan_shapes="auto", a static and a dynamic candidate measured on the bucket, the faster kept),
+// warming it up at its bucket's sizes, running it (padded to its sizes, by its CUDA graph where
+// it has one), and capturing that graph once the plan is cached.
 #include "torch_ext/plan/plan.h"
 
+#include <algorithm>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -15,33 +17,99 @@
 
 namespace torch_ext::plan {
 
-std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(int64_t batch_size, const std::vector<c10::IValue>& example) {
+// The fastest of `calls` runs after the first (which may profile, compile or fill caches); the
+// only one when calls is 1.
+int64_t fastest_run(Executable& exec, const std::vector<c10::IValue>& inputs, int64_t calls) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < calls; ++i) {
+    const auto start = Clock::now();
+    exec.run_single(inputs);
+    const int64_t ns = elapsed_ns(start);
+    if (i == 1 || calls == 1 || (i > 1 && ns < best)) best = ns;
+  }
+  return best;
+}
+
+namespace {
+
+std::string shapes_of(const std::vector<c10::IValue>& example) {
+  std::ostringstream shapes;
+  for (size_t i = 0; i < example.size(); ++i) {
+    shapes << (i ? ", " : "");
+    if (example[i].isTensor()) shapes << example[i].toTensor().sizes(); else shapes << example[i].tagKind();
+  }
+  return shapes.str();
+}
+
+}  // namespace
+
+void PlanCache::make_executable(Plan& plan, const std::vector<c10::IValue>& example) {
+  int64_t compiles = 0;
+  const bool ranged = source_->builds_dynamic() && !(plan.spec.lower == plan.spec.upper);
+  // A static plan serves a bucket's smaller sizes padded: not along a dimension never padded.
+  int unpadded = -1;
+  for (int k = 1; k < plan.spec.upper.rank; ++k) {
+    if (plan.spec.lower[k] < plan.spec.upper[k] && !layout_->pads(k)) unpadded = k;
+  }
+  PlanShapes shapes = ranged ? options_.plan_shapes : PlanShapes::static_;
+  if (unpadded >= 0) {
+    TORCH_CHECK(ranged && shapes != PlanShapes::static_, "the bucket spans ", layout_->name(unpadded), " sizes ",
+                plan.spec.lower[unpadded], "..", plan.spec.upper[unpadded], ", which a static plan serves only padded, and ",
+                layout_->name(unpadded), " is not padded (no pad_values): give pad_values, use plan_shapes='dynamic', "
+                "or bucket every ", layout_->name(unpadded), " size on its own");
+    shapes = PlanShapes::dynamic;
+  }
+  if (shapes != PlanShapes::auto_) {
+    plan.spec.dynamic = shapes == PlanShapes::dynamic;
+    plan.exec = source_->build(plan.spec, example, compiles);
+  } else {
+    // Both candidates, timed on the same probe sizes across the bucket (its smallest, middle and
+    // largest sizes): the static plan runs every probe padded to the largest, the dynamic one
+    // runs each as it is. The faster on average serves; stats keep both figures.
+    PlanSpec fixed = plan.spec, ranged_spec = plan.spec;
+    fixed.dynamic = false;
+    ranged_spec.dynamic = true;
+    auto static_exec = source_->build(fixed, example, compiles);
+    auto dynamic_exec = source_->build(ranged_spec, example, compiles);
+    c10::AutoGradMode no_grad(false);
+    const int64_t static_ns = fastest_run(*static_exec, example, options_.warmup_calls);
+    int64_t dynamic_ns = 0;
+    for (int probe = 0; probe < 3; ++probe) {
+      Bucket sizes = plan.spec.upper;
+      for (int k = 0; k < sizes.rank; ++k) {
+        const int64_t lo = plan.spec.lower[k], hi = plan.spec.upper[k];
+        sizes[k] = probe == 0 ? lo : probe == 1 ? lo + (hi - lo) / 2 : hi;
+      }
+      dynamic_ns += fastest_run(*dynamic_exec, layout_->resize(example, sizes), options_.warmup_calls) / 3;
+    }
+    plan.static_ns = static_ns;
+    plan.dynamic_ns = dynamic_ns;
+    plan.spec.dynamic = dynamic_ns < static_ns;
+    plan.exec = plan.spec.dynamic ? std::move(dynamic_exec) : std::move(static_exec);
+  }
+  plan.record->compiles.fetch_add(compiles, std::memory_order_relaxed);
+}
+
+std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(const Bucket& bucket, const std::vector<c10::IValue>& example,
+                                                       bool background) {
   const auto start = Clock::now();
   auto plan = std::make_shared<Plan>();
-  plan->batch_size = batch_size;
-  plan->record = record(batch_size);
+  plan->spec.upper = bucket;
+  plan->spec.lower = layout_->lower_of(bucket);
+  plan->spec.background = background;
+  plan->record = record(bucket);
   try {
-    make_script_plan(*plan, example);
+    make_executable(*plan, example);
+    plan->constants = plan->exec->constants();
     for (const auto& [storage, bytes] : plan->constants) plan->bytes += bytes;
     c10::AutoGradMode no_grad(false);
-    for (int64_t i = 0; i < options_.warmup_calls; ++i) {
-      const auto call_start = Clock::now();
-      plan->run_single(example);
-      // The fastest warm-up after the profiling run: robust to a descheduled call.
-      const int64_t ns = elapsed_ns(call_start);
-      if (i == 1 || options_.warmup_calls == 1 || (i > 1 && ns < plan->warm_ns)) plan->warm_ns = ns;
-    }
+    plan->warm_ns = fastest_run(*plan->exec, example, options_.warmup_calls);
     // Captured once the plan is cached: by get_or_build on the building thread, or by the plan's
     // first run when the background worker built it.
     if (options_.cuda_graphs && on_cuda(example)) plan->capture_pending.store(true, std::memory_order_relaxed);
   } catch (const std::exception& e) {
-    std::ostringstream shapes;
-    for (size_t i = 0; i < example.size(); ++i) {
-      shapes << (i ? ", " : "");
-      if (example[i].isTensor()) shapes << example[i].toTensor().sizes(); else shapes << example[i].tagKind();
-    }
-    TORCH_CHECK(false, "PlanCache: building the plan for batch size ", batch_size, " failed on inputs of shape (",
-                shapes.str(), "): ", message_of(e));
+    TORCH_CHECK(false, "PlanCache: building the plan for ", layout_->describe(bucket), " failed on inputs of shape (",
+                shapes_of(example), "): ", message_of(e));
   }
   plan->build_ns = elapsed_ns(start);
   plan->record->builds.fetch_add(1, std::memory_order_relaxed);
@@ -59,43 +127,60 @@ c10::IValue PlanCache::run_plan(Plan& plan, const std::vector<c10::IValue>& inpu
       output = plan.graph->replay(inputs);
       plan.record->graph_replays.fetch_add(1, std::memory_order_relaxed);
     } else {
-      output = plan.run(inputs);
+      output = plan.exec->run(inputs);
     }
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "PlanCache: the plan for batch size ", plan.batch_size, " failed: ", message_of(e));
+    TORCH_CHECK(false, "PlanCache: the plan for ", layout_->describe(plan.bucket()), " failed: ", message_of(e));
   }
   plan.record->plan_runs.fetch_add(1, std::memory_order_relaxed);
   plan.record->plan_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   return output;
 }
 
+c10::IValue PlanCache::run_on(Plan& plan, const std::vector<c10::IValue>& inputs, const Bucket& sizes,
+                              SizeRecord& rec) {
+  const Bucket target = plan.target(sizes);
+  if (target == sizes) return run_plan(plan, inputs);
+  rec.padded_elements.fetch_add(static_cast<int64_t>(target.volume() - sizes.volume()), std::memory_order_relaxed);
+  return layout_->slice_output(run_plan(plan, layout_->pad(inputs, sizes, target)), sizes, target);
+}
+
 void PlanCache::capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs) {
   std::unique_lock<std::mutex> capturing(plan.capture_mutex, std::try_to_lock);
-  // Another thread is capturing it: this call runs the plan's executor meanwhile.
+  // Another thread is capturing it: this call runs the plan's executable meanwhile.
   if (!capturing.owns_lock() || !plan.capture_pending.load(std::memory_order_acquire)) return;
   const auto start = Clock::now();
   std::unique_ptr<CapturedGraph> graph;
   try {
-    graph = capture_cuda_graph([&plan](const std::vector<c10::IValue>& in) { return plan.run_single(in); }, inputs);
+    // Captured at the plan's largest sizes, which every static plan's runs have.
+    const auto example = layout_->resize(inputs, plan.bucket());
+    graph = capture_cuda_graph([&plan](const std::vector<c10::IValue>& in) { return plan.exec->run_single(in); },
+                               example);
   } catch (const std::exception& e) {
     graph_capture_failures_.fetch_add(1, std::memory_order_relaxed);
-    TORCH_WARN("PlanCache: the plan for batch size ", plan.batch_size, " runs without a CUDA graph: ", message_of(e));
+    TORCH_WARN("PlanCache: the plan for ", layout_->describe(plan.bucket()), " runs without a CUDA graph: ",
+               message_of(e));
   }
   plan.record->build_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
   std::unique_lock<std::shared_mutex> lock(mutex_);
   if (graph) {
     const int64_t bytes = graph->bytes();
     plan.graph = std::move(graph);
-    auto it = plans_.find(plan.batch_size);
+    auto it = plans_.find(plan.bucket());
     if (it != plans_.end() && it->second.get() == &plan) {  // an evicted plan's bytes are no longer counted
       plan.constants.emplace(plan.graph.get(), bytes);
       plan.bytes += bytes;
       constant_plans_[plan.graph.get()] = 1;
       plan_bytes_ += bytes;
-      evict_locked(plan.batch_size);
+      evict_locked(plan.bucket());
     }
   }
   plan.capture_pending.store(false, std::memory_order_release);
+}
+
+c10::IValue PlanCache::run_source(const std::vector<c10::IValue>& inputs) {
+  c10::AutoGradMode no_grad(false);
+  return source_->run_source(inputs);
 }
 
 }  // namespace torch_ext::plan

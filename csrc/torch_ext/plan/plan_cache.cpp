@@ -1,16 +1,19 @@
-// The cache's bookkeeping: its plans by batch size, one build per size however many calls miss
-// it, eviction (least recently used, by max_plans / max_bytes), per-size records and stats, and
-// the entry points that route a call to its plan, to a pad / split route or to a build.
+// The cache's bookkeeping: its plans by bucket, one build per bucket however many calls miss
+// it, eviction (least recently used, by max_plans / max_bytes), per-bucket records and stats,
+// and the entry points that route a call to its plan, to a pad / split route or to a build.
 #include "torch_ext/plan/plan.h"
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <exception>
+#include <filesystem>
 #include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -27,6 +30,27 @@ void atomic_max(std::atomic<int64_t>& target, int64_t value) {
 }
 
 }  // namespace
+
+Bucket Bucket::of(const std::vector<int64_t>& sizes) {
+  TORCH_CHECK(!sizes.empty() && sizes.size() <= static_cast<size_t>(kMaxDims), "PlanCache: a bucket has 1 to ",
+              kMaxDims, " sizes, got ", sizes.size());
+  Bucket b;
+  b.rank = static_cast<int>(sizes.size());
+  std::copy(sizes.begin(), sizes.end(), b.size.begin());
+  return b;
+}
+
+std::string Bucket::str() const {
+  std::ostringstream out;
+  for (int k = 0; k < rank; ++k) out << (k ? "x" : "") << size[k];
+  return out.str();
+}
+
+double Bucket::volume() const {
+  double v = 1;
+  for (int k = 0; k < rank; ++k) v *= static_cast<double>(size[k]);
+  return v;
+}
 
 MissMode miss_mode_from_string(const std::string& name) {
   if (name == "exact") return MissMode::exact;
@@ -46,57 +70,132 @@ std::string to_string(MissMode mode) {
   return "exact";
 }
 
+PlanShapes plan_shapes_from_string(const std::string& name) {
+  if (name == "static") return PlanShapes::static_;
+  if (name == "dynamic") return PlanShapes::dynamic;
+  if (name == "auto") return PlanShapes::auto_;
+  TORCH_CHECK_VALUE(false, "PlanCache: unknown plan_shapes '", name, "'; expected static, dynamic or auto");
+}
+
+std::string to_string(PlanShapes shapes) {
+  switch (shapes) {
+    case PlanShapes::static_: return "static";
+    case PlanShapes::dynamic: return "dynamic";
+    case PlanShapes::auto_: return "auto";
+  }
+  return "auto";
+}
+
 void PlanCacheOptions::validate() const {
   TORCH_CHECK_VALUE(admit_after >= 1, "PlanCache: admit_after must be >= 1, got ", admit_after);
   TORCH_CHECK_VALUE(max_plans >= 0, "PlanCache: max_plans must be >= 0, got ", max_plans);
   TORCH_CHECK_VALUE(max_bytes >= 0, "PlanCache: max_bytes must be >= 0, got ", max_bytes);
   TORCH_CHECK_VALUE(max_batch_size >= 0, "PlanCache: max_batch_size must be >= 0, got ", max_batch_size);
   TORCH_CHECK_VALUE(warmup_calls >= 1, "PlanCache: warmup_calls must be >= 1, got ", warmup_calls);
+  TORCH_CHECK_VALUE(timeout_seconds > 0, "PlanCache: timeout_seconds must be > 0, got ", timeout_seconds);
+  TORCH_CHECK_VALUE(runners >= 1, "PlanCache: runners must be >= 1, got ", runners);
   for (int64_t d : batch_dims) {
     TORCH_CHECK_VALUE(d >= -1, "PlanCache: batch_dims entries must be >= 0, or -1 for an unbatched input; got ", d);
   }
   for (int64_t d : output_batch_dims) {
     TORCH_CHECK_VALUE(d >= 0, "PlanCache: output_batch_dims entries must be >= 0, got ", d);
   }
-}
-
-PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options)
-    : source_(std::move(module)), options_(std::move(options)) {
-  options_.validate();
-  TORCH_CHECK(source_.find_method(options_.method).has_value(), "PlanCache: the module (",
-              source_.type()->name()->qualifiedName(), ") has no method '", options_.method, "'");
-  TORCH_CHECK(!source_.is_training(), "PlanCache: the module (", source_.type()->name()->qualifiedName(),
-              ") is in training mode and cannot be frozen; call .eval() on it first");
-  if (options_.background_builds) {
-    worker_ = std::thread([this] { worker_loop(); });
+  const size_t rank = 1 + dims.size();
+  TORCH_CHECK_VALUE(rank <= static_cast<size_t>(kMaxDims), "PlanCache: at most ", kMaxDims - 1,
+                    " dynamic dimensions after the batch (dims), got ", dims.size());
+  for (const auto& list : dims) {
+    TORCH_CHECK_VALUE(!list.empty(), "PlanCache: each entry of dims lists a dimension per input; got an empty one");
+    for (int64_t d : list) TORCH_CHECK_VALUE(d >= -1, "PlanCache: dims entries must be >= 0 or -1, got ", d);
+  }
+  TORCH_CHECK_VALUE(output_dims.size() <= dims.size(), "PlanCache: output_dims has ", output_dims.size(),
+                    " entries for ", dims.size(), " dims");
+  for (const auto& list : output_dims) {
+    for (int64_t d : list) TORCH_CHECK_VALUE(d >= -1, "PlanCache: output_dims entries must be >= 0 or -1, got ", d);
+  }
+  TORCH_CHECK_VALUE(dim_names.size() <= rank, "PlanCache: dim_names names ", dim_names.size(), " dimensions; there are ",
+                    rank);
+  for (const auto& name : dim_names) {
+    TORCH_CHECK_VALUE(!name.empty() && name.find_first_of(" \t\n[]") == std::string::npos,
+                      "PlanCache: dim_names must be non-empty words, got '", name, "'");
+  }
+  TORCH_CHECK_VALUE(size_ranges.size() <= rank, "PlanCache: size_ranges has ", size_ranges.size(),
+                    " entries; there are ", rank, " dynamic dimensions");
+  for (const auto& range : size_ranges) {
+    TORCH_CHECK_VALUE(range.size() == 2 && range[0] >= 1 && (range[1] == 0 || range[1] >= range[0]),
+                      "PlanCache: each size_ranges entry is [min, max] with 1 <= min <= max (max 0: no limit)");
+  }
+  TORCH_CHECK_VALUE(buckets.size() <= rank, "PlanCache: buckets has ", buckets.size(), " entries; there are ", rank,
+                    " dynamic dimensions");
+  for (const auto& bounds : buckets) {
+    for (size_t i = 0; i < bounds.size(); ++i) {
+      TORCH_CHECK_VALUE(bounds[i] >= 1 && (i == 0 || bounds[i] > bounds[i - 1]),
+                        "PlanCache: bucket bounds must be positive and ascending, got ", bounds);
+    }
   }
 }
 
-PlanCache::~PlanCache() { stop_worker(); }
+PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options) : options_(std::move(options)) {
+  options_.validate();
+  source_ = make_script_source(std::move(module), options_);
+  start();
+}
 
-std::shared_ptr<PlanCache::SizeRecord> PlanCache::record(int64_t batch_size) {
+PlanCache::PlanCache(ExportSource source, PlanCacheOptions options) : options_(std::move(options)) {
+  options_.validate();
+  const bool folder = std::filesystem::is_directory(source.path);
+  std::string program = source.path;
+  if (folder) {
+    program = (std::filesystem::path(source.path) / "program.pt2").string();
+    if (!std::filesystem::exists(program)) program.clear();  // a cache saved without its program
+  } else {
+    TORCH_CHECK(std::filesystem::is_regular_file(source.path), "PlanCache: ", source.path,
+                " is neither a saved cache's folder nor an exported program's file");
+  }
+  source_ = make_export_source(program, options_);
+  if (folder) load_folder(source.path, nullptr, /*adopt_layout=*/true);
+  start();
+}
+
+void PlanCache::start() {
+  if (!layout_) layout_ = std::make_unique<Layout>(options_);
+  register_fork_aware(this);
+  if (options_.background_builds) worker_ = std::make_unique<std::thread>([this] { worker_loop(); });
+}
+
+PlanCache::~PlanCache() {
+  unregister_fork_aware(this);
+  stop_worker();
+}
+
+const char* PlanCache::kind() const { return source_->kind(); }
+
+void PlanCache::set_compiler(CompileFn compiler) { set_export_compiler(*source_, std::move(compiler)); }
+
+void PlanCache::set_source(SourceFn source) { set_export_runner(*source_, std::move(source)); }
+
+std::shared_ptr<PlanCache::SizeRecord> PlanCache::record(const Bucket& bucket) {
   {
     std::shared_lock<std::shared_mutex> lock(mutex_);
-    auto it = records_.find(batch_size);
+    auto it = records_.find(bucket);
     if (it != records_.end()) return it->second;
   }
   std::unique_lock<std::shared_mutex> lock(mutex_);
-  auto& slot = records_[batch_size];
-  if (!slot) slot = std::make_shared<SizeRecord>(batch_size);
+  auto& slot = records_[bucket];
+  if (!slot) slot = std::make_shared<SizeRecord>(bucket);
   return slot;
 }
 
 void PlanCache::insert_plan(const std::shared_ptr<Plan>& plan) {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   plan->last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-  auto& slot = plans_[plan->batch_size];
+  auto& slot = plans_[plan->bucket()];
   if (slot) release_constants_locked(*slot);
   slot = plan;
   for (const auto& [storage, bytes] : plan->constants) {
     if (constant_plans_[storage]++ == 0) plan_bytes_ += bytes;
   }
-  pending_.erase(plan->batch_size);
-  evict_locked(plan->batch_size);
+  pending_.erase(plan->bucket());
+  evict_locked(plan->bucket());
 }
 
 void PlanCache::release_constants_locked(const Plan& plan) {
@@ -109,7 +208,7 @@ void PlanCache::release_constants_locked(const Plan& plan) {
   }
 }
 
-void PlanCache::evict_locked(int64_t keep_batch_size) {
+void PlanCache::evict_locked(const Bucket& keep) {
   auto over = [this] {
     const auto count = static_cast<int64_t>(plans_.size());
     return (options_.max_plans > 0 && count > options_.max_plans) ||
@@ -118,7 +217,7 @@ void PlanCache::evict_locked(int64_t keep_batch_size) {
   while (over()) {
     auto victim = plans_.end();
     for (auto it = plans_.begin(); it != plans_.end(); ++it) {
-      if (it->first == keep_batch_size) continue;
+      if (it->first == keep) continue;
       if (victim == plans_.end() ||
           it->second->last_used.load(std::memory_order_relaxed) < victim->second->last_used.load(std::memory_order_relaxed)) {
         victim = it;
@@ -131,86 +230,119 @@ void PlanCache::evict_locked(int64_t keep_batch_size) {
   }
 }
 
-std::shared_ptr<PlanCache::Plan> PlanCache::get_or_build(int64_t batch_size, const std::vector<c10::IValue>& inputs) {
+std::shared_ptr<PlanCache::Plan> PlanCache::wait_for_plan(const Bucket& bucket,
+                                                          std::shared_future<std::shared_ptr<Plan>> future) {
+  // The builder always fulfils the future (value or error: build_plan's callers catch
+  // everything), the worker's stop fails what it never built, and a forked child fails the
+  // builds its parent's threads ran; the timeout bounds a build that itself never returns.
+  const auto deadline = Clock::now() + std::chrono::duration<double>(options_.timeout_seconds);
+  while (future.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
+    recover_after_fork();
+    TORCH_CHECK(Clock::now() < deadline, "PlanCache: waited timeout_seconds=", options_.timeout_seconds,
+                " s for another thread's build of the plan for ", layout_->describe(bucket),
+                "; it is still running (raise timeout_seconds for slow builds)");
+  }
+  return future.get();  // rethrows the builder's error
+}
+
+std::shared_ptr<PlanCache::Plan> PlanCache::get_or_build(const Bucket& bucket, const std::vector<c10::IValue>& example) {
   std::promise<std::shared_ptr<Plan>> promise;
   std::shared_future<std::shared_ptr<Plan>> future;
   bool owner = false;
   {
     std::unique_lock<std::shared_mutex> lock(mutex_);
-    if (auto it = plans_.find(batch_size); it != plans_.end()) return it->second;
-    if (auto it = pending_.find(batch_size); it != pending_.end()) {
+    if (auto it = plans_.find(bucket); it != plans_.end()) return it->second;
+    if (auto it = pending_.find(bucket); it != pending_.end()) {
       future = it->second;
     } else {
       future = promise.get_future().share();
-      pending_.emplace(batch_size, future);
+      pending_.emplace(bucket, future);
       owner = true;
     }
   }
-  if (!owner) {
-    return future.get();  // only callers of this size wait; rethrows the builder's error
-  }
+  if (!owner) return wait_for_plan(bucket, future);  // only callers of this bucket wait
   std::shared_ptr<Plan> plan;
   try {
-    plan = build_plan(batch_size, inputs);
+    plan = build_plan(bucket, example);
   } catch (...) {
     {
       std::unique_lock<std::shared_mutex> lock(mutex_);
-      pending_.erase(batch_size);
+      pending_.erase(bucket);
     }
     build_failures_.fetch_add(1, std::memory_order_relaxed);
     promise.set_exception(std::current_exception());
     throw;
   }
-  remember_example(inputs, batch_size);
+  remember_example(example);
   insert_plan(plan);
   promise.set_value(plan);
-  if (plan->capture_pending.load(std::memory_order_acquire)) capture_graph(*plan, inputs);
+  if (plan->capture_pending.load(std::memory_order_acquire)) capture_graph(*plan, example);
   return plan;
 }
 
-c10::IValue PlanCache::serve_miss(int64_t batch_size, const std::vector<c10::IValue>& inputs, SizeRecord& rec) {
+std::vector<c10::IValue> PlanCache::build_example(const Bucket& bucket, const Bucket& sizes,
+                                                  const std::vector<c10::IValue>& inputs) const {
+  // The request itself where it is at the bucket's sizes; else its rows resized to them.
+  if (sizes == bucket) return inputs;
+  return layout_->resize(inputs, bucket);
+}
+
+c10::IValue PlanCache::serve_miss(const Bucket& bucket, const Bucket& sizes, const std::vector<c10::IValue>& inputs,
+                                  SizeRecord& rec) {
   const bool admitted = rec.sightings.fetch_add(1, std::memory_order_relaxed) + 1 >= options_.admit_after;
+  std::string why_not;
+  const bool buildable = source_->can_build(why_not);
   std::optional<Route> route;
-  if (options_.miss_mode != MissMode::exact) route = choose_route(batch_size);
-  if (options_.background_builds) {
+  if (options_.miss_mode != MissMode::exact || !buildable) route = choose_route(sizes);
+  if (options_.background_builds && buildable) {
     if (admitted) {
       std::vector<c10::IValue> example;
-      for (const auto& v : inputs) example.push_back(v.isTensor() ? c10::IValue(v.toTensor().clone()) : v);
-      enqueue_build(batch_size, std::move(example));
+      for (const auto& v : build_example(bucket, sizes, inputs)) {
+        example.push_back(v.isTensor() ? c10::IValue(v.toTensor().clone()) : v);
+      }
+      enqueue_build(bucket, std::move(example));
     }
-  } else if (!route && admitted) {
-    auto plan = get_or_build(batch_size, inputs);
-    return run_plan(*plan, inputs);
+  } else if (!route && admitted && buildable) {
+    auto plan = get_or_build(bucket, build_example(bucket, sizes, inputs));
+    return run_on(*plan, inputs, sizes, rec);
   }
-  if (route) return run_route(*route, inputs, batch_size);
+  if (route) return run_route(*route, inputs, sizes);
+  TORCH_CHECK(source_->has_source(), "PlanCache: no cached plan serves ", layout_->describe(sizes), " (bucket ",
+              bucket.str(), ")",
+              !buildable                   ? ", and " + why_not
+              : options_.background_builds ? std::string("; its plan builds in the background and there is no source to "
+                                                         "run the request meanwhile (preload the buckets you serve)")
+                                           : std::string("; it is not admitted yet (admit_after) and there is no "
+                                                         "source to run it"));
   rec.fallback_calls.fetch_add(1, std::memory_order_relaxed);
   auto output = run_source(inputs);
-  remember_example(inputs, batch_size);
+  remember_example(inputs);
   return output;
 }
 
-c10::IValue PlanCache::run_size(int64_t batch_size, const std::vector<c10::IValue>& inputs, bool count_call) {
+c10::IValue PlanCache::run_request(const Bucket& sizes, const std::vector<c10::IValue>& inputs, bool count_call) {
   const auto start = Clock::now();
+  const Bucket bucket = layout_->bucket_of(sizes);
   std::shared_ptr<Plan> plan;
   std::shared_ptr<SizeRecord> rec;
   std::shared_ptr<const Signature> signature;
   {
     std::shared_lock<std::shared_mutex> lock(mutex_);
-    if (auto it = plans_.find(batch_size); it != plans_.end()) plan = it->second;
+    if (auto it = plans_.find(bucket); it != plans_.end()) plan = it->second;
     signature = signature_;
   }
-  check_signature(signature.get(), inputs, batch_size);
+  check_signature(signature.get(), inputs, sizes);
   c10::IValue output;
   if (plan) {
     rec = plan->record;
     plan->last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     rec->hits.fetch_add(1, std::memory_order_relaxed);
     hit_lookup_ns_.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
-    output = run_plan(*plan, inputs);
+    output = run_on(*plan, inputs, sizes, *rec);
   } else {
-    rec = record(batch_size);
+    rec = record(bucket);
     rec->misses.fetch_add(1, std::memory_order_relaxed);
-    output = serve_miss(batch_size, inputs, *rec);
+    output = serve_miss(bucket, sizes, inputs, *rec);
   }
   if (count_call) {
     const int64_t ns = elapsed_ns(start);
@@ -221,175 +353,49 @@ c10::IValue PlanCache::run_size(int64_t batch_size, const std::vector<c10::IValu
   return output;
 }
 
+void PlanCache::check_usable(const char* what) const {
+  TORCH_CHECK(!(forked_.load(std::memory_order_relaxed) && options_.background_builds), "PlanCache.", what,
+              ": this process was forked from the one that made the cache, and background builds need its "
+              "worker thread, which a forked child does not have; its plans still serve, but a new one cannot be "
+              "built in the background here: make a new PlanCache in the child");
+}
+
 c10::IValue PlanCache::infer(const std::vector<c10::IValue>& inputs) {
-  const int64_t batch_size = batch_size_of(inputs);
-  TORCH_CHECK(options_.max_batch_size == 0 || batch_size <= options_.max_batch_size, "PlanCache: batch size ",
-              batch_size, " is above max_batch_size ", options_.max_batch_size, "; use infer_batch to split it");
-  return run_size(batch_size, inputs, /*count_call=*/true);
+  recover_after_fork();
+  return run_request(layout_->sizes_of(inputs), inputs, /*count_call=*/true);
 }
 
 c10::IValue PlanCache::infer_batch(const std::vector<c10::IValue>& inputs) {
-  const int64_t total = batch_size_of(inputs);
+  recover_after_fork();
+  Bucket sizes = layout_->sizes_of([&] {
+    // The batch may exceed max_batch_size here: take the sizes of one row.
+    return layout_->slice_batch(inputs, 0, 1);
+  }());
+  int64_t total = 0;
+  for (size_t i = 0; i < inputs.size() && total == 0; ++i) {
+    const int64_t d = layout_->input_dim(i, 0);
+    if (d >= 0 && inputs[i].isTensor()) total = inputs[i].toTensor().size(d);
+  }
   std::vector<c10::IValue> outputs;
   for (int64_t offset = 0; offset < total;) {
     const int64_t size = select_batch_size(total - offset);
-    outputs.push_back(infer(size == total ? inputs : slice_inputs(inputs, offset, size)));
+    sizes[0] = size;
+    outputs.push_back(run_request(sizes, size == total ? inputs : layout_->slice_batch(inputs, offset, size), true));
     offset += size;
   }
-  return concat_outputs(outputs);
+  return layout_->concat_outputs(outputs);
 }
 
 int64_t PlanCache::select_batch_size(int64_t max_count) const {
   TORCH_CHECK(max_count > 0, "PlanCache: select_batch_size needs max_count > 0, got ", max_count);
-  const int64_t cap = options_.max_batch_size > 0 ? std::min(max_count, options_.max_batch_size) : max_count;
+  const int64_t limit = layout_->max_size(0);
+  const int64_t cap = limit > 0 ? std::min(max_count, limit) : max_count;
   int64_t best = 0;
   std::shared_lock<std::shared_mutex> lock(mutex_);
   for (const auto& entry : plans_) {
-    if (entry.first <= cap && entry.first > best) best = entry.first;
+    if (entry.first[0] <= cap && entry.first[0] > best) best = entry.first[0];
   }
   return best > 0 ? best : cap;
-}
-
-void PlanCache::preload(const std::vector<int64_t>& sizes, const std::vector<c10::IValue>& example_inputs,
-                        const ProgressFn& progress) {
-  for (int64_t n : sizes) {
-    TORCH_CHECK(n > 0, "PlanCache.preload: batch sizes must be > 0, got ", n);
-    TORCH_CHECK(options_.max_batch_size == 0 || n <= options_.max_batch_size, "PlanCache.preload: batch size ", n,
-                " is above max_batch_size ", options_.max_batch_size);
-  }
-  std::shared_ptr<const Signature> tentative;  // set from example_inputs until a plan builds
-  if (!example_inputs.empty()) {
-    const int64_t n = batch_size_of(example_inputs);
-    check_signature(example_inputs, n);
-    std::shared_ptr<const Signature> before;
-    {
-      std::shared_lock<std::shared_mutex> lock(mutex_);
-      before = signature_;
-    }
-    if (!before) {
-      remember_example(example_inputs, n);
-      std::shared_lock<std::shared_mutex> lock(mutex_);
-      tentative = signature_;
-    }
-  }
-  const auto total = static_cast<int64_t>(sizes.size());
-  int64_t done = 0;
-  for (int64_t n : sizes) {
-    if (!contains(n)) {
-      try {
-        get_or_build(n, example_at(n));
-      } catch (...) {
-        if (tentative && done == 0) {
-          // The example never produced a plan: it must not define the cache's inputs.
-          std::unique_lock<std::shared_mutex> lock(mutex_);
-          if (signature_ == tentative && plans_.empty()) {
-            signature_.reset();
-            example_.clear();
-          }
-        }
-        throw;
-      }
-    }
-    ++done;
-    if (progress) progress(done, total, n);
-  }
-}
-
-std::vector<int64_t> PlanCache::cached_sizes() const {
-  std::vector<int64_t> sizes;
-  {
-    std::shared_lock<std::shared_mutex> lock(mutex_);
-    for (const auto& entry : plans_) sizes.push_back(entry.first);
-  }
-  std::sort(sizes.begin(), sizes.end());
-  return sizes;
-}
-
-bool PlanCache::contains(int64_t batch_size) const {
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  return plans_.count(batch_size) > 0;
-}
-
-std::optional<torch::jit::Module> PlanCache::plan_module(int64_t batch_size) const {
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  auto it = plans_.find(batch_size);
-  if (it == plans_.end()) return std::nullopt;
-  return it->second->module;
-}
-
-PlanCacheStats PlanCache::stats() const {
-  PlanCacheStats out;
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  out.plans = static_cast<int64_t>(plans_.size());
-  out.plan_bytes = plan_bytes_;
-  for (const auto& entry : pending_) {
-    if (!plans_.count(entry.first)) ++out.pending_builds;
-  }
-  out.build_failures = build_failures_.load();
-  out.graph_capture_failures = graph_capture_failures_.load();
-  out.hit_lookup_seconds = seconds(hit_lookup_ns_.load());
-  for (const auto& [n, rec] : records_) {
-    SizeStats s;
-    s.batch_size = n;
-    s.calls = rec->calls.load();
-    s.hits = rec->hits.load();
-    s.misses = rec->misses.load();
-    s.padded_calls = rec->padded_calls.load();
-    s.split_calls = rec->split_calls.load();
-    s.fallback_calls = rec->fallback_calls.load();
-    s.builds = rec->builds.load();
-    s.evictions = rec->evictions.load();
-    s.plan_runs = rec->plan_runs.load();
-    s.graph_replays = rec->graph_replays.load();
-    s.build_seconds = seconds(rec->build_ns.load());
-    s.total_seconds = seconds(rec->total_ns.load());
-    s.max_seconds = seconds(rec->max_ns.load());
-    s.plan_seconds = seconds(rec->plan_ns.load());
-    s.padded_elements = rec->padded_elements.load();
-    if (auto it = plans_.find(n); it != plans_.end()) {
-      s.cached = true;
-      s.plan_bytes = it->second->bytes;
-      if (const auto& graph = it->second->graph) {
-        s.cuda_graph = true;
-        s.graph_bytes = graph->bytes();
-        ++out.cuda_graphs;
-      }
-    }
-    out.calls += s.calls;
-    out.hits += s.hits;
-    out.misses += s.misses;
-    out.builds += s.builds;
-    out.evictions += s.evictions;
-    out.padded_calls += s.padded_calls;
-    out.split_calls += s.split_calls;
-    out.fallback_calls += s.fallback_calls;
-    out.padded_elements += s.padded_elements;
-    out.build_seconds += s.build_seconds;
-    out.sizes.push_back(s);
-  }
-  std::sort(out.sizes.begin(), out.sizes.end(), [](const auto& a, const auto& b) { return a.batch_size < b.batch_size; });
-  return out;
-}
-
-void PlanCache::reset_stats() {
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  for (const auto& entry : records_) {
-    auto& r = *entry.second;
-    for (auto* counter : {&r.calls, &r.hits, &r.misses, &r.padded_calls, &r.split_calls, &r.fallback_calls, &r.builds,
-                          &r.evictions, &r.plan_runs, &r.graph_replays, &r.padded_elements, &r.build_ns, &r.total_ns, &r.max_ns, &r.plan_ns}) {
-      counter->store(0);
-    }
-  }
-  build_failures_.store(0);
-  graph_capture_failures_.store(0);
-  hit_lookup_ns_.store(0);
-}
-
-void PlanCache::clear() {
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  plans_.clear();
-  constant_plans_.clear();
-  plan_bytes_ = 0;
 }
 
 }  // namespace torch_ext::plan

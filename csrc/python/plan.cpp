@@ -1,0 +1,114 @@
+// torch_ext._C.plan: Python callables for a torch.classes.torch_ext.PlanCache of an exported
+// program (the compiler that builds its AOTInductor packages, the source that runs a request no
+// plan serves), and the blocking section that releases the GIL while a thread waits for one that
+// may be running Python. No logic lives here.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "torch_ext/plan/plan_cache.h"
+#include "torch_ext/plan/threads.h"
+
+namespace py = pybind11;
+namespace plan = torch_ext::plan;
+
+namespace {
+
+c10::intrusive_ptr<plan::PlanCache> cache_of(const py::handle& script_object) {
+  static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::PlanCache>>();
+  return torch::jit::toIValue(script_object, type).toCustomClass<plan::PlanCache>();
+}
+
+// Called from threads that do not hold the GIL, released on any thread.
+std::shared_ptr<py::object> hold(py::object fn) {
+  return std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* object) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete object;
+    } else {
+      object->release();  // the interpreter is gone: leak rather than touch it
+      delete object;
+    }
+  });
+}
+
+py::list to_python(const std::vector<c10::IValue>& values) {
+  py::list out;
+  for (const auto& v : values) out.append(torch::jit::toPyObject(v));
+  return out;
+}
+
+// Runs fn under the GIL; a Python exception becomes a C++ error carrying its message.
+template <class Fn>
+auto call_python(const char* what, Fn&& fn) {
+  std::string failure;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      return fn();
+    } catch (py::error_already_set& e) {
+      failure = e.what();
+    }
+  }
+  TORCH_CHECK(false, "PlanCache: ", what, " raised: ", failure);
+}
+
+void set_compiler(const py::object& script_object, py::object fn) {
+  auto held = hold(std::move(fn));
+  cache_of(script_object)->set_compiler([held](const plan::CompileRequest& request) {
+    call_python("the compiler", [&] {
+      py::cpp_function cancelled([cancelled = request.cancelled] { return cancelled && cancelled(); });
+      (*held)(request.upper, request.lower, request.dynamic, to_python(request.example), request.package_path,
+              request.background, cancelled);
+    });
+  });
+}
+
+// A tensor, or a tuple of tensors, as the plans return.
+c10::IValue from_python(const py::object& output) {
+  if (THPVariable_Check(output.ptr())) return THPVariable_Unpack(output.ptr());
+  TORCH_CHECK(py::isinstance<py::tuple>(output), "PlanCache: the source returned a ", Py_TYPE(output.ptr())->tp_name,
+              "; expected a tensor or a tuple of tensors");
+  std::vector<c10::IValue> parts;
+  for (const auto& item : output) {
+    TORCH_CHECK(THPVariable_Check(item.ptr()), "PlanCache: the source returned a tuple holding a ",
+                Py_TYPE(item.ptr())->tp_name, "; expected tensors");
+    parts.emplace_back(THPVariable_Unpack(item.ptr()));
+  }
+  return c10::ivalue::Tuple::create(std::move(parts));
+}
+
+void set_source(const py::object& script_object, py::object fn) {
+  auto held = hold(std::move(fn));
+  cache_of(script_object)->set_source([held](const std::vector<c10::IValue>& inputs) {
+    return call_python("the source", [&] { return from_python((*held)(*to_python(inputs))); });
+  });
+}
+
+}  // namespace
+
+void bind_plan(py::module_& m) {
+  auto sub = m.def_submodule("plan", "plan cache (internal; use torch_ext.PlanCache)");
+  sub.def("set_compiler", &set_compiler, py::arg("cache"), py::arg("compiler"),
+          "compiler(upper, lower, dynamic, example, package_path, background, cancelled) writes the AOTInductor package "
+          "of one bucket's plan to package_path; called from any thread (background: the build worker), "
+          "cancelled() turns true when the cache goes away");
+  sub.def("set_source", &set_source, py::arg("cache"), py::arg("source"),
+          "source(*inputs) runs a request no plan serves: a tensor, or a tuple of tensors as the plans return");
+  // Joins and waits on threads that may be inside Python (a compiler, a future's callback) release
+  // the GIL, or the waiting thread and the waited-for one would each hold what the other needs.
+  plan::set_blocking_section([](const std::function<void()>& wait) {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      wait();
+    } else {
+      wait();
+    }
+  });
+}

@@ -1,0 +1,292 @@
+// The dynamic batcher: a bounded queue of single requests, one thread that gathers them into
+// batches (max_batch_size rows or max_delay_ms), runs each through the plan cache and hands every
+// caller its rows; and what fork() does to it.
+#include "torch_ext/plan/batcher.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/equal.h>
+#include <c10/util/Exception.h>
+
+#include "torch_ext/plan/layout.h"
+
+namespace torch_ext::plan {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+void BatcherOptions::validate() const {
+  TORCH_CHECK_VALUE(max_batch_size >= 0, "Batcher: max_batch_size must be >= 0, got ", max_batch_size);
+  TORCH_CHECK_VALUE(max_delay_ms >= 0, "Batcher: max_delay_ms must be >= 0, got ", max_delay_ms);
+  TORCH_CHECK_VALUE(max_queue >= 1, "Batcher: max_queue must be >= 1, got ", max_queue);
+  TORCH_CHECK_VALUE(timeout_seconds > 0, "Batcher: timeout_seconds must be > 0, got ", timeout_seconds);
+}
+
+Batcher::Batcher(c10::intrusive_ptr<PlanCache> cache, BatcherOptions options)
+    : cache_(std::move(cache)), options_(options) {
+  TORCH_CHECK_VALUE(cache_, "Batcher: no plan cache given");
+  options_.validate();
+  max_rows_ = options_.max_batch_size > 0 ? options_.max_batch_size : cache_->layout().max_size(0);
+  TORCH_CHECK_VALUE(max_rows_ > 0, "Batcher: set max_batch_size (the cache has no max_batch_size to take it from)");
+  register_fork_aware(this);
+  thread_ = std::make_unique<std::thread>([this] { loop(); });
+}
+
+Batcher::~Batcher() {
+  unregister_fork_aware(this);
+  close();
+}
+
+void Batcher::close() {
+  if (forked_.load(std::memory_order_relaxed)) {
+    // A forked child: the thread is the parent's, absent here. Its handle is dropped, never joined,
+    // and the parent's queued requests are not this process's to answer.
+    (void)thread_.release();
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.clear();
+    closing_ = true;
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    closing_ = true;
+  }
+  cv_.notify_all();
+  // The thread runs what is queued, then returns: each batch is one run of the cache.
+  if (thread_ && thread_->joinable()) blocking_section([this] { thread_->join(); });
+}
+
+void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback) {
+  TORCH_CHECK(!forked_.load(std::memory_order_relaxed), "Batcher.submit: this process was forked from the one that "
+              "made the batcher, whose thread a forked child does not have; make a new Batcher in the child");
+  const Bucket sizes = cache_->check_request(inputs);
+  TORCH_CHECK(sizes[0] <= max_rows_, "Batcher: a request of batch size ", sizes[0], " is above max_batch_size ",
+              max_rows_);
+  const Bucket bucket = cache_->layout().bucket_of(sizes);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!closing_, "Batcher.submit: the batcher is closed");
+    if (static_cast<int64_t>(queue_.size()) >= options_.max_queue) {
+      ++stats_.rejected;
+      TORCH_CHECK(false, "Batcher: the queue is full (", queue_.size(), " requests waiting, max_queue=",
+                  options_.max_queue, "); retry later, or raise max_queue");
+    }
+    queue_.push_back(Request{std::move(inputs), sizes, bucket, std::move(callback), Clock::now()});
+    queued_rows_ += sizes[0];
+    ++stats_.requests;
+    stats_.max_queued = std::max(stats_.max_queued, static_cast<int64_t>(queue_.size()));
+  }
+  cv_.notify_one();
+}
+
+void BatchResult::complete(c10::IValue value, std::exception_ptr error) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+    value_ = std::move(value);
+    error_ = error;
+    future = future_;
+  }
+  cv_.notify_all();
+  if (future) {
+    if (error) {
+      future->setError(error);
+    } else {
+      future->markCompleted(value_);
+    }
+  }
+}
+
+bool BatchResult::wait(double timeout_seconds) {
+  bool ready = false;
+  blocking_section([&] {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ready = cv_.wait_for(lock, std::chrono::duration<double>(std::max(0.0, timeout_seconds)), [this] { return done_; });
+  });
+  return ready;
+}
+
+c10::IValue BatchResult::result(double timeout_seconds) {
+  TORCH_CHECK(wait(timeout_seconds), "Batcher: no result after ", timeout_seconds,
+              " s; the batcher is still running earlier batches (wait longer, or raise max_batch_size)");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (error_) std::rethrow_exception(error_);
+  return value_;
+}
+
+bool BatchResult::done() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> BatchResult::future() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    if (done_ && error_) future_->setError(error_);
+    if (done_ && !error_) future_->markCompleted(value_);
+  }
+  return future_;
+}
+
+c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs) {
+  auto result = c10::make_intrusive<BatchResult>();
+  submit(std::move(inputs), [result](c10::IValue output, std::exception_ptr error) {
+    result->complete(std::move(output), error);
+  });
+  return result;
+}
+
+c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_seconds) {
+  return submit(std::move(inputs))->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
+}
+
+bool Batcher::joins(const Request& first, const Request& other) const {
+  const Layout& layout = cache_->layout();
+  for (int k = 1; k < first.sizes.rank; ++k) {
+    if (first.sizes[k] != other.sizes[k] && !layout.pads(k)) return false;  // only equal sizes join
+    if (options_.group_by_bucket && first.bucket[k] != other.bucket[k]) return false;
+  }
+  for (size_t i = 0; i < first.inputs.size(); ++i) {
+    const bool batched = first.inputs[i].isTensor() && layout.input_dim(i, 0) >= 0;
+    if (batched) continue;
+    // Unbatched inputs are the batch's: requests join only where they agree on them.
+    const auto& a = first.inputs[i];
+    const auto& b = other.inputs[i];
+    if (a.isTensor() != b.isTensor()) return false;
+    if (a.isTensor() ? !(a.toTensor().is_same(b.toTensor()) || at::equal(a.toTensor(), b.toTensor())) : !(a == b)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<Batcher::Request> Batcher::take_batch_locked() {
+  std::vector<Request> batch;
+  int64_t rows = 0;
+  for (auto it = queue_.begin(); it != queue_.end() && rows < max_rows_;) {
+    if (batch.empty() || (rows + it->sizes[0] <= max_rows_ && joins(batch.front(), *it))) {
+      rows += it->sizes[0];
+      queued_rows_ -= it->sizes[0];
+      batch.push_back(std::move(*it));
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return batch;
+}
+
+void Batcher::loop() {
+  at::init_num_threads();  // this thread computes with torch's intra-op thread count, as callers' do
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    // Predicate waits: a request queued before the wait is seen, one queued after it notifies.
+    // The idle wait runs in 1 s slices; the gathering wait ends by the oldest request's deadline.
+    while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return closing_ || !queue_.empty(); })) {
+    }
+    if (queue_.empty()) break;  // closing, nothing left to run
+    const auto deadline =
+        queue_.front().arrived + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double, std::milli>(options_.max_delay_ms));
+    cv_.wait_until(lock, deadline, [this] { return closing_ || queued_rows_ >= max_rows_; });
+    std::vector<Request> batch = take_batch_locked();
+    lock.unlock();
+    run_batch(batch);
+    lock.lock();
+  }
+}
+
+void Batcher::run_batch(std::vector<Request>& batch) {
+  const Layout& layout = cache_->layout();
+  const auto start = Clock::now();
+  Bucket padded = batch.front().sizes;  // the longest of each other dimension; the batch's rows
+  padded[0] = 0;
+  double waited = 0;
+  for (const auto& request : batch) {
+    padded[0] += request.sizes[0];
+    for (int k = 1; k < padded.rank; ++k) padded[k] = std::max(padded[k], request.sizes[k]);
+    waited += std::chrono::duration<double>(start - request.arrived).count();
+  }
+  c10::IValue output;
+  std::exception_ptr error;
+  try {
+    std::vector<std::vector<c10::IValue>> inputs;
+    for (const auto& request : batch) {
+      Bucket target = padded;
+      target[0] = request.sizes[0];
+      inputs.push_back(target == request.sizes ? request.inputs : layout.pad(request.inputs, request.sizes, target));
+    }
+    output = cache_->infer_batch(layout.concat_inputs(inputs));
+  } catch (...) {
+    error = std::current_exception();
+  }
+  {
+    // Counted before any caller hears back: a caller that reads stats() after its result sees its batch.
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.batches;
+    stats_.rows += padded[0];
+    stats_.max_batch_rows = std::max(stats_.max_batch_rows, padded[0]);
+    stats_.failed += error ? static_cast<int64_t>(batch.size()) : 0;
+    stats_.queue_seconds += waited;
+    stats_.batch_seconds += seconds_since(start);
+  }
+  int64_t offset = 0;
+  for (auto& request : batch) {
+    c10::IValue rows;
+    std::exception_ptr failure = error;
+    if (!failure) {
+      try {
+        Bucket target = padded;
+        target[0] = request.sizes[0];
+        rows = layout.slice_output(layout.output_rows(output, offset, request.sizes[0]), request.sizes, target);
+      } catch (...) {
+        failure = std::current_exception();
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++stats_.failed;
+      }
+    }
+    offset += request.sizes[0];
+    try {
+      request.callback(std::move(rows), failure);
+    } catch (...) {  // a caller's callback must not stop the batcher; its caller has its result
+    }
+  }
+}
+
+BatcherStats Batcher::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  BatcherStats out = stats_;
+  out.queued = static_cast<int64_t>(queue_.size());
+  return out;
+}
+
+void Batcher::before_fork() { mutex_.lock(); }
+
+void Batcher::after_fork_parent() { mutex_.unlock(); }
+
+void Batcher::after_fork_child() {
+  new (&mutex_) std::mutex();  // made afresh: the parent's thread took it
+  new (&cv_) std::condition_variable();
+  forked_.store(true, std::memory_order_relaxed);
+}
+
+}  // namespace torch_ext::plan

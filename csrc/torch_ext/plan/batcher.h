@@ -1,0 +1,159 @@
+#pragma once
+// Batcher: a dynamic batcher in front of a PlanCache. Callers submit single requests; one thread
+// gathers them, oldest first, until max_batch_size rows are waiting or max_delay_ms after the
+// oldest arrived, runs them as one batch through the cache (padded to the longest along the other
+// dynamic dimensions where the cache pads them; with group_by_bucket only requests of one bucket
+// join) and hands each caller its own rows.
+//
+// Thread safety: submit() and infer() may be called from any number of threads. Callbacks run on
+// the batcher's thread, outside its locks. The queue is bounded: submit() raises at once when
+// max_queue requests wait. Every wait is bounded (infer() by timeout_seconds). A forked child
+// gets an error from submit() (the batcher's thread is not in it) and may destroy the batcher.
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+
+#include "torch_ext/fields.h"
+#include "torch_ext/plan/plan_cache.h"
+#include "torch_ext/plan/threads.h"
+
+namespace torch_ext::plan {
+
+struct BatcherOptions {
+  int64_t max_batch_size = 0;
+  double max_delay_ms = 2.0;
+  int64_t max_queue = 1024;
+  double timeout_seconds = 60;
+  bool group_by_bucket = true;
+
+  static constexpr auto fields() {
+    return std::make_tuple(
+        field("max_batch_size", &BatcherOptions::max_batch_size,
+              "most rows one batch takes; 0: the cache's max_batch_size"),
+        field("max_delay_ms", &BatcherOptions::max_delay_ms,
+              "longest the oldest waiting request waits for others to join its batch"),
+        field("max_queue", &BatcherOptions::max_queue,
+              "most requests waiting; submit() raises when that many are queued (backpressure)"),
+        field("timeout_seconds", &BatcherOptions::timeout_seconds,
+              "longest infer() waits for its result before raising"),
+        field("group_by_bucket", &BatcherOptions::group_by_bucket,
+              "requests join a batch only when they fall in the same bucket of the cache along the dynamic "
+              "dimensions after the batch, so none is padded past its bucket's bound (a short sequence is not "
+              "padded to a long one's length); False: any requests the cache can pad join, padded to the longest"));
+  }
+  void validate() const;
+};
+
+struct BatcherStats {
+  int64_t requests = 0;
+  int64_t rejected = 0;
+  int64_t failed = 0;
+  int64_t batches = 0;
+  int64_t rows = 0;
+  int64_t max_batch_rows = 0;
+  int64_t queued = 0;
+  int64_t max_queued = 0;
+  double queue_seconds = 0;
+  double batch_seconds = 0;
+
+  static constexpr auto fields() {
+    return std::make_tuple(
+        field("requests", &BatcherStats::requests, "requests accepted"),
+        field("rejected", &BatcherStats::rejected, "requests refused because the queue was full"),
+        field("failed", &BatcherStats::failed, "requests whose batch raised"),
+        field("batches", &BatcherStats::batches, "batches run"),
+        field("rows", &BatcherStats::rows, "rows run, over all batches"),
+        field("max_batch_rows", &BatcherStats::max_batch_rows, "the largest batch's rows"),
+        field("queued", &BatcherStats::queued, "requests waiting now"),
+        field("max_queued", &BatcherStats::max_queued, "the most requests that waited at once"),
+        field("queue_seconds", &BatcherStats::queue_seconds, "time requests waited for their batch, summed"),
+        field("batch_seconds", &BatcherStats::batch_seconds, "time batches took to run, summed"));
+  }
+};
+
+// One request's result: filled once by the batcher's thread, waited for with a timeout by any
+// number of threads. future() is a torch Future completed with it (made on first use: for
+// TorchScript's wait and for callbacks).
+class BatchResult : public torch::CustomClassHolder {
+ public:
+  void complete(c10::IValue value, std::exception_ptr error);
+  // Whether the result is in after waiting at most timeout_seconds.
+  bool wait(double timeout_seconds);
+  // The output, or the error of the request's batch; raises if it is not in after timeout_seconds.
+  c10::IValue result(double timeout_seconds);
+  bool done();
+  c10::intrusive_ptr<c10::ivalue::Future> future();
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  c10::IValue value_;
+  std::exception_ptr error_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class Batcher : public torch::CustomClassHolder, private ForkAware {
+ public:
+  // Runs on the batcher's thread with the request's output, or the error its batch raised.
+  using Callback = std::function<void(c10::IValue output, std::exception_ptr error)>;
+
+  Batcher(c10::intrusive_ptr<PlanCache> cache, BatcherOptions options = {});
+  ~Batcher() override;
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+
+  // Queues one request: inputs as PlanCache::infer takes them, any batch size up to
+  // max_batch_size. Checked here (a bad request never joins a batch); raises when the queue is full.
+  void submit(std::vector<c10::IValue> inputs, Callback callback);
+  c10::intrusive_ptr<BatchResult> submit(std::vector<c10::IValue> inputs);
+  // submit() and wait for the result, at most timeout_seconds (< 0: the option's).
+  c10::IValue infer(std::vector<c10::IValue> inputs, double timeout_seconds = -1);
+
+  BatcherStats stats() const;
+  const BatcherOptions& options() const { return options_; }
+  const c10::intrusive_ptr<PlanCache>& cache() const { return cache_; }
+  // Stops taking requests, runs those queued, and joins the thread (the destructor calls it).
+  void close();
+
+ private:
+  struct Request {
+    std::vector<c10::IValue> inputs;
+    Bucket sizes;
+    Bucket bucket;  // the cache's bucket of sizes (group_by_bucket compares it after the batch)
+    Callback callback;
+    std::chrono::steady_clock::time_point arrived;
+  };
+
+  void loop();
+  // The requests of the next batch, oldest first (called with the lock held).
+  std::vector<Request> take_batch_locked();
+  bool joins(const Request& first, const Request& other) const;
+  void run_batch(std::vector<Request>& batch);
+  void before_fork() override;
+  void after_fork_parent() override;
+  void after_fork_child() override;
+
+  c10::intrusive_ptr<PlanCache> cache_;
+  BatcherOptions options_;
+  int64_t max_rows_ = 0;
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Request> queue_;
+  int64_t queued_rows_ = 0;
+  bool closing_ = false;
+  BatcherStats stats_;  // guarded by mutex_
+  std::unique_ptr<std::thread> thread_;
+  std::atomic<bool> forked_{false};
+};
+
+}  // namespace torch_ext::plan

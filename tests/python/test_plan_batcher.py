@@ -1,0 +1,167 @@
+"""The dynamic batcher in front of a PlanCache: concurrent single requests gathered into batches,
+each caller handed its own rows; a bounded queue; errors that stay with their requests.
+(test_plan_export.py runs it over an exported program's batch x sequence buckets.)"""
+import concurrent.futures
+import gc
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from torch_ext import Batcher, PlanCache
+
+# Long enough that a batch only runs when it is full (or the batcher closes): batch counts do not
+# depend on how fast this machine is.
+NEVER_MS = 600_000
+
+
+class RowWise(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x * self.scale + 0.5) * 2.0
+
+
+class Poisoned(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x > 1000.0).any()):
+            raise RuntimeError("poisoned row")
+        return x * 2.0
+
+
+@pytest.fixture
+def cache():
+    torch.manual_seed(0)
+    module = torch.jit.script(RowWise().eval())
+    return module, PlanCache(module, miss_mode="pad", max_batch_size=16, warmup_calls=1)
+
+
+def test_eight_threads_of_single_requests_are_batched_and_each_gets_its_rows(cache):
+    module, plans = cache
+    rounds, threads = 6, 8
+    errors = []
+    with Batcher(plans, max_batch_size=threads, max_delay_ms=NEVER_MS) as batcher:
+        def client(seed: int) -> None:
+            generator = torch.Generator().manual_seed(seed)
+            try:
+                for _ in range(rounds):
+                    x = torch.randn(1, 8, generator=generator)
+                    if not torch.equal(batcher(x), module(x)):  # row-wise math: exact
+                        errors.append(f"client {seed}: wrong rows")
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        workers = [threading.Thread(target=client, args=(seed,)) for seed in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        s = batcher.stats()
+    assert not errors, errors[:3]
+    # Each round, every client waits for its answer before it asks again: 8 requests, one batch.
+    assert s.requests == rounds * threads and s.batches == rounds and s.max_batch_rows == threads
+    assert s.rows == rounds * threads and s.failed == 0 and s.queued == 0
+    assert plans.stats().calls == rounds  # the cache saw the batches, not the requests
+
+
+def test_futures_and_requests_of_several_rows_keep_their_rows(cache):
+    module, plans = cache
+    inputs = [torch.randn(n, 8) for n in (1, 3, 2, 2)]
+    with Batcher(plans, max_batch_size=8, max_delay_ms=NEVER_MS) as batcher:
+        called = []
+        futures = [batcher.submit(x) for x in inputs[:3]]
+        futures[0].add_done_callback(lambda f: called.append(f.result(0)))
+        assert not any(f.done() for f in futures)  # 6 rows of 8: the batch waits
+        with pytest.raises(concurrent.futures.TimeoutError):
+            futures[0].result(timeout=0.1)
+        futures.append(batcher.submit(inputs[3]))  # 8 rows: one batch
+        for x, future in zip(inputs, futures):
+            assert torch.equal(future.result(timeout=60), module(x)) and future.exception() is None
+        assert batcher.stats().batches == 1
+        deadline = time.monotonic() + 60
+        while not called and time.monotonic() < deadline:  # the callback runs on the batcher's thread
+            time.sleep(0.01)
+        assert len(called) == 1 and torch.equal(called[0], module(inputs[0]))
+
+
+def test_a_full_queue_raises_at_once_and_close_runs_what_was_queued(cache):
+    module, plans = cache
+    batcher = Batcher(plans, max_batch_size=16, max_delay_ms=NEVER_MS, max_queue=4)
+    inputs = [torch.randn(1, 8) for _ in range(4)]
+    futures = [batcher.submit(x) for x in inputs]  # 4 rows of 16: the batch waits
+    with pytest.raises(RuntimeError, match=r"the queue is full \(4 requests waiting, max_queue=4\)"):
+        batcher.submit(torch.randn(1, 8))
+    assert batcher.stats().rejected == 1 and batcher.stats().queued == 4
+    batcher.close()
+    for x, future in zip(inputs, futures):
+        assert torch.equal(future.result(timeout=0), module(x))
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.submit(torch.randn(1, 8))
+
+
+def test_bad_requests_fail_at_submit_and_never_join_a_batch(cache):
+    module, plans = cache
+    plans(torch.randn(2, 8))  # the cache's inputs are now known: [batch, 8] floats
+    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
+        with pytest.raises(RuntimeError, match=r"input 0 has shape \[1, 9\]"):
+            batcher.submit(torch.randn(1, 9))
+        with pytest.raises(RuntimeError, match="batch size 5 is above max_batch_size 4"):
+            batcher.submit(torch.randn(5, 8))
+        assert batcher.stats().requests == 0
+
+
+def test_a_batch_that_raises_fails_its_requests_only():
+    plans = PlanCache(torch.jit.script(Poisoned().eval()), max_batch_size=4, warmup_calls=1)
+    plans(torch.randn(2, 8))
+    with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS) as batcher:
+        bad, neighbour = batcher.submit(torch.full((1, 8), 5000.0)), batcher.submit(torch.randn(1, 8))
+        for future in (bad, neighbour):
+            with pytest.raises(RuntimeError, match="poisoned row"):
+                future.result(timeout=60)
+            assert "poisoned row" in str(future.exception())
+        x = torch.randn(2, 8)
+        assert torch.equal(batcher(x), x * 2.0)
+        assert batcher.stats().failed == 2 and batcher.stats().batches == 2
+
+
+def test_infer_waits_at_most_timeout(cache):
+    _, plans = cache
+    with Batcher(plans, max_batch_size=16, max_delay_ms=NEVER_MS) as batcher:
+        with pytest.raises(concurrent.futures.TimeoutError):
+            batcher.infer(torch.randn(1, 8), timeout=0.2)  # alone, its batch waits for 16 rows
+
+
+def test_a_forked_child_gets_an_error_and_destroys_the_batcher_without_joining(cache):
+    module, plans = cache
+    holder = [Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS)]
+    x = torch.randn(1, 8)
+    pending = holder[0].submit(x)  # the parent's, queued
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            try:
+                holder[0].submit(torch.randn(1, 8))
+            except RuntimeError as e:
+                status = 0 if "forked" in str(e) else 2
+            holder.clear()
+            gc.collect()
+        finally:
+            os._exit(status)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    holder[0].script_object.close()
+    assert torch.equal(pending.result(timeout=60), module(x))

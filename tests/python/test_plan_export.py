@@ -1,0 +1,297 @@
+"""PlanCache over torch.export programs: AOTInductor plans per bucket, compiled in Python, loaded
+and run by the C++ core. Compiles take seconds each, so the models are tiny, the compiled caches
+are module-scoped and saved once, and most tests load a saved folder (no compile)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.export import Dim
+
+from torch_ext import PlanCache
+
+# The wrapper's C++ at -O0: compiles take a fraction of the time, the kernels are unchanged.
+FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
+
+
+def close(got, want):
+    # AOTInductor's fused kernels round differently from eager's: equal up to float rounding.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor):
+        y = self.fc2(torch.relu(self.fc1(x)))
+        return y, y.sum(1)
+
+
+class MaskedEncoder(torch.nn.Module):
+    """Token ids and an attention mask (1: attend, 0: padding) to per-token logits."""
+
+    def __init__(self, vocab: int = 50, width: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, 5)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        attend = mask[:, None, :].to(torch.bool)
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=attend) + x)
+
+
+def x(n: int) -> torch.Tensor:
+    return torch.randn(n, 8)
+
+
+def eager(module, *inputs):
+    with torch.no_grad():
+        return module(*inputs)
+
+
+MLP_SHAPES = ({0: Dim("batch", max=16)},)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+
+@pytest.fixture(scope="module")
+def mlp_folder(mlp, tmp_path_factory):
+    """Plans at batch sizes 4 and 16 (every size its own bucket, so static), saved: 2 compiles."""
+    cache = PlanCache(mlp, (x(2),), MLP_SHAPES, inductor_configs=FAST, warmup_calls=1)
+    cache.preload([4, 16], progress=False)
+    assert cache.stats().compiles == 2
+    for n in (4, 16):  # the plans equal eager (allclose) at their sizes
+        inputs = x(n)
+        close(cache(inputs), eager(mlp, inputs))
+    folder = tmp_path_factory.mktemp("mlp") / "cache"
+    cache.save(folder)
+    return folder
+
+
+def test_a_module_is_exported_with_its_dims_and_the_layout_comes_from_the_program(mlp, tmp_path):
+    cache = PlanCache(mlp, (x(2),), MLP_SHAPES)  # exports; nothing compiles before a plan is needed
+    assert cache.kind() == "export" and cache.stats().compiles == 0
+    assert cache.batch_dims == [0] and cache.output_batch_dims == [0, 0] and cache.size_ranges == [[1, 16]]
+    assert cache.dims == [] and len(cache.fingerprint) == 64
+    program = torch.export.export(mlp, (x(2),), dynamic_shapes=MLP_SHAPES)
+    assert PlanCache(program).fingerprint == cache.fingerprint
+    torch.export.save(program, tmp_path / "mlp.pt2")
+    assert PlanCache(tmp_path / "mlp.pt2").size_ranges == [[1, 16]]
+    other = MLP().eval()
+    assert PlanCache(other, (x(2),), MLP_SHAPES).fingerprint != cache.fingerprint
+
+
+def test_bad_sources_and_options_are_refused(mlp, tmp_path):
+    with pytest.raises(TypeError, match="come from the exported program"):
+        PlanCache(mlp, (x(2),), MLP_SHAPES, batch_dims=[0])
+    with pytest.raises(ValueError, match="no dynamic dimension"):
+        PlanCache(mlp, (x(2),))
+    with pytest.raises(TypeError, match="for exported programs"):
+        PlanCache(torch.jit.script(mlp), (x(2),))
+    with pytest.raises(FileNotFoundError):
+        PlanCache(tmp_path / "missing.pt2")
+    with pytest.raises(ValueError, match="unknown plan_shapes"):
+        PlanCache(mlp, (x(2),), MLP_SHAPES, plan_shapes="sometimes")
+
+
+@pytest.mark.parametrize("mode", ["pad", "split", "auto"])
+def test_pad_split_and_auto_serve_misses_from_a_saved_cache_with_no_compile(mlp, mlp_folder, mode):
+    cache = PlanCache(mlp_folder, miss_mode=mode, warmup_calls=1)
+    assert cache.cached_sizes() == [4, 16] and cache.stats().compiles == 0
+    # 3, 1: padded to 4 (split cannot make them from 4s and 16s, it would build them); 8, 12: split
+    # into 4s, or padded to 16.
+    sizes = (4, 8, 12, 16) if mode == "split" else (4, 3, 8, 12, 16, 1)
+    for n in sizes:
+        inputs = x(n)
+        got, want = cache(inputs), eager(mlp, inputs)
+        close(got, want)
+        assert isinstance(got, tuple) and len(got) == 2  # the program's output structure
+    s = cache.stats()
+    assert s.compiles == 0 and s.hits == 2 and s.misses == len(sizes) - 2
+    if mode == "pad":
+        assert s.padded_calls == 4 and s.split_calls == 0
+    if mode == "split":
+        assert s.split_calls == 2 and s.padded_calls == 0
+    if mode == "auto":
+        assert s.padded_calls + s.split_calls == 4 and s.padded_calls >= 2
+
+
+def test_exact_mode_compiles_the_missing_plan_in_the_request(mlp, mlp_folder):
+    cache = PlanCache(mlp_folder, warmup_calls=1, inductor_configs=FAST)
+    inputs = x(6)
+    close(cache(inputs), eager(mlp, inputs))
+    s = cache.stats()
+    assert 6 in cache and s.compiles == 1 and s.builds == 3
+
+
+def test_background_builds_compile_in_another_process_while_requests_are_padded(mlp, mlp_folder):
+    cache = PlanCache(mlp_folder, miss_mode="pad", background_builds=True, warmup_calls=1, inductor_configs=FAST)
+    inputs = x(6)
+    close(cache(inputs), eager(mlp, inputs))  # served at once, padded to 16
+    assert cache.stats().padded_calls == 1
+    cache.wait_for_builds()
+    assert 6 in cache and cache.stats().compiles == 1
+    close(cache(inputs), eager(mlp, inputs))
+    assert {z.batch_size: z.hits for z in cache.stats().sizes}[6] == 1
+
+
+def test_a_fresh_process_serves_the_saved_cache_with_zero_compiles(mlp, mlp_folder, tmp_path):
+    inputs = [x(n) for n in (4, 3, 16, 9)]
+    torch.save([inputs, [eager(mlp, i) for i in inputs]], tmp_path / "reference.pt")
+    code = f"""
+import sys, torch, torch_ext
+inputs, outputs = torch.load({str(tmp_path / 'reference.pt')!r})
+cache = torch_ext.PlanCache({str(mlp_folder)!r}, miss_mode="pad", warmup_calls=1)
+for i, want in zip(inputs, outputs):
+    torch.testing.assert_close(cache(i), want, rtol=1e-4, atol=1e-5)
+s = cache.stats()
+print(s.compiles, s.builds, s.calls, "torch._inductor.codecache" in sys.modules)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(torch_ext_dir())),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    compiles, builds, calls, compiler_loaded = out.stdout.split()
+    assert (compiles, builds, calls) == ("0", "2", "4")
+    assert compiler_loaded == "False"  # the restart never needed Inductor's compiler
+
+
+def torch_ext_dir() -> str:
+    import torch_ext
+    return os.path.dirname(torch_ext.__file__)
+
+
+def test_a_folder_saved_from_another_program_is_refused(mlp_folder):
+    torch.manual_seed(1)
+    other = PlanCache(MLP().eval(), (x(2),), MLP_SHAPES)
+    with pytest.raises(RuntimeError, match="different exported program"):
+        other.load(mlp_folder)
+
+
+def test_auto_compiles_static_and_dynamic_measures_both_and_keeps_the_faster(mlp):
+    cache = PlanCache(mlp, (x(2),), MLP_SHAPES, buckets=[[8, 16]], plan_shapes="auto", inductor_configs=FAST,
+                      warmup_calls=2)
+    cache.preload([8], progress=False)  # the bucket of sizes 1..8
+    s = cache.stats()
+    z = {z.batch_size: z for z in s.sizes}[8]
+    assert s.compiles == 2 and z.compiles == 2 and z.shapes in ("static", "dynamic")
+    assert z.static_seconds > 0 and z.dynamic_seconds > 0
+    assert z.shapes == ("dynamic" if z.dynamic_seconds < z.static_seconds else "static")
+    for n in range(1, 9):
+        inputs = x(n)
+        close(cache(inputs), eager(mlp, inputs))
+    s = cache.stats()
+    assert s.hits == 8 and s.compiles == 2
+    # A static plan pads the smaller sizes of its bucket; a dynamic one runs them as they are.
+    assert (s.padded_elements > 0) == (z.shapes == "static")
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    torch.manual_seed(0)
+    return MaskedEncoder().eval()
+
+
+def tokens(n: int, length: int, valid: int):
+    ids = torch.randint(1, 50, (n, length))
+    mask = torch.ones(n, length, dtype=torch.long)
+    mask[:, valid:] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def encoder_cache(encoder):
+    """Batch x sequence buckets, padded along the sequence with the mask's 0: 2 compiles."""
+    batch, seq = Dim("batch", min=1, max=4), Dim("seq", min=2, max=16)
+    cache = PlanCache(encoder, tokens(2, 8, 8), {"ids": {0: batch, 1: seq}, "mask": {0: batch, 1: seq}},
+                      buckets=[[4], [8, 16]], pad_values=[0, 0], dim_names=["batch", "seq"], miss_mode="pad",
+                      plan_shapes="static", inductor_configs=FAST, warmup_calls=1)
+    cache.preload([(4, 8), (4, 16)], progress=False)
+    return cache
+
+
+def test_batch_and_sequence_are_bucketed_together_and_padded_positions_are_masked(encoder, encoder_cache):
+    assert encoder_cache.dims == [[1, 1]] and encoder_cache.output_dims == [[1]]
+    assert encoder_cache.cached_buckets() == [[4, 8], [4, 16]]
+    before = encoder_cache.stats()
+    for n, length, valid in ((4, 8, 8), (3, 5, 5), (1, 2, 2), (2, 9, 9), (4, 16, 11), (3, 13, 7)):
+        inputs = tokens(n, length, valid)
+        got = encoder_cache(*inputs)
+        assert got.shape == (n, length, 5)
+        close(got, eager(encoder, *inputs))
+    s = encoder_cache.stats()
+    assert s.compiles == before.compiles and s.hits - before.hits == 6
+    assert s.padded_elements - before.padded_elements == (4 * 8 - 3 * 5) + (4 * 8 - 2) + (4 * 16 - 2 * 9) + (4 * 16 - 3 * 13)
+    with pytest.raises(RuntimeError, match="seq 17 is above the largest size the module accepts, 16"):
+        encoder_cache(*tokens(2, 17, 17))
+
+
+def test_infer_batch_splits_a_large_batch_along_the_batch_only(encoder, encoder_cache):
+    inputs = tokens(10, 12, 12)
+    close(encoder_cache.infer_batch(*inputs), eager(encoder, *inputs))
+
+
+def test_the_batcher_pads_requests_of_different_lengths_into_one_batch_and_slices_each_back(encoder, encoder_cache):
+    import random
+    import threading
+
+    from torch_ext import Batcher
+
+    errors = []
+    with Batcher(encoder_cache, max_batch_size=4, max_delay_ms=600_000, group_by_bucket=False) as batcher:
+        def client(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(3):
+                    length = rng.randint(2, 16)
+                    inputs = tokens(1, length, rng.randint(1, length))
+                    got = batcher(*inputs)
+                    assert got.shape == (1, length, 5)
+                    close(got, eager(encoder, *inputs))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        workers = [threading.Thread(target=client, args=(seed,)) for seed in range(8)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        s = batcher.stats()
+    assert not errors, errors[:3]
+    # 8 clients, one request at a time each, batches of 4 rows: full batches only.
+    assert s.requests == 24 and s.batches == 6 and s.max_batch_rows == 4 and s.failed == 0
+
+
+@pytest.mark.parametrize("group_by_bucket", [True, False])
+def test_the_batcher_joins_only_requests_of_one_sequence_bucket_unless_told_otherwise(encoder, encoder_cache,
+                                                                                     group_by_bucket):
+    from torch_ext import Batcher
+
+    # Lengths 5, 12, 6, 3: buckets 8, 16, 8, 8 of seq. The 4th request fills max_batch_size=4 rows.
+    requests = [tokens(1, length, length) for length in (5, 12, 6, 3)]
+    with Batcher(encoder_cache, max_batch_size=4, max_delay_ms=600_000, group_by_bucket=group_by_bucket) as batcher:
+        assert batcher.group_by_bucket == group_by_bucket
+        futures = [batcher.submit(*inputs) for inputs in requests]
+        if group_by_bucket:
+            # The oldest's bucket runs (3 rows, padded to 6 at most); the length-12 request waits for
+            # rows of its own bucket, here until close() runs what is queued.
+            futures[0].result(timeout=60)
+            assert not futures[1].done()
+    s = batcher.stats()
+    for inputs, future in zip(requests, futures):
+        got = future.result(timeout=0)
+        assert got.shape == (1, inputs[0].shape[1], 5)
+        close(got, eager(encoder, *inputs))
+    assert (s.batches, s.max_batch_rows) == ((2, 3) if group_by_bucket else (1, 4))

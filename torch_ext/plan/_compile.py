@@ -1,0 +1,91 @@
+"""Compiling one bucket's plan of an exported program into an AOTInductor package.
+
+Imports only torch, so it also runs as a script in a separate process (background builds: the
+compile's Python work then never holds the serving process's GIL):
+
+    python _compile.py REQUEST.pt        # REQUEST: torch.save'd dict, see compile_in_subprocess
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+
+def bucket_dynamic_shapes(program: torch.export.ExportedProgram, dim_of: Sequence[dict],
+                          lower: Sequence[int], upper: Sequence[int], dynamic: bool) -> Any:
+    """dynamic_shapes for re-exporting program.module() over one bucket, in its call's structure.
+    dim_of[i] maps input i's tensor dimensions to dynamic dimensions (batch first)."""
+    if not dynamic:
+        return None
+    dims = [torch.export.Dim(f"d{k}", min=lo, max=hi) if hi > lo else None for k, (lo, hi) in enumerate(zip(lower, upper))]
+    leaves = [{d: dims[k] for d, k in dim_of_input.items() if dims[k] is not None} or None for dim_of_input in dim_of]
+    args, kwargs = pytree.tree_unflatten(leaves, program.call_spec.in_spec)
+    module = program.module()
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    return dict(bound.arguments)
+
+
+def compile_bucket(program: torch.export.ExportedProgram, dim_of: Sequence[dict], upper: Sequence[int],
+                   lower: Sequence[int], dynamic: bool, example: Sequence[torch.Tensor], package_path: str,
+                   inductor_configs: Optional[dict] = None) -> str:
+    """Re-export program at one bucket (its sizes static, or a range over it) and compile it."""
+    import torch._inductor  # noqa: F401  (imported here: loading a saved cache never needs it)
+
+    args, kwargs = pytree.tree_unflatten(list(example), program.call_spec.in_spec)
+    shapes = bucket_dynamic_shapes(program, dim_of, lower, upper, dynamic)
+    exported = torch.export.export(program.module(), tuple(args), kwargs, dynamic_shapes=shapes)
+    return torch._inductor.aoti_compile_and_package(exported, package_path=package_path,
+                                                    inductor_configs=dict(inductor_configs or {}))
+
+
+def compile_in_subprocess(program_path: str, dim_of: Sequence[dict], upper: Sequence[int], lower: Sequence[int],
+                          dynamic: bool, example: Sequence[torch.Tensor], package_path: str,
+                          inductor_configs: Optional[dict], threads: int,
+                          cancelled: Callable[[], bool] = lambda: False) -> None:
+    """compile_bucket in a separate Python process; gives up (killing it) once cancelled()."""
+    with tempfile.TemporaryDirectory(prefix="torch_ext_compile_") as scratch:
+        request = os.path.join(scratch, "request.pt")
+        torch.save(dict(program=program_path, dim_of=list(dim_of), upper=list(upper), lower=list(lower),
+                        dynamic=dynamic, example=[t.detach().cpu() for t in example],
+                        devices=[str(t.device) for t in example], package=package_path,
+                        inductor_configs=dict(inductor_configs or {}), threads=threads), request)
+        log = os.path.join(scratch, "log.txt")
+        with open(log, "w") as out:
+            process = subprocess.Popen([sys.executable, os.path.abspath(__file__), request], stdout=out,
+                                       stderr=subprocess.STDOUT)
+            while True:
+                try:
+                    process.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if cancelled():
+                        process.kill()
+                        process.wait()
+                        raise RuntimeError(f"compiling {package_path} was cancelled: the cache is going away")
+        if process.returncode != 0:
+            with open(log) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"the compiler process for {package_path} exited with {process.returncode}:\n{tail}")
+
+
+def _main(request_path: str) -> None:
+    request = torch.load(request_path, weights_only=False)
+    torch.set_num_threads(request["threads"])  # Inductor's CPU kernels use the count set at compile time
+    program = torch.export.load(request["program"])
+    example = [t.to(device) for t, device in zip(request["example"], request["devices"])]
+    start = time.perf_counter()
+    compile_bucket(program, request["dim_of"], request["upper"], request["lower"], request["dynamic"], example,
+                   request["package"], request["inductor_configs"])
+    print(f"compiled {request['package']} in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

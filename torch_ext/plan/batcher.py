@@ -1,0 +1,109 @@
+"""Batcher: a dynamic batcher in front of a PlanCache (torch.classes.torch_ext.Batcher).
+
+Concurrent callers submit single requests; one C++ thread gathers them into batches of up to
+max_batch_size rows, or for at most max_delay_ms after the oldest arrived, runs each batch through
+the cache (padding the other dynamic dimensions to the batch's longest where the cache pads them)
+and hands every caller its own rows (a concurrent.futures-style future, or the output of infer()).
+The queue is bounded: submit() raises at once when max_queue requests wait.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable, Optional
+
+import torch
+
+from .._script import ScriptObjectFace
+from .cache import PlanCache
+
+__all__ = ["Batcher"]
+
+
+class BatchFuture:
+    """A request's result, concurrent.futures-style: result(timeout), exception(timeout), done(),
+    add_done_callback(fn). Waiting happens in C++ with the GIL released, and the batcher's thread
+    never needs the GIL unless a callback is added."""
+
+    def __init__(self, handle: Any, structure: Any, timeout_seconds: float) -> None:
+        self._handle, self._structure, self._timeout = handle, structure, timeout_seconds
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        """The output; raises the batch's error, or concurrent.futures.TimeoutError after timeout
+        seconds (default: the batcher's timeout_seconds)."""
+        if not self._handle.wait(self._timeout if timeout is None else timeout):
+            raise concurrent.futures.TimeoutError(f"Batcher: no result after {timeout} s")
+        return self._structure(self._handle.result(0.0))
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        try:
+            self.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise
+        except Exception as error:  # noqa: BLE001 - that is what is asked for
+            return error
+        return None
+
+    def done(self) -> bool:
+        return bool(self._handle.done())
+
+    def cancel(self) -> bool:
+        return False  # a queued request runs with its batch
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return not self.done()
+
+    def add_done_callback(self, fn: Callable[["BatchFuture"], Any]) -> None:
+        """fn(self) once the result is in: at once if it is, else on the batcher's thread."""
+        self._handle.future().add_done_callback(lambda _: fn(self))
+
+
+class Batcher(ScriptObjectFace):
+    """Dynamic batching for a PlanCache (TorchScript or exported program).
+
+    Keyword options are those of the C++ BatcherOptions (torch_ext/plan/batcher.h): max_batch_size
+    (0: the cache's), max_delay_ms, max_queue, timeout_seconds, group_by_bucket; each is also a property. stats()
+    is a BatcherStats; close() stops taking requests, runs those queued and joins the thread.
+    """
+
+    def __init__(self, cache: PlanCache, **options: Any) -> None:
+        if not isinstance(cache, PlanCache):
+            raise TypeError(f"Batcher: expected a torch_ext.PlanCache, got {type(cache).__name__}")
+        self.cache = cache
+        self.script_object = torch.classes.torch_ext.Batcher(cache.script_object, **options)
+        # Bound once: looking a method up on a ScriptObject costs about 1 us a call.
+        self._submit, self._infer_tensors = self.script_object.submit, self.script_object.infer_tensors
+        self._timeout = self.script_object.timeout_seconds
+
+    def _flat(self, inputs: tuple, kwargs: dict) -> list:
+        return self.cache._flat(inputs, kwargs) if self.cache._in_spec is not None else list(inputs)
+
+    def submit(self, *inputs: Any, **kwargs: Any) -> BatchFuture:
+        """Queue one request (the model's arguments, any batch size up to max_batch_size); returns a
+        future of its output. Raises RuntimeError at once when the queue is full."""
+        return BatchFuture(self._submit(self._flat(inputs, kwargs)), self.cache._structured, self._timeout)
+
+    def infer(self, *inputs: Any, timeout: Optional[float] = None, **kwargs: Any) -> Any:
+        """submit() and wait for the output, at most timeout seconds (default: timeout_seconds)."""
+        flat = self._flat(inputs, kwargs)
+        wait = self._timeout if timeout is None else timeout
+        try:
+            if all(type(value) is torch.Tensor for value in flat):
+                out = self._infer_tensors(flat, wait)
+            else:
+                out = self.script_object.infer(tuple(flat), wait)
+        except RuntimeError as error:
+            if "Batcher: no result after" in str(error):
+                raise concurrent.futures.TimeoutError(str(error)) from None
+            raise
+        return self.cache._structured(out)
+
+    __call__ = infer
+
+    def __enter__(self) -> "Batcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.script_object.close()

@@ -1,0 +1,197 @@
+"""PlanCache: plans per bucket of input sizes (torch.classes.torch_ext.PlanCache).
+
+Two kinds of plan, one cache:
+- a TorchScript module: each plan is the module frozen, optimised for inference and warmed at one
+  batch size (a clone specialised to it where TorchScript fuses on the device);
+- a torch.export program (an ExportedProgram, a .pt2 file torch.export.save wrote, or an
+  nn.Module with example inputs, exported here): each plan is an AOTInductor package for one
+  bucket of sizes, compiled static or over a dynamic range (plan_shapes), loaded and run by the C++
+  core, which serves a saved cache with no Python and no compile.
+A bucket is a box of sizes per dynamic dimension: the batch, and for an exported program each
+other dynamic dimension it has (e.g. sequence length), so variable-length requests are bucketed
+on a 2-D grid. The cache keeps plans bounded and LRU-evicted, and serves a miss by building the
+plan, by padding or splitting onto cached ones, or by the source while the plan builds in the
+background. Thread-safe: many threads may call infer() at once; hits take a reader lock only.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.utils._pytree as pytree
+
+from .. import _C
+from .._script import ScriptObjectFace
+from . import export as _export
+
+__all__ = ["PlanCache"]
+
+Source = Union[torch.jit.ScriptModule, torch.export.ExportedProgram, torch.nn.Module, str, os.PathLike]
+
+
+def _is_export_path(path: str) -> bool:
+    return os.path.isdir(path) or path.endswith(".pt2")
+
+
+class PlanCache(ScriptObjectFace):
+    """Plans per bucket of input sizes of a TorchScript module or a torch.export program.
+
+    module: a torch.jit.ScriptModule in eval mode or the path of a saved one; or, for plans compiled
+    by AOTInductor, a torch.export.ExportedProgram, the path of a .pt2 file torch.export.save wrote,
+    an nn.Module with example_inputs (and dynamic_shapes, as torch.export.export takes them: a
+    torch.export.Dim per dynamic dimension), or the folder a saved export cache is in (loaded with
+    no compile). The batch is the first input's first dynamic dimension.
+    inductor_configs: passed to torch._inductor.aoti_compile_and_package for each package.
+    Keyword options are those of the C++ PlanCacheOptions (torch_ext/plan/plan_cache.h), with its
+    defaults and checks (see `torch.classes.torch_ext.PlanCache.__init__.__doc__`); each is also a
+    property. For an exported program the layout options (batch_dims, dims, size_ranges, ...)
+    come from the program. The object is torch.classes.torch_ext.PlanCache (`script_object`,
+    which scripted code takes): select_batch_size(n), cached_sizes(), cached_buckets(), stats()
+    (a PlanCacheStats whose `sizes` lists a SizeStats per bucket), reset_stats(), clear(),
+    wait_for_builds() and kind() are its own.
+    """
+
+    def __init__(self, module: Source, example_inputs: Optional[Sequence[Any]] = None, dynamic_shapes: Any = None, *,
+                 inductor_configs: Optional[dict] = None, **options: Any) -> None:
+        self._in_spec = self._out_spec = None
+        path = os.fspath(module) if isinstance(module, (str, os.PathLike)) else None
+        if isinstance(module, torch.jit.ScriptModule) or (path is not None and not _is_export_path(path)):
+            if example_inputs is not None or dynamic_shapes is not None or inductor_configs is not None:
+                raise TypeError("PlanCache: example_inputs, dynamic_shapes and inductor_configs are for exported "
+                                "programs; a TorchScript module's cache takes neither")
+            if path is not None and not os.path.isfile(path):
+                raise FileNotFoundError(f"PlanCache: no saved scripted module at {path}")
+            self.script_object = torch.classes.torch_ext.PlanCache(path if path is not None else module, **options)
+        elif isinstance(module, (torch.export.ExportedProgram, torch.nn.Module)) or path is not None:
+            self._init_export(module, path, example_inputs, dynamic_shapes, inductor_configs, options)
+        else:
+            raise TypeError(f"PlanCache: expected a torch.jit.ScriptModule, a torch.export.ExportedProgram, an "
+                            f"nn.Module with example_inputs, or a path, got {type(module).__name__}")
+        # Bound once: looking a method up on a ScriptObject costs about 1 us a call.
+        self._infer, self._infer_tensors = self.script_object.infer, self.script_object.infer_tensors
+
+    def _init_export(self, module: Any, path: Optional[str], example_inputs: Optional[Sequence[Any]],
+                     dynamic_shapes: Any, inductor_configs: Optional[dict], options: dict) -> None:
+        derived = [name for name in _export.DERIVED_OPTIONS if name in options]
+        if derived:
+            raise TypeError(f"PlanCache: {', '.join(derived)} come from the exported program's dynamic dimensions; "
+                            "export it with the torch.export.Dim you want instead")
+        self._workdir = tempfile.TemporaryDirectory(prefix="torch_ext_program_")
+        folder = path if path is not None and os.path.isdir(path) else None
+        if folder is not None:
+            # A saved cache: its packages serve with no need for the program, loaded only to compile
+            # a new bucket or run a request no plan serves.
+            program = _export.Program(os.path.join(folder, "program.pt2"))
+            if not os.path.isfile(program.path):
+                raise FileNotFoundError(f"PlanCache: {folder} holds no program.pt2: not a saved cache of an exported "
+                                        "program")
+            self.script_object = torch.classes.torch_ext.PlanCache(folder, **options)
+            example = None
+        else:
+            if path is not None and not os.path.isfile(path):
+                raise FileNotFoundError(f"PlanCache: no exported program at {path}")
+            exported, program_path, eager, example = _export.load_program(
+                path if path is not None else module, example_inputs, dynamic_shapes, self._workdir.name)
+            program = _export.Program(program_path, exported, eager)
+            options = {**program.layout().options(), "fingerprint": _export.fingerprint(exported), **options}
+            self.script_object = torch.classes.torch_ext.PlanCache(program_path, **options)
+        _C.plan.set_compiler(self.script_object, _export.Compiler(program, inductor_configs))
+        specs = self.script_object.call_spec()
+        if specs:
+            self._in_spec, self._out_spec = (pytree.treespec_loads(spec) for spec in specs)
+        else:
+            self._in_spec, self._out_spec = program.get().call_spec.in_spec, program.get().call_spec.out_spec
+        _C.plan.set_source(self.script_object, _export.Source(program, self._in_spec))
+        self._program, self._example = program, example
+        self._positional = self._in_spec == pytree.tree_flatten((tuple([0] * self._in_spec.num_leaves), {}))[1]
+
+    def _example_inputs(self) -> list:
+        if self._example is None:
+            self._example = _export.example_inputs(self._program.get(), self._program.layout())
+        return self._example
+
+    def infer(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the model on inputs whose dynamic dimensions have one size each."""
+        if self._in_spec is not None:
+            return self._infer_program(inputs, kwargs)
+        # Typed calls skip the type inference Python does for an Any argument (~20 us a call).
+        if len(inputs) == 1 and type(inputs[0]) is torch.Tensor:
+            return self._infer(inputs[0])
+        if all(type(value) is torch.Tensor for value in inputs):
+            return self._infer_tensors(list(inputs))
+        return self._infer(tuple(inputs))
+
+    __call__ = infer
+
+    def _flat(self, inputs: tuple, kwargs: dict) -> list:
+        if self._positional and not kwargs and len(inputs) == self._in_spec.num_leaves:
+            return list(inputs)
+        flat, spec = pytree.tree_flatten((tuple(inputs), kwargs))
+        if spec != self._in_spec:
+            raise TypeError(f"PlanCache: the inputs' structure {spec} is not the exported program's {self._in_spec}")
+        return flat
+
+    def _structured(self, out: Any) -> Any:
+        """A plan's output in the program's output structure (TorchScript: as it is)."""
+        if self._out_spec is None:
+            return out
+        return pytree.tree_unflatten([out] if isinstance(out, torch.Tensor) else list(out), self._out_spec)
+
+    def _infer_program(self, inputs: tuple, kwargs: dict) -> Any:
+        return self._structured(self._infer_tensors(self._flat(inputs, kwargs)))
+
+    def infer_batch(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Any number of elements: split into calls of select_batch_size(remaining), outputs concatenated."""
+        if self._in_spec is None:
+            return self.script_object.infer_batch(tuple(inputs))
+        return self._structured(self.script_object.infer_batch(self._flat(inputs, kwargs)))
+
+    def preload(self, sizes: Iterable[Union[int, Sequence[int]]], example_inputs: Optional[Sequence[Any]] = None,
+                progress: bool = True) -> None:
+        """Build plans up front. sizes: batch sizes, or buckets (a size per dynamic dimension, batch first).
+        example_inputs (any sizes) give the other dimensions; default: an earlier call's inputs (an
+        exported program: its example inputs)."""
+        sizes = [int(n) if isinstance(n, int) else tuple(int(d) for d in n) for n in sizes]
+        if example_inputs is not None:
+            example = tuple(self._flat(tuple(example_inputs), {}) if self._in_spec is not None else example_inputs)
+        else:
+            example = tuple(self._example_inputs()) if self._in_spec is not None else None
+        iterator: Iterable = sizes
+        if progress:
+            from tqdm import tqdm
+            iterator = tqdm(sizes, desc="PlanCache.preload", unit="plan", leave=False, disable=None)
+        for n in iterator:
+            if isinstance(n, int):
+                self.script_object.preload([n], example)
+            else:
+                self.script_object.preload_buckets([list(n)], example)
+
+    def __contains__(self, batch_size: int) -> bool:
+        return int(batch_size) in self.script_object
+
+    def plan_module(self, batch_size: int) -> Optional[torch.jit.ScriptModule]:
+        """TorchScript: the plan's frozen, optimised module for batch_size, or None when not cached."""
+        module = self.script_object.plan_module(int(batch_size))
+        if module is None:
+            return None
+        return torch.jit._recursive.wrap_cpp_module(module._c if hasattr(module, "_c") else module)
+
+    def save(self, directory: Union[str, os.PathLike]) -> None:
+        """Write the plans and a manifest (every file's SHA-256) to directory: TorchScript, the frozen
+        module and an example row; an exported program, its packages and the program."""
+        self.script_object.save(os.fspath(directory))
+
+    def load(self, directory: Union[str, os.PathLike]) -> int:
+        """Load the plans a save() wrote to directory (checked against this cache's source and layout);
+        returns how many were loaded. TorchScript plans are re-optimised and warmed; an exported
+        program's packages load with no compile."""
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"PlanCache.load: {directory} is not a directory")
+        return int(self.script_object.load(directory))
+
+    def __repr__(self) -> str:
+        return (f"PlanCache(kind={self.kind()!r}, miss_mode={self.miss_mode!r}, plans={self.stats().plans}, "
+                f"buckets={self.cached_buckets()})")

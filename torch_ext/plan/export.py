@@ -1,0 +1,218 @@
+"""What a PlanCache of an exported program needs from Python.
+
+The C++ core loads and runs AOTInductor packages; Python knows the program. From a
+torch.export.ExportedProgram this module reads the layout the core needs (which input and
+output dimensions are dynamic, in which ranges), a fingerprint of the program, the example
+inputs builds start from, and provides the compiler (torch._inductor, in this process for
+builds a request waits for, in a separate one for background builds) and the source that runs
+a request no plan serves.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _compile
+
+# The options an exported program determines: passing them too would say the layout twice.
+DERIVED_OPTIONS = ("batch_dims", "output_batch_dims", "dims", "output_dims", "size_ranges")
+
+
+def _symbol(size: Any) -> Optional[str]:
+    """The symbol of a dynamic size (None for a static one); derived sizes (2*s0) are refused."""
+    if isinstance(size, int):
+        return None
+    expr = size.node.expr
+    if not expr.is_Symbol:
+        raise ValueError(f"PlanCache: a dimension of size {expr} depends on other dynamic sizes; the cache pads and "
+                         "slices each dynamic dimension on its own, so sizes must be plain Dims")
+    return str(expr)
+
+
+@dataclass
+class ProgramLayout:
+    """The program's dynamic dimensions, batch first, and where they are in inputs and outputs."""
+
+    symbols: list            # the dynamic dimensions' symbols, batch first
+    input_dims: list         # per flat input: {tensor dim: dynamic dimension}
+    output_dims: list        # per flat output: {tensor dim: dynamic dimension}
+    ranges: list             # per dynamic dimension: [min, max] (max 0: no limit)
+
+    def options(self) -> dict:
+        """The layout as PlanCacheOptions keywords."""
+        def per_position(maps: list, k: int) -> list:
+            return [next((d for d, kk in m.items() if kk == k), -1) for m in maps]
+
+        rank = len(self.symbols)
+        return dict(batch_dims=per_position(self.input_dims, 0), output_batch_dims=per_position(self.output_dims, 0),
+                    dims=[per_position(self.input_dims, k) for k in range(1, rank)],
+                    output_dims=[per_position(self.output_dims, k) for k in range(1, rank)],
+                    size_ranges=self.ranges)
+
+
+def program_layout(program: torch.export.ExportedProgram) -> ProgramLayout:
+    """Reads the dynamic dimensions from the program's placeholders and outputs: the batch is the
+    dynamic dimension of the first input that has one (its first dynamic tensor dimension), the
+    others follow in order of first appearance."""
+    user_inputs = set(program.graph_signature.user_inputs)
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+    output_node = next(n for n in program.graph.nodes if n.op == "output")
+    user_outputs = output_node.args[0][-len(program.graph_signature.user_outputs):]
+    symbols: list = []
+
+    def dims_of(values: Sequence, what: str) -> list:
+        out = []
+        for i, value in enumerate(values):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"PlanCache: {what} {i} of the exported program is a {type(value).__name__}; "
+                                "a plan takes and returns tensors")
+            found = {}
+            for d, size in enumerate(value.shape):
+                symbol = _symbol(size)
+                if symbol is None:
+                    continue
+                if symbol not in symbols:
+                    if what == "output":
+                        raise ValueError(f"PlanCache: output {i}'s dimension {d} has a size ({symbol}) no input has")
+                    symbols.append(symbol)
+                found[d] = symbols.index(symbol)
+            out.append(found)
+        return out
+
+    inputs = dims_of([n.meta["val"] for n in placeholders], "input")
+    if not symbols:
+        raise ValueError("PlanCache: the exported program has no dynamic dimension; export it with dynamic_shapes "
+                         "(torch.export.Dim) for the batch and any other dimension the cache should bucket")
+    outputs = dims_of([n.meta["val"] for n in user_outputs], "output")
+    for j, found in enumerate(outputs):
+        if 0 not in found.values():
+            raise ValueError(f"PlanCache: output {j} of the exported program has no batch dimension "
+                             f"({symbols[0]}); the cache slices and joins outputs along it")
+    ranges = []
+    by_name = {str(s): r for s, r in program.range_constraints.items()}
+    for symbol in symbols:
+        r = by_name.get(symbol)
+        lower = max(1, int(r.lower)) if r is not None else 1
+        upper = int(r.upper) if r is not None and r.upper.is_finite else 0
+        ranges.append([lower, upper])
+    return ProgramLayout(symbols, inputs, outputs, ranges)
+
+
+def fingerprint(program: torch.export.ExportedProgram) -> str:
+    """SHA-256 of what the program computes: its graph's code, call structure and every tensor it holds."""
+    h = hashlib.sha256()
+    h.update(program.graph_module.code.encode())
+    h.update(str(program.call_spec.in_spec).encode())
+    h.update(str(program.call_spec.out_spec).encode())
+    tensors = dict(program.state_dict)
+    tensors.update({f"constant:{k}": v for k, v in program.constants.items() if isinstance(v, torch.Tensor)})
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def example_inputs(program: torch.export.ExportedProgram, layout: ProgramLayout) -> list:
+    """Inputs at each dynamic dimension's smallest size (other sizes as the program has them), all
+    ones: valid token ids, attention masks that attend, finite floats."""
+    user_inputs = set(program.graph_signature.user_inputs)
+    values = [n.meta["val"] for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+    out = []
+    for value, dims in zip(values, layout.input_dims):
+        shape = [layout.ranges[dims[d]][0] if d in dims else int(size) for d, size in enumerate(value.shape)]
+        out.append(torch.ones(shape, dtype=value.dtype, device=value.device))
+    return out
+
+
+class Program:
+    """An exported program, loaded from its file on first use (a saved cache serves with no need
+    for it: its packages' call specs give the inputs' and outputs' structure). Thread-safe."""
+
+    def __init__(self, path: str, program: Optional[torch.export.ExportedProgram] = None,
+                 eager: Optional[torch.nn.Module] = None) -> None:
+        self.path, self._program, self._eager = path, program, eager
+        self._layout: Optional[ProgramLayout] = None
+        self._lock = threading.Lock()
+
+    def get(self) -> torch.export.ExportedProgram:
+        with self._lock:
+            if self._program is None:
+                self._program = torch.export.load(self.path)
+            return self._program
+
+    def layout(self) -> ProgramLayout:
+        program = self.get()
+        with self._lock:
+            if self._layout is None:
+                self._layout = program_layout(program)
+            return self._layout
+
+    def module(self) -> torch.nn.Module:
+        """The eager module given, else the program's."""
+        if self._eager is None:
+            program = self.get()
+            with self._lock:
+                if self._eager is None:
+                    self._eager = program.module()
+        return self._eager
+
+
+class Compiler:
+    """The compiler a cache calls for each package: in this process for builds a request waits for,
+    in a separate process for background builds. Holds nothing of the cache (no reference cycle)."""
+
+    def __init__(self, program: Program, inductor_configs: Optional[dict]) -> None:
+        self.program, self.inductor_configs = program, dict(inductor_configs or {})
+
+    def __call__(self, upper, lower, dynamic, example, package_path, background, cancelled) -> None:
+        dim_of = self.program.layout().input_dims
+        if background:
+            _compile.compile_in_subprocess(self.program.path, dim_of, upper, lower, dynamic, example, package_path,
+                                           self.inductor_configs, torch.get_num_threads(), cancelled)
+        else:
+            _compile.compile_bucket(self.program.get(), dim_of, upper, lower, dynamic, example, package_path,
+                                    self.inductor_configs)
+
+
+class Source:
+    """Runs a request no plan serves on the eager module (or the program's), flat in and flat out."""
+
+    def __init__(self, program: Program, in_spec: pytree.TreeSpec) -> None:
+        self.program, self.in_spec = program, in_spec
+
+    def __call__(self, *flat: torch.Tensor) -> Any:
+        args, kwargs = pytree.tree_unflatten(list(flat), self.in_spec)
+        with torch.no_grad():
+            outputs = pytree.tree_leaves(self.program.module()(*args, **kwargs))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def load_program(source: Any, example_inputs: Optional[Sequence], dynamic_shapes: Any,
+                 workdir: str) -> tuple[torch.export.ExportedProgram, str, Optional[torch.nn.Module], Optional[list]]:
+    """(program, path of its saved file, the eager module if one was given, flat example inputs)."""
+    module = None
+    example = None
+    if isinstance(source, torch.export.ExportedProgram):
+        program = source
+    elif isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        program = torch.export.load(path)
+        return program, path, None, None
+    else:
+        if example_inputs is None:
+            raise TypeError(f"PlanCache: {type(source).__name__} is not scripted; pass torch.jit.script(module), or "
+                            "example_inputs (and dynamic_shapes) to export it")
+        module = source
+        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+        example = pytree.tree_leaves(args)
+    path = os.path.join(workdir, "program.pt2")
+    torch.export.save(program, path)
+    return program, path, module, example
