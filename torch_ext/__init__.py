@@ -23,7 +23,7 @@ if not _LIBRARY.is_file():
     )
 torch.ops.load_library(str(_LIBRARY))
 
-from . import _C  # noqa: E402  (needs the core library loaded first)
+from . import _C  # noqa: E402, F401  (needs the core library loaded first)
 from . import cache, checkpointing, memory, paging, plan  # noqa: E402
 from .cache import LazyExecutor, NodeCache, lazy  # noqa: E402
 from .checkpointing import (  # noqa: E402
@@ -32,7 +32,7 @@ from .paging import LayerPager, SafetensorsSource, load_paged, page_weights, pag
 from .plan import Batcher, PlanCache  # noqa: E402
 
 __all__ = [
-    "library_path", "memory",
+    "__version__", "library_path", "memory",
     # segment checkpointing
     "checkpointing", "checkpoint", "checkpoint_call", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
     # weight paging

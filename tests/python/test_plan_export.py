@@ -7,10 +7,13 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.export import Dim
 
 from torch_ext import PlanCache
+
+# The masked encoder is the C++ restart test's (one definition for both).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "cpp", "plan_export"))
+from save_export_cache import MaskedEncoder  # noqa: E402
 
 # The wrapper's C++ at -O0: compiles take a fraction of the time, the kernels are unchanged.
 FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
@@ -30,22 +33,6 @@ class MLP(torch.nn.Module):
     def forward(self, x: torch.Tensor):
         y = self.fc2(torch.relu(self.fc1(x)))
         return y, y.sum(1)
-
-
-class MaskedEncoder(torch.nn.Module):
-    """Token ids and an attention mask (1: attend, 0: padding) to per-token logits."""
-
-    def __init__(self, vocab: int = 50, width: int = 16) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, width)
-        self.qkv = torch.nn.Linear(width, 3 * width)
-        self.out = torch.nn.Linear(width, 5)
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        attend = mask[:, None, :].to(torch.bool)
-        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=attend) + x)
 
 
 def x(n: int) -> torch.Tensor:
