@@ -14,6 +14,7 @@ from torch_ext import PlanCache
 # The masked encoder is the C++ restart test's (one definition for both).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "cpp", "plan_export"))
 from save_export_cache import MaskedEncoder  # noqa: E402
+from test_plan import Net as MLP  # noqa: E402  (pytest puts this folder on sys.path)
 
 # The wrapper's C++ at -O0: compiles take a fraction of the time, the kernels are unchanged.
 FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
@@ -22,17 +23,6 @@ FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}
 def close(got, want):
     # AOTInductor's fused kernels round differently from eager's: equal up to float rounding.
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(8, 16)
-        self.fc2 = torch.nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor):
-        y = self.fc2(torch.relu(self.fc1(x)))
-        return y, y.sum(1)
 
 
 def x(n: int) -> torch.Tensor:
