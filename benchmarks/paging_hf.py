@@ -4,7 +4,10 @@
              of 1xTOKENS tokens and a greedy generate() of NEW_TOKENS tokens, for the resident
              model, accelerate's cpu_offload, disk_offload and from_pretrained(device_map="auto",
              max_memory, offload_folder), and torch_ext.load_paged from the folder at 25% and 50%
-             budgets, copy and zero_copy.
+             budgets with its defaults (no option given).
+  bf16       the same GPT-2 saved in bf16 and served as fp32 (from_pretrained(dtype=float32), the
+             accelerate variants over it, load_paged(..., dtype=torch.float32) with its defaults);
+             budgets are 25% and 50% of the fp32 weights.
   training   one step (forward, backward, AdamW on the adapters) of LoRA adapters on every Conv1D,
              over the resident model and over torch_ext.load_paged at 25% and 50%.
 
@@ -34,7 +37,6 @@ FULL = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=102
             tokens=64, new_tokens=32, repeat=10, generate_repeat=2, train_repeat=5)
 QUICK = dict(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, n_positions=128, shard="200KB",
              tokens=16, new_tokens=8, repeat=3, generate_repeat=1, train_repeat=2)
-PREFETCH = 12  # tensors ahead: one GPT-2 block's 12 tensors
 # What a paged run's peak RSS may hold besides budget + largest tensor (docs/paging.md): the model's
 # Python objects, the forward's activations and logits at 1x64 tokens, generate()'s KV cache,
 # tensors under a page and allocator slack; for training also the adapters, their AdamW state and
@@ -59,23 +61,25 @@ def _build(variant: str, budget: int, folder: str, offload: str):
 
     import torch_ext
 
+    fp32 = dict(dtype=torch.float32)  # a bf16 folder is served as fp32 by every variant
     if variant == "resident":
-        return transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+        return transformers.GPT2LMHeadModel.from_pretrained(folder, **fp32).eval()
     if variant == "accelerate cpu_offload":
-        return accelerate.cpu_offload(transformers.GPT2LMHeadModel.from_pretrained(folder).eval(),
+        return accelerate.cpu_offload(transformers.GPT2LMHeadModel.from_pretrained(folder, **fp32).eval(),
                                       execution_device="cpu")
     if variant == "accelerate disk_offload":
         # On the meta device, then offloaded to an index pointing at the folder's own shards (no
         # copy of the weights, none loaded into memory first).
         config = transformers.AutoConfig.from_pretrained(folder)
         with accelerate.init_empty_weights():
-            model = transformers.GPT2LMHeadModel(config).eval()
+            model = transformers.GPT2LMHeadModel(config).float().eval()
         return accelerate.disk_offload(model, offload, execution_device="cpu")
     if variant == "accelerate device_map=auto":
         return transformers.GPT2LMHeadModel.from_pretrained(folder, device_map="auto", max_memory={"cpu": budget},
-                                                            offload_folder=offload).eval()
-    zero_copy = variant.endswith("zero_copy")
-    return torch_ext.load_paged(folder, budget, zero_copy=zero_copy, prefetch=PREFETCH)
+                                                            offload_folder=offload, **fp32).eval()
+    if variant == "torch_ext":  # the defaults: nothing but the budget (and the dtype to serve in)
+        return torch_ext.load_paged(folder, budget, **fp32)
+    raise ValueError(f"paging_hf: unknown variant {variant!r}")
 
 
 def _add_adapters(model, rank: int = 8):
@@ -191,8 +195,8 @@ class _Runs:
 
 # ------------------------------------------------------------------------ parent side
 
-def _write_model(folder: Path, sizes: dict) -> tuple[int, int]:
-    """GPT-2 from its config, saved sharded; (weight bytes, largest tensor bytes)."""
+def _write_model(folder: Path, sizes: dict, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """GPT-2 from its config, saved sharded in `dtype`; (fp32 weight bytes, largest fp32 tensor bytes)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import torch_ext
@@ -200,16 +204,17 @@ def _write_model(folder: Path, sizes: dict) -> tuple[int, int]:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=sizes["n_layer"], n_embd=sizes["n_embd"], n_head=sizes["n_head"],
                         vocab_size=sizes["vocab_size"], n_positions=sizes["n_positions"])
-    GPT2LMHeadModel(config).save_pretrained(folder, max_shard_size=sizes["shard"])
+    GPT2LMHeadModel(config).to(dtype).save_pretrained(folder, max_shard_size=sizes["shard"])
     source = torch_ext.SafetensorsSource(folder)
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     # disk_offload's index: every name the model uses, pointing at the folder's own shards.
-    offload = {name: {"safetensors_file": str(folder / shard), "weight_name": name, "dtype": "float32"}
+    offload = {name: {"safetensors_file": str(folder / shard), "weight_name": name, "dtype": str(dtype)[6:]}
                for name, shard in index.items()}
     offload["lm_head.weight"] = offload["transformer.wte.weight"]
     (folder.parent / "disk_offload").mkdir()
     (folder.parent / "disk_offload" / "index.json").write_text(json.dumps(offload))
-    return source.total_bytes(), max(source.nbytes(n) for n in source.names())
+    scale = 4 // dtype.itemsize
+    return source.total_bytes() * scale, max(source.nbytes(n) for n in source.names()) * scale
 
 
 class _Child:
@@ -268,14 +273,15 @@ def _variants(weights: int) -> list[tuple[str, int]]:
     quarter, half = weights // 4, weights // 2
     return [("resident", 0), ("accelerate cpu_offload", 0), ("accelerate disk_offload", 0),
             ("accelerate device_map=auto", quarter), ("accelerate device_map=auto", half),
-            ("torch_ext copy", quarter), ("torch_ext zero_copy", quarter),
-            ("torch_ext copy", half), ("torch_ext zero_copy", half)]
+            ("torch_ext", quarter), ("torch_ext", half)]
 
 
-def inference_report(results: list[dict], weights: int, largest: int, sizes: dict, command: str) -> Report:
-    report = Report("paging_hf" + ("_quick" if sizes is QUICK else ""),
+def inference_report(results: list[dict], weights: int, largest: int, sizes: dict, command: str,
+                     stored: str = "fp32") -> Report:
+    what = "fp32" if stored == "fp32" else f"a {stored} checkpoint served as fp32"
+    report = Report(("paging_hf" if stored == "fp32" else f"paging_hf_{stored}") + ("_quick" if sizes is QUICK else ""),
                     f"Weight paging: Hugging Face GPT-2 from a save_pretrained folder ({format_bytes(weights)} fp32, "
-                    f"{sizes['n_layer']} layers, width {sizes['n_embd']}), CPU, 1 torch thread",
+                    f"{sizes['n_layer']} layers, width {sizes['n_embd']}; {what}), CPU, 1 torch thread",
                     ["variant", "budget", f"time / forward 1x{sizes['tokens']} (median)", "vs resident",
                      f"generate {sizes['new_tokens']} tokens", "peak RSS (above start)", "set-up", "same output"],
                     command)
@@ -295,14 +301,18 @@ def inference_report(results: list[dict], weights: int, largest: int, sizes: dic
     ours = [r for r in results if r["variant"].startswith("torch_ext")]
     theirs = [r for r in results if r["variant"] in ACCELERATE]
     checks = []
-    for mode in ("zero_copy", "copy"):
-        rows = [r for r in ours if r["variant"] == f"torch_ext {mode}"]
-        for what, key in (("forward", "forward"), ("generate()", "generate")):
-            faster = [r for r in rows if r[key]["median_seconds"] < min(a[key]["median_seconds"] for a in theirs)]
-            checks.append((f"torch_ext {mode}: {what} faster than every accelerate variant at every budget"
-                           + ("" if len(faster) == len(rows) else
-                              f" (met only at: {', '.join(_budget_cell(r['budget'], weights) for r in faster) or 'none'})"),
-                           len(faster) == len(rows)))
+    for what, key in (("forward", "forward"), ("generate()", "generate")):
+        faster = [r for r in ours if r[key]["median_seconds"] < min(a[key]["median_seconds"] for a in theirs)]
+        checks.append((f"torch_ext (defaults): {what} faster than every accelerate variant at every budget"
+                       + ("" if len(faster) == len(ours) else
+                          f" (met only at: {', '.join(_budget_cell(r['budget'], weights) for r in faster) or 'none'})"),
+                       len(faster) == len(ours)))
+    lighter = [r for r in ours if all(r["peak_rss_above_start"] <= a["peak_rss_above_start"] for a in theirs
+                                      if a["budget"] in (0, r["budget"]))]
+    checks.append(("torch_ext (defaults): peak RSS at or below every accelerate variant's at its budget (and the "
+                   "unbudgeted cpu_offload and disk_offload)" + ("" if len(lighter) == len(ours) else " (NOT at: " +
+                   ", ".join(_budget_cell(r["budget"], weights) for r in ours if r not in lighter) + ")"),
+                   len(lighter) == len(ours)))
     checks += _memory_and_setup_checks(ours, largest)
     checks.append(("every variant's tokens and logits equal the resident model's",
                    all(row["cells"]["same output"] == "yes" for row in report.rows)))
@@ -315,19 +325,20 @@ def inference_report(results: list[dict], weights: int, largest: int, sizes: dic
         f"tokens (median), in rounds over all variants (every other round reversed), so drift on the shared "
         f"machine hits all alike. Peak RSS: VmHWM "
         f"after a reset before set-up, minus the RSS then (so the resident rows hold the whole model). The folder "
-        f"has {sizes['shard']} shards. torch_ext: prefetch {PREFETCH}, scan-resistant; the largest tensor (the tied "
-        f"embedding, {format_bytes(largest)}) is above the 25% budget and is loaded over budget. accelerate "
+        f"has {sizes['shard']} shards. torch_ext: load_paged's defaults (on the CPU: views of the mapped file where "
+        f"the file's dtype is the model's, converted copies where not; scan-resistant; prefetch 1); the largest "
+        f"tensor (the tied embedding, {format_bytes(largest)} in fp32) is above the 25% budget and is loaded over "
+        f"budget. accelerate "
         f"disk_offload reads the folder's own shards (an index pointing at them); device_map=auto gets "
         f"max_memory={{'cpu': budget}} and an offload folder. The machine is a shared 2-core VM: other work only adds "
         f"time; compare ratios within this run.")
-    report.notes.append("")
-    report.notes.append(
-        "Where the copy path loses: every forward copies (pread) the weights the budget cannot keep, about "
-        "75% or 50% of them, and a generate() step of one token computes little, so it is bound by that copy; "
-        "with one torch thread the prefetch thread overlaps it only on a core the machine leaves free, and at 25% "
-        "the tied embedding, larger than the budget, evicts everything else when it loads. cpu_offload keeps "
-        "every weight in memory (no budget: see its peak RSS) and device_map=auto keeps max_memory's share. "
-        "zero_copy maps the file's pages instead of copying them (docs/paging.md).")
+    if stored != "fp32":
+        report.notes.append("")
+        report.notes.append(
+            f"The folder holds {stored} weights ({format_bytes(weights // 2)}); every variant serves them as fp32. "
+            f"torch_ext converts each tensor as it is paged in (from the mapped file into memory of its own); the "
+            f"budget counts the converted, resident bytes. Every forward converts again the weights the budget "
+            f"cannot keep.")
     return report
 
 
@@ -390,9 +401,14 @@ def run(args, command: str) -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as folder:
         workdir = Path(folder)
         weights, largest = _write_model(workdir / "model", sizes)
-        inference = _interleaved(_variants(weights), workdir, sizes,
-                                 [("forward", 2, sizes["repeat"]), ("generate", 1, sizes["generate_repeat"])])
+        plan = [("forward", 2, sizes["repeat"]), ("generate", 1, sizes["generate_repeat"])]
+        inference = _interleaved(_variants(weights), workdir, sizes, plan)
         inference_report(inference, weights, largest, sizes, command).write()
+        with tempfile.TemporaryDirectory(dir=args.workdir) as bf16_folder:
+            bf16_workdir = Path(bf16_folder)
+            _write_model(bf16_workdir / "model", sizes, torch.bfloat16)
+            bf16 = _interleaved(_variants(weights), bf16_workdir, sizes, plan)
+            inference_report(bf16, weights, largest, sizes, command, stored="bf16").write()
         training_variants = [("resident", 0)] + [v for v in _variants(weights) if v[0].startswith("torch_ext")]
         training = _interleaved(training_variants, workdir, sizes, [("step", 1, sizes["train_repeat"])], train=True)
         training_report(training, weights, largest, sizes, command).write()

@@ -115,6 +115,7 @@ c10::intrusive_ptr<pg::LayerPager> make_pager(const c10::intrusive_ptr<pg::Safet
   options.policy = policy;
   options.prefetch = prefetch;
   options.pinned = std::move(pinned);
+  options.zero_copy = false;  // the copy path; zero_copy (the cpu default) has tests of its own
   return c10::make_intrusive<pg::LayerPager>(source, options);
 }
 
@@ -429,6 +430,57 @@ TEST(Paging, ZeroCopyServesTheMappedFileWithinTheBudget) {
   EXPECT_EQ(pager->stats().over_budget_loads, 0);
   options.device = c10::Device(c10::kMeta);
   expect_error([&] { c10::make_intrusive<pg::LayerPager>(source, options); }, {"zero_copy", "cpu"});
+}
+
+TEST(Paging, ZeroCopyIsTheCpuDefault) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(2, 1024)));
+  auto source = open(path);
+  pg::PagerOptions options;
+  options.budget_bytes = 1 << 20;
+  auto pager = c10::make_intrusive<pg::LayerPager>(source, options);
+  EXPECT_EQ(pager->options().zero_copy, std::optional<bool>(true));  // resolved
+  EXPECT_EQ(pager->acquire("t1").data_ptr(), source->view("t1").data_ptr());
+  options.zero_copy = false;
+  auto copier = c10::make_intrusive<pg::LayerPager>(source, options);
+  EXPECT_NE(copier->acquire("t1").data_ptr(), source->view("t1").data_ptr());
+  EXPECT_TRUE(at::equal(copier->acquire("t1"), pager->acquire("t1")));
+}
+
+TEST(Paging, DtypeConvertsTensorsAsTheyLoadAndTheBudgetCountsConvertedBytes) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes(layers(6, 256)));  // float32: 1024 bytes each, 512 in bfloat16
+  auto source = open(path);
+  pg::PagerOptions options;
+  options.budget_bytes = 3 * 512;
+  options.dtype = at::kBFloat16;
+  options.keep_float32 = {"t0"};
+  auto pager = c10::make_intrusive<pg::LayerPager>(source, options);
+  EXPECT_EQ(pager->stats().largest_tensor_bytes, 1024);  // t0, kept in float32
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int i = 1; i < 6; ++i) {
+      const std::string id = "t" + std::to_string(i);
+      at::Tensor t = pager->acquire(id);
+      EXPECT_EQ(t.scalar_type(), at::kBFloat16);
+      EXPECT_TRUE(at::equal(t, values(256, 1000.0f * i).to(at::kBFloat16)));
+      EXPECT_NE(t.data_ptr(), source->view(id).data_ptr());  // a converted copy, never a view
+      EXPECT_LE(pager->resident_bytes(), 3 * 512);
+    }
+  }
+  EXPECT_EQ(pager->resident_count(), 3);
+  EXPECT_EQ(pager->stats().bytes_loaded, 10 * 512);
+  at::Tensor kept = pager->acquire("t0");
+  EXPECT_EQ(kept.scalar_type(), at::kFloat);
+  EXPECT_EQ(kept.data_ptr(), source->view("t0").data_ptr());  // no conversion: still a view
+  options.zero_copy = false;  // the copy path converts too, into memory it owns
+  options.keep_float32 = {};
+  auto copier = c10::make_intrusive<pg::LayerPager>(source, options);
+  EXPECT_TRUE(at::equal(copier->acquire("t0"), values(256, 0.0f).to(at::kBFloat16)));
+  options.keep_float32 = {"nope"};
+  expect_error([&] { c10::make_intrusive<pg::LayerPager>(source, options); }, {"keep_float32", "nope"});
+  expect_error([&] { pg::parse_weight_dtype("int8", "dtype"); }, {"dtype", "'float32'", "'int8'"});
 }
 
 TEST(Paging, ConcurrentAcquiresLoadOnce) {

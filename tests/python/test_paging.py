@@ -260,6 +260,37 @@ def test_pager_bad_arguments(tmp_path):
         torch_ext.LayerPager(path, budget_bytes=1, device="meta")
 
 
+def test_the_budget_is_also_positional_and_any_integer_type_is_a_byte_count(tmp_path):
+    np = pytest.importorskip("numpy")
+    path = _layers(tmp_path, n=2)
+    assert torch_ext.LayerPager(path, 1 << 20).budget_bytes == 1 << 20          # the seed's spelling
+    assert torch_ext.LayerPager(path, "50%").budget_bytes == torch_ext.SafetensorsSource(path).total_bytes() // 2
+    for count in (np.int64(4096), np.uint32(4096), np.int16(2048), torch.tensor(4096)):
+        assert torch_ext.LayerPager(path, count).budget_bytes == int(count), type(count)
+    assert torch_ext.LayerPager(path, np.float32(4096.0)).budget_bytes == 4096
+    assert torch_ext.LayerPager(path, budget_bytes={"cpu": np.int64(2048)}).budget_bytes == 2048
+    with pytest.raises(TypeError, match="multiple values for argument 'budget_bytes'"):
+        torch_ext.LayerPager(path, 1, budget_bytes=2)
+    for bad, shown in ((object(), "builtins.object"), (np.array([1, 2]), "numpy.ndarray"), (b"1GB", "builtins.bytes")):
+        with pytest.raises(ValueError, match=f"budget_bytes=.*a {shown}.* is not a byte budget: expected an int or "
+                                             f"float of bytes.*\"1GB\".*__index__"):
+            torch_ext.LayerPager(path, bad)
+
+
+def test_dtype_converts_as_it_pages_and_zero_copy_is_the_cpu_default(tmp_path):
+    path = _layers(tmp_path, n=3)
+    source = torch_ext.SafetensorsSource(path)
+    pager = torch_ext.LayerPager(path, source.total_bytes())
+    assert pager.zero_copy and pager.dtype is None and pager.acquire("t1").data_ptr() == pager.source.view("t1").data_ptr()
+    half = torch_ext.LayerPager(path, "100%", dtype=torch.float16, prefetch=0)
+    assert half.dtype == "float16" and half.budget_bytes == source.total_bytes() // 2   # "100%" of what is resident
+    for name in source.names():
+        assert torch.equal(half.acquire(name), source.load(name).half())
+    assert half.resident_bytes() == source.total_bytes() // 2
+    with pytest.raises(ValueError, match=r"dtype: expected one of 'float32', 'float16', 'bfloat16', 'float64'.*'int8'"):
+        torch_ext.LayerPager(path, 1, dtype=torch.int8)
+
+
 def test_torchscript_front_door(tmp_path):
     path = _layers(tmp_path, n=3)
 
@@ -478,8 +509,9 @@ def test_mismatches_raise_and_leave_the_model_untouched(tmp_path, gpt_file):
                            r"'blocks\.1\.mlp\.fc\.bias'.*missing"),
         "shape": ({**{k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
                    "blocks.0.ln_1.weight": torch.ones(3)}, r"'blocks\.0\.ln_1\.weight' has shape \(3,\)"),
+        # (a floating-point tensor in another floating-point dtype is converted as it is paged in)
         "dtype": ({**{k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-                   "ln_f.bias": torch.zeros(CONFIG.n_embd, dtype=torch.float16)}, r"'ln_f\.bias' is torch\.float16"),
+                   "ln_f.bias": torch.zeros(CONFIG.n_embd, dtype=torch.int32)}, r"'ln_f\.bias' is torch\.int32"),
     }
     for case, (tensors, pattern) in cases.items():
         file = tmp_path / f"{case.replace(' ', '_')}.safetensors"

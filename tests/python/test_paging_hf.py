@@ -346,7 +346,8 @@ def test_peft_lora_over_paged_weights_gives_the_resident_gradients(gpt2, tokens)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         paged_loss, paged_grads = step(model)
-    assert [str(w.message) for w in caught] == []
+    # peft 0.21.2 calls transformers 5.23's deprecated is_gradient_checkpointing: its warning, not ours
+    assert [str(w.message) for w in caught if not str(w.message).startswith("`is_gradient_checkpointing`")] == []
     torch.testing.assert_close(paged_loss, loss, rtol=0, atol=0)
     assert paged_grads.keys() == grads.keys() and len(grads) == 2 * 4 * 3
     for name in grads:

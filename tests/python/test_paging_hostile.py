@@ -141,7 +141,7 @@ def test_truncated_after_open_raises_instead_of_sigbus(tmp_path):
         path = {str(path)!r}
         source = torch_ext.SafetensorsSource(path)
         pager = torch_ext.LayerPager(source, budget_bytes=1 << 20, zero_copy=True, prefetch=0)
-        copier = torch_ext.LayerPager(source, budget_bytes=1 << 20, prefetch=0)
+        copier = torch_ext.LayerPager(source, budget_bytes=1 << 20, prefetch=0, zero_copy=False)
         os.truncate(path, 100)
         calls = {{"view": lambda: source.view("b"), "load": lambda: source.load("b"),
                  "zero_copy acquire": lambda: pager.acquire("b"), "acquire": lambda: copier.acquire("b")}}

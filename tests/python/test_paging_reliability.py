@@ -99,7 +99,7 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 def peak_above(**options):
-    pager = torch_ext.LayerPager({str(path)!r}, budget_bytes=16 << 20, prefetch=0, **options)
+    pager = torch_ext.LayerPager({str(path)!r}, budget_bytes=16 << 20, prefetch=0, zero_copy=False, **options)
     start, peak = rss(), 0
     for _ in range(2):
         for i in range(24):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -33,9 +34,13 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
     AutoModelForCausalLM, else AutoModel) from the config, in `dtype` (default: the file's).
     device: where the weights are used (the pager's device; buffers go there too).
     options: page_weights' (pinned, buffers, key_map, strip_prefix, add_prefix) and the pager's
-    (prefetch, zero_copy, policy, ...). Checkpoint keys are found with or without the model's
-    base_model_prefix ("transformer." for GPT-2); tied weights are one pager entry, the file may
-    omit the tied copy. Nothing but the files' headers (and persistent buffers) is read."""
+    (prefetch, zero_copy, policy, ...). A transformers model's checkpoint keys are mapped to its
+    parameters by transformers' own loading machinery (its renames and checkpoint conversion
+    mappings, with or without the base_model_prefix); a parameter transformers builds by
+    transforming tensors (fusing or splitting them) cannot be paged from the file and is refused,
+    naming it and the conversion. Tied weights are one pager entry, the file may omit the tied
+    copy. A file stored in another dtype than `dtype` is converted as it is paged in. Nothing but
+    the files' headers (and persistent buffers) is read."""
     source_path, folder = _locate(path)
     source = SafetensorsSource(source_path)
     if model_fn is None:
@@ -51,8 +56,8 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
             model = model_fn()
         if not isinstance(model, nn.Module):
             raise TypeError(f"load_paged: model_fn returned {type(model).__name__}, not an nn.Module")
-    if not any(key in options for key in ("key_map", "strip_prefix", "add_prefix")):
-        options["key_map"] = _prefix_tolerant_keys(source, getattr(model, "base_model_prefix", "") or "")
+    if not any(key in options for key in ("key_map", "strip_prefix", "add_prefix")) and _is_transformers_model(model):
+        options["key_map"] = transformers_checkpoint_keys(model, source)
     _load_buffers(model, source, options.get("key_map"), torch.device(device), read=not options.get("buffers"))
     page_weights(model, source, budget_bytes, device=device, **options)
     return model.eval()
@@ -89,7 +94,7 @@ def _from_config(folder: Path, dtype: torch.dtype | None) -> nn.Module:
         import transformers
     except ImportError as error:
         raise RuntimeError(f"load_paged: building the model of {config_file} needs transformers "
-                           f"(pip install transformers==5.17.0), or pass model_fn=... to build it yourself") from error
+                           f"(pip install transformers==5.23.0), or pass model_fn=... to build it yourself") from error
     config = transformers.AutoConfig.from_pretrained(folder)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     with parameters_on_meta():
@@ -100,10 +105,27 @@ def _from_config(folder: Path, dtype: torch.dtype | None) -> nn.Module:
                 model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
             except ValueError:
                 model = transformers.AutoModel.from_config(config, dtype=dtype)
+    _keep_in_float32(model, dtype)
     generation_file = folder / "generation_config.json"
     if generation_file.is_file() and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     return model
+
+
+def _keep_in_float32(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Parameters from_pretrained keeps in float32 in a model of `dtype` (transformers' dtype plan:
+    _keep_in_fp32_modules in float16, _keep_in_fp32_modules_strict in float16 and bfloat16) are
+    made float32 here too, matched by transformers' own patterns."""
+    plan = model._get_dtype_plan(dtype) if dtype is not None and hasattr(model, "_get_dtype_plan") else {}
+    if not plan:
+        return
+    from transformers.core_model_loading import build_glob_alternation
+
+    alternation, group_patterns, _ = build_glob_alternation(list(plan))
+    for name, param in model.named_parameters():
+        match = alternation.search(name)
+        if match is not None:
+            param.data = param.data.to(plan[group_patterns[match.lastgroup]])
 
 
 @contextlib.contextmanager
@@ -129,15 +151,45 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def _prefix_tolerant_keys(source: SafetensorsSource, prefix: str) -> Callable[[str], str]:
-    """A parameter name's checkpoint key: the name, else the name without or with the model's
-    base_model_prefix (checkpoints of a base model loaded into a model with a head, or back)."""
-    def key(name: str) -> str:
-        candidates = [name]
-        if prefix:
-            candidates += [name[len(prefix) + 1:]] if name.startswith(prefix + ".") else [f"{prefix}.{name}"]
-        return next((c for c in candidates if c in source), name)
-    return key
+def _is_transformers_model(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource) -> dict[str, str]:
+    """{parameter or buffer name: checkpoint key} as from_pretrained maps them: each key of the
+    source is renamed by transformers' own machinery (the model's checkpoint conversion mapping,
+    legacy renames, base_model_prefix added or removed). Names not in the result keep their own
+    name. Raises naming the parameter and the conversion when the model's tensors are made by a
+    conversion that transforms stored tensors (a fused or split tensor is not one stored tensor)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    expected = model.state_dict(keep_vars=True)
+    prefix = getattr(model, "base_model_prefix", "") or None
+    keys: dict[str, str] = {}
+    converted: dict[str, tuple[Any, list[str]]] = {}
+    for key in source.names():
+        name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+        if pattern is None:
+            if name in expected:
+                keys.setdefault(name, key)
+        else:
+            converted.setdefault(name, (next(c for c in converters if pattern in c.source_patterns), []))[1].append(key)
+    stored = set(keys) | {name for name in expected if name in source}
+    for name, (converter, from_keys) in converted.items():
+        if name in expected and name not in stored:
+            shown = ", ".join(repr(k) for k in from_keys[:4]) + (", ..." if len(from_keys) > 4 else "")
+            raise ValueError(
+                f"load_paged: parameter {name!r} of {type(model).__name__} is made by transformers' checkpoint "
+                f"conversion {converter!r} from {shown} of {source.path()}: a tensor transformers fuses or splits "
+                f"while loading is not stored in the file, so it cannot be paged from it. Load the model with "
+                f"from_pretrained and save it with save_pretrained(folder, save_original_format=False), whose "
+                f"files hold the converted tensors, then load_paged that folder")
+    return keys
 
 
 def _load_buffers(model: nn.Module, source: SafetensorsSource, key_map: Any, device: torch.device, read: bool) -> None:

@@ -99,7 +99,12 @@ def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike
     pinned: parameter or module names whose tensors are never evicted. budget_bytes: an int or
     float of bytes, "1GB", "512MiB", "30%" (of the source's bytes) or a max_memory-style dict by
     device ({"cpu": "1GB"}). Other keyword options are the pager's (LayerPager: policy, prefetch,
-    device, zero_copy, ...). Everything is validated before the model is changed.
+    device, zero_copy, dtype, ...). Everything is validated before the model is changed.
+
+    A floating-point tensor stored in another floating-point dtype than the model's is converted
+    as it is paged in (the pager's dtype option, set from the model; all floating-point tensors
+    convert to one dtype): the budget counts converted bytes, and converted tensors are copies
+    where the others are views of the mapped file (zero_copy, the cpu default).
 
     Paged parameters become PagedParameter placeholders (meta storage; `device` reports the
     pager's device) with requires_grad=False: paged weights are frozen. Gradients flow through
@@ -116,7 +121,8 @@ def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike
     to_key = _key_function(key_map, strip_prefix, add_prefix)
     source = source if isinstance(source, SafetensorsSource) else SafetensorsSource(source)
     names_of, tensors = _named_tensors(model, buffers)
-    key_of = _checkpoint_keys(model, source, names_of, tensors, to_key)
+    key_of, floating = _checkpoint_keys(model, source, names_of, tensors, to_key)
+    options.update(_conversion_options(model, source, floating, options))
     pinned_keys = _pinned_keys(model, pinned, {n: key_of[tid] for tid, names in names_of.items() for n in names})
     pager = LayerPager(source, budget_bytes=budget_bytes, pinned=pinned_keys, **options)
     # Validation is over: from here on nothing raises, so the model is never left half-paged.
@@ -143,10 +149,13 @@ def _named_tensors(model: nn.Module, buffers: bool) -> tuple[dict[int, list[str]
 
 
 def _checkpoint_keys(model: nn.Module, source: SafetensorsSource, names_of: dict, tensors: dict,
-                     to_key: Callable[[str], str]) -> dict[int, str]:
-    """The checkpoint key of each tensor; raises naming every tensor that is missing from the
-    source or stored with another dtype or shape."""
+                     to_key: Callable[[str], str]) -> tuple[dict[int, str], dict[str, torch.dtype]]:
+    """The checkpoint key of each tensor, and the model's dtype of each floating-point one stored
+    in a floating-point dtype (the pager converts those, see _conversion_options). Raises naming
+    every tensor that is missing from the source, or stored with another shape or a dtype no
+    conversion turns into the model's."""
     key_of: dict[int, str] = {}
+    floating: dict[str, torch.dtype] = {}
     problems: list[str] = []
     for tid, names in names_of.items():
         tensor, kind = tensors[tid]
@@ -158,18 +167,52 @@ def _checkpoint_keys(model: nn.Module, source: SafetensorsSource, names_of: dict
             problems.append(f"{kind} {names[0]!r} (checkpoint key {keys[0]!r}) is missing")
             continue
         stored = source.meta(key)
-        if stored.dtype != tensor.dtype:
+        if stored.dtype.is_floating_point and tensor.dtype.is_floating_point:
+            floating[key] = tensor.dtype
+        elif stored.dtype != tensor.dtype:
             problems.append(f"tensor {key!r} is {stored.dtype} in the file, {tensor.dtype} in the model ({names[0]})")
         if stored.shape != tensor.shape:
             problems.append(f"tensor {key!r} has shape {tuple(stored.shape)} in the file, "
                             f"{tuple(tensor.shape)} in the model ({names[0]})")
         key_of[tid] = key
     if problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise ValueError(f"page_weights: {source.path()} does not match {type(model).__name__}: {shown}")
+        _refuse(model, source, problems)
     if not key_of:
         raise ValueError(f"page_weights: {type(model).__name__} has no parameters to page")
-    return key_of
+    return key_of, floating
+
+
+def _refuse(model: nn.Module, source: SafetensorsSource, problems: list[str]) -> None:
+    shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+    raise ValueError(f"page_weights: {source.path()} does not match {type(model).__name__}: {shown}")
+
+
+def _conversion_options(model: nn.Module, source: SafetensorsSource, floating: dict[str, torch.dtype],
+                        options: dict[str, Any]) -> dict[str, Any]:
+    """The pager's dtype and keep_float32 options that serve each floating-point tensor in the
+    model's dtype: none when the file holds the model's dtypes, else the model's dtype, with the
+    tensors it keeps in float32 (a float16 T5's `wo`) listed. Options the caller gave are checked."""
+    def served(key: str, dtype: Any, keep: set[str]) -> torch.dtype:
+        if key in keep:
+            return torch.float32
+        return getattr(torch, dtype) if isinstance(dtype, str) else dtype or source.dtype(key)
+
+    if "dtype" in options or "keep_float32" in options:
+        dtype, keep, chosen = options.get("dtype"), set(options.get("keep_float32", ())), {}
+    else:
+        dtype, keep, chosen = None, set(), {}
+        wanted = set(floating.values())
+        if any(source.dtype(key) != want for key, want in floating.items()) and \
+                (len(wanted) == 1 or (len(wanted) == 2 and torch.float32 in wanted)):
+            dtype = (wanted - {torch.float32} or wanted).pop()
+            keep = {key for key, want in floating.items() if want != dtype}
+            chosen = {"dtype": dtype, "keep_float32": sorted(keep)}
+    problems = [f"tensor {key!r} is {source.dtype(key)} in the file, {want} in the model, and the pager serves it in "
+                f"{served(key, dtype, keep)}" for key, want in floating.items() if served(key, dtype, keep) != want]
+    if problems:
+        _refuse(model, source, problems + ["the pager converts floating-point tensors to one dtype (its dtype "
+                                           "option), or to float32 (keep_float32)"])
+    return chosen
 
 
 def _pinned_keys(model: nn.Module, pinned: Iterable[str], name_to_key: dict[str, str]) -> list[str]:

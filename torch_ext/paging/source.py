@@ -2,6 +2,8 @@
 (torch.classes.torch_ext.*, csrc/torch_ext/paging/), and budgets in the ecosystem's spellings."""
 from __future__ import annotations
 
+import numbers
+import operator
 import os
 import warnings
 from typing import Any, Mapping
@@ -50,12 +52,19 @@ class LayerPager(ScriptObjectFace):
     option as a property. source: a SafetensorsSource or the path of one. Keyword options are those
     of the C++ PagerOptions: budget_bytes (an int or float of bytes, "1GB", "512MiB", "30%", or a
     max_memory-style dict of those by device, see resolve_budget), pinned, policy, prefetch, device,
-    zero_copy, own_buffers, wait_timeout_seconds. Thread-safe and fork-safe (docs/paging.md)."""
+    zero_copy, dtype, own_buffers, wait_timeout_seconds. budget_bytes may also be given as the
+    second positional argument: LayerPager(path, 1 << 30). Thread-safe and fork-safe
+    (docs/paging.md)."""
 
-    def __init__(self, source: SafetensorsSource | str | os.PathLike, **options: Any) -> None:
+    def __init__(self, source: SafetensorsSource | str | os.PathLike, budget_bytes: Any = None,
+                 **options: Any) -> None:
         self.source = source if isinstance(source, SafetensorsSource) else SafetensorsSource(source)
+        if budget_bytes is not None:
+            options["budget_bytes"] = budget_bytes
         if "budget_bytes" in options:
             options["budget_bytes"] = resolve_budget(options["budget_bytes"], options.get("device", "cpu"))
+        if isinstance(options.get("dtype"), torch.dtype):
+            options["dtype"] = str(options["dtype"]).removeprefix("torch.")
         options = {name: _as_script_value(value) for name, value in options.items()}
         self.script_object = torch.classes.torch_ext.LayerPager(self.source.script_object, **options)
         stats = self.script_object.stats()
@@ -80,10 +89,11 @@ _SPELLINGS = ("an int or float of bytes, a string such as \"1GB\", \"512MiB\" or
 def resolve_budget(budget: Any, device: Any = "cpu") -> int | float | str:
     """The budget for a pager on `device`: budget itself, or, for a max_memory-style dict (keys:
     "cpu", an accelerator index such as 0, "cuda:0", a torch.device; "disk" is ignored), the entry
-    of the pager's device. The value is parsed by the C++ option (ByteBudget), which rejects bad
-    spellings naming budget_bytes, whose message lists the spellings."""
+    of the pager's device. Any integer type with __index__ (numpy's included) is a byte count, any
+    real number type a float of bytes. The value is parsed by the C++ option (ByteBudget), which
+    rejects bad spellings naming budget_bytes, whose message lists the spellings."""
     if not isinstance(budget, Mapping):
-        return budget
+        return _plain_budget(budget)
     try:
         target = _device_key(device, torch.device(device).type)
     except (RuntimeError, TypeError, ValueError) as error:
@@ -99,12 +109,25 @@ def resolve_budget(budget: Any, device: Any = "cpu") -> int | float | str:
                              f"accelerator index (0) or a device string (\"cuda:0\"), e.g. {{0: \"2GiB\", "
                              f"\"cpu\": \"8GB\"}}") from None
         if key_device == target:
-            found.append(value)
+            found.append(_plain_budget(value))
     if len(found) != 1:
         what = "no entry" if not found else "several entries"
         raise ValueError(f"budget_bytes: the dict {dict(budget)!r} has {what} for the pager's device "
                          f"{torch.device(device)} (pass device=... to page on another device); expected {_SPELLINGS}")
     return found[0]  # checked by ByteBudget like any budget
+
+
+def _plain_budget(budget: Any) -> int | float | str:
+    """A budget as one of the types the C++ option reads: int, float or str."""
+    if isinstance(budget, (bool, int, float, str)):
+        return budget  # bool: rejected by the C++ parser like any other non-budget, naming its type
+    if hasattr(type(budget), "__index__"):
+        return operator.index(budget)
+    if isinstance(budget, numbers.Real):
+        return float(budget)
+    raise ValueError(f"LayerPager: budget_bytes={budget!r} (a {type(budget).__module__}.{type(budget).__qualname__}) "
+                     f"is not a byte budget: expected {_SPELLINGS}; any integer type with __index__ (numpy's "
+                     f"included) is a count of bytes")
 
 
 def _device_key(device: Any, accelerator: str) -> tuple[str, int | None]:

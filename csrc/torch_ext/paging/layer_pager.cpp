@@ -41,6 +41,28 @@ EvictionPolicy parse_policy(const std::string& name) {
   TORCH_CHECK_VALUE(false, "LayerPager: unknown policy \"", name, "\" (expected \"lru\", \"scan_resistant\" or \"auto\")");
 }
 
+namespace {
+
+constexpr std::pair<const char*, c10::ScalarType> kWeightDtypes[] = {
+    {"float32", c10::kFloat}, {"float16", c10::kHalf}, {"bfloat16", c10::kBFloat16}, {"float64", c10::kDouble}};
+
+}  // namespace
+
+c10::ScalarType parse_weight_dtype(const std::string& name, const std::string& option) {
+  for (const auto& [known, dtype] : kWeightDtypes) {
+    if (name == known) return dtype;
+  }
+  TORCH_CHECK_VALUE(false, option, ": expected one of 'float32', 'float16', 'bfloat16', 'float64' (or None), got '",
+                    name, "'");
+}
+
+std::string weight_dtype_name(c10::ScalarType dtype) {
+  for (const auto& [name, known] : kWeightDtypes) {
+    if (dtype == known) return name;
+  }
+  TORCH_CHECK(false, "no weight dtype name for ", c10::toString(dtype));
+}
+
 std::string policy_name(EvictionPolicy policy) {
   switch (policy) {
     case EvictionPolicy::LRU: return "lru";
@@ -125,7 +147,7 @@ void PagerOptions::validate(const std::string& owner) const {
   TORCH_CHECK_VALUE(prefetch >= 0, owner, ": prefetch must be >= 0, got ", prefetch);
   TORCH_CHECK_VALUE(wait_timeout_seconds > 0 && std::isfinite(wait_timeout_seconds), owner,
                     ": wait_timeout_seconds must be a positive number, got ", wait_timeout_seconds);
-  TORCH_CHECK_VALUE(!zero_copy || device.type() == c10::kCPU, owner,
+  TORCH_CHECK_VALUE(!zero_copy.value_or(false) || device.type() == c10::kCPU, owner,
               ": zero_copy serves views of a mapped file and needs device cpu, got ", device.str());
 }
 
@@ -170,10 +192,27 @@ LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions opti
   options_.validate(owner);
   int64_t source_bytes = 0;
   std::string largest;
+  TORCH_CHECK(!options_.zero_copy.value_or(false) || source_->supports_views(), owner,
+              ": zero_copy needs a source with views");
+  options_.zero_copy = options_.zero_copy.value_or(options_.device.type() == c10::kCPU && source_->supports_views());
+  bool copies = false;
+  const std::unordered_set<std::string> float32(options_.keep_float32.begin(), options_.keep_float32.end());
+  for (const auto& id : float32) {
+    TORCH_CHECK_VALUE(source_->contains(id), owner, ": keep_float32 names \"", id, "\", which is not in the source");
+  }
   for (const auto& name : source_->names()) {
+    const TensorInfo& info = source_->info(name);
     Entry e;
     e.id = name;
-    e.nbytes = source_->info(name).nbytes;
+    e.dtype = info.dtype;
+    if (c10::isFloatingType(info.dtype) && float32.count(name)) {
+      e.dtype = c10::kFloat;
+    } else if (c10::isFloatingType(info.dtype) && options_.dtype) {
+      e.dtype = *options_.dtype;
+    }
+    e.view = *options_.zero_copy && e.dtype == info.dtype;
+    copies = copies || !e.view;
+    e.nbytes = e.dtype == info.dtype ? info.nbytes : info.nbytes / c10::elementSize(info.dtype) * c10::elementSize(e.dtype);
     source_bytes += e.nbytes;
     if (e.nbytes > stats_.largest_tensor_bytes) {
       stats_.largest_tensor_bytes = e.nbytes;
@@ -194,7 +233,6 @@ LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions opti
     it->second.pinned = true;
   }
   stats_.pinned_over_budget = pinned_bytes > budget_;
-  TORCH_CHECK(!options_.zero_copy || source_->supports_views(), owner, ": zero_copy needs a source with views");
   if (options_.device.type() != c10::kCPU) {
     try {
       c10::impl::VirtualGuardImpl impl(options_.device.type());
@@ -205,7 +243,7 @@ LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions opti
                   " cannot be a target (it needs streams for the copies): ", e.what_without_backtrace());
     }
   }
-  recycle_ = options_.device.type() == c10::kCPU && !options_.zero_copy && source_->reads_into_any_buffer();
+  recycle_ = options_.device.type() == c10::kCPU && copies && source_->reads_into_any_buffer();
   stats_.budget_below_largest_tensor = budget_ < stats_.largest_tensor_bytes;
   if (stats_.budget_below_largest_tensor) {
     TORCH_WARN(owner, ": budget_bytes=", budget_, " is smaller than the largest tensor, \"", largest, "\" (",
@@ -350,7 +388,7 @@ at::Tensor LayerPager::acquire(const std::string& id) {
     at::Tensor tensor;
     std::exception_ptr error;
     try {
-      tensor = load(id, std::move(recycled));
+      tensor = load(e, std::move(recycled));
     } catch (...) {
       error = std::current_exception();
     }
@@ -404,59 +442,73 @@ void LayerPager::finish_load_locked(Entry& e, at::Tensor tensor, std::exception_
   loaded_.notify_all();
 }
 
-at::Tensor LayerPager::read_into_own_pages(const std::string& id) {
-  const TensorInfo& info = source_->info(id);
+namespace {
+
+// A tensor over anonymous pages of its own, unmapped when it dies; undefined when the system
+// refuses the mapping (out of memory, or vm.max_map_count mappings reached with many resident
+// tensors): c10's allocator may still serve it.
+at::Tensor own_pages(const std::vector<int64_t>& shape, c10::ScalarType dtype, int64_t nbytes) {
   const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  const size_t length = (static_cast<size_t>(info.nbytes) + page - 1) / page * page;
+  const size_t length = (static_cast<size_t>(nbytes) + page - 1) / page * page;
   void* data = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  // Refused (out of memory, or vm.max_map_count mappings reached with many resident tensors):
-  // c10's allocator may still serve it.
-  if (data == MAP_FAILED) return source_->load(id, /*pin_memory=*/false);
+  if (data == MAP_FAILED) return at::Tensor();
   auto* pages = new OwnPages{data, length};
   at::Tensor out;
   try {
-    out = at::for_blob(data, info.shape)
-              .context(pages, &free_own_pages)
-              .options(at::TensorOptions().dtype(info.dtype))
-              .make_tensor();
+    out = at::for_blob(data, shape).context(pages, &free_own_pages).options(at::TensorOptions().dtype(dtype)).make_tensor();
   } catch (...) {
     free_own_pages(pages);
     throw;
   }
   if (length >= (4u << 20)) ::madvise(data, length, MADV_HUGEPAGE);  // advisory: 2 MiB faults
-  source_->read_into(id, data);  // on error `out` unmaps the pages
   return out;
 }
 
-at::Tensor LayerPager::load(const std::string& id, at::Tensor recycled) {
-  if (options_.zero_copy) {
-    at::Tensor view = source_->view(id);
-    source_->populate(id);
+}  // namespace
+
+at::Tensor LayerPager::load_on_cpu(const Entry& e, at::Tensor recycled) {
+  const TensorInfo& info = source_->info(e.id);
+  at::Tensor out;
+  if (recycled.defined()) {
+    // Reuse an evicted tensor's memory: no fresh pages to fault in and zero.
+    out = at::empty({0}, at::TensorOptions().dtype(e.dtype));
+    out.set_(recycled.storage(), 0, info.shape);
+  } else if (options_.own_buffers && source_->reads_into_any_buffer() && e.nbytes >= ::sysconf(_SC_PAGESIZE)) {
+    out = own_pages(info.shape, e.dtype, e.nbytes);
+  }
+  if (e.dtype != info.dtype) {
+    // Converted from the mapped file's pages, which go back to the system afterwards; a source
+    // without views reads a copy in the stored dtype first.
+    if (!out.defined()) out = at::empty(info.shape, at::TensorOptions().dtype(e.dtype));
+    if (source_->supports_views()) {
+      out.copy_(source_->view(e.id));
+      source_->release_pages(e.id);
+    } else {
+      out.copy_(source_->load(e.id, /*pin_memory=*/false));
+    }
+    return out;
+  }
+  if (!out.defined()) return source_->load(e.id, /*pin_memory=*/false);
+  source_->read_into(e.id, out.data_ptr());  // on error `out` frees its memory
+  return out;
+}
+
+at::Tensor LayerPager::load(const Entry& e, at::Tensor recycled) {
+  if (e.view) {
+    at::Tensor view = source_->view(e.id);
+    source_->populate(e.id);
     return view;
   }
-  if (options_.device.type() == c10::kCPU) {
-    if (recycled.defined()) {
-      // Reuse an evicted tensor's memory: no fresh pages to fault in and zero.
-      const TensorInfo& info = source_->info(id);
-      at::Tensor out = at::empty({0}, at::TensorOptions().dtype(info.dtype));
-      out.set_(recycled.storage(), 0, info.shape);
-      recycled = at::Tensor();
-      source_->read_into(id, out.data_ptr());
-      return out;
-    }
-    if (options_.own_buffers && source_->reads_into_any_buffer() && source_->info(id).nbytes >= ::sysconf(_SC_PAGESIZE)) {
-      return read_into_own_pages(id);
-    }
-    return source_->load(id, /*pin_memory=*/false);
-  }
-  // Pinned staging buffer, then a non-blocking copy on the side stream. The destination is
-  // allocated on that stream too, so the allocator orders the copy after earlier uses of the
-  // memory on it; acquire() records each caller's stream on the tensor for its later reuse.
-  at::Tensor staging = source_->load(id, /*pin_memory=*/true);
+  if (options_.device.type() == c10::kCPU) return load_on_cpu(e, std::move(recycled));
+  // Pinned staging buffer, then a non-blocking copy (converting to the entry's dtype) on the side
+  // stream. The destination is allocated on that stream too, so the allocator orders the copy
+  // after earlier uses of the memory on it; acquire() records each caller's stream on the tensor
+  // for its later reuse.
+  at::Tensor staging = source_->load(e.id, /*pin_memory=*/true);
   at::Tensor out;
   {
     c10::StreamGuard guard(*copy_stream_);
-    out = at::empty(staging.sizes(), staging.options().pinned_memory(false).device(options_.device));
+    out = at::empty(staging.sizes(), staging.options().pinned_memory(false).device(options_.device).dtype(e.dtype));
     out.copy_(staging, /*non_blocking=*/true);
     c10::Event done(options_.device.type());
     done.record(*copy_stream_);
@@ -498,7 +550,7 @@ bool LayerPager::advance_cursor_locked(const std::string& id) {
 void LayerPager::evict_locked(Entry& e, std::vector<at::Tensor>& dead) {
   if (e.tensor.defined()) dead.push_back(std::move(e.tensor));
   e.tensor = at::Tensor();
-  if (options_.zero_copy) source_->release_pages(e.id);
+  if (e.view) source_->release_pages(e.id);
   e.state = State::Absent;
   e.prefetched = false;
   resident_bytes_ -= e.nbytes;
@@ -628,7 +680,7 @@ void LayerPager::prefetch_ahead_locked(std::unique_lock<std::mutex>& lock) {
     std::exception_ptr error;
     const auto start = Clock::now();
     try {
-      tensor = load(e.id, std::move(recycled));
+      tensor = load(e, std::move(recycled));
     } catch (...) {
       error = std::current_exception();
     }

@@ -65,6 +65,11 @@ enum class EvictionPolicy { LRU, ScanResistant, Auto };
 EvictionPolicy parse_policy(const std::string& name);  // "lru" | "scan_resistant" | "auto"
 std::string policy_name(EvictionPolicy policy);
 
+// PagerOptions.dtype: the floating-point dtypes a pager converts weights to, by torch's names
+// ("float32", "float16", "bfloat16", "float64"); throws naming `option` for any other name.
+c10::ScalarType parse_weight_dtype(const std::string& name, const std::string& option);
+std::string weight_dtype_name(c10::ScalarType dtype);
+
 }  // namespace torch_ext::paging
 
 namespace torch_ext {
@@ -74,6 +79,17 @@ struct FieldCodec<paging::ByteBudget> {
   static c10::IValue expose(const paging::ByteBudget& budget);
   static paging::ByteBudget parse(const c10::IValue& value, const char* field) {
     return paging::ByteBudget::parse(value, field);
+  }
+};
+
+template <>
+struct FieldCodec<std::optional<c10::ScalarType>> {
+  using Exposed = std::optional<std::string>;  // torch's name of the dtype, or None
+  static std::optional<std::string> expose(const std::optional<c10::ScalarType>& dtype) {
+    return dtype ? std::optional<std::string>(paging::weight_dtype_name(*dtype)) : std::nullopt;
+  }
+  static std::optional<c10::ScalarType> parse(const std::optional<std::string>& name, const char* field) {
+    return name ? std::optional<c10::ScalarType>(paging::parse_weight_dtype(*name, field)) : std::nullopt;
   }
 };
 
@@ -132,7 +148,9 @@ struct PagerOptions {
   EvictionPolicy policy = EvictionPolicy::Auto;
   int64_t prefetch = 1;
   c10::Device device = c10::Device(c10::kCPU);
-  bool zero_copy = false;
+  std::optional<bool> zero_copy;  // unset: on where it can be (cpu, a source with views)
+  std::optional<c10::ScalarType> dtype;
+  std::vector<std::string> keep_float32;
   bool own_buffers = true;
   double wait_timeout_seconds = 600;
 
@@ -153,7 +171,16 @@ struct PagerOptions {
         field("zero_copy", &PagerOptions::zero_copy,
               "cpu only: serve views of the source's mapped file instead of copies; a load maps the pages "
               "in (MADV_POPULATE_READ), an eviction gives them back (MADV_DONTNEED), and resident bytes are "
-              "the file's pages this process maps"),
+              "the file's pages this process maps. None (default): on for a cpu pager over a source with "
+              "views, off otherwise; tensors converted to `dtype` are copies in any case; properties report "
+              "it resolved"),
+        field("dtype", &PagerOptions::dtype,
+              "convert floating-point tensors stored in another floating-point dtype to this one as they "
+              "are loaded ('float32', 'float16', 'bfloat16', 'float64'; None: as stored); the budget counts "
+              "the converted bytes"),
+        field("keep_float32", &PagerOptions::keep_float32,
+              "ids of floating-point tensors served in float32 whatever `dtype` says (the tensors "
+              "transformers keeps in float32 in a float16 model, its _keep_in_fp32_modules)"),
         field("own_buffers", &PagerOptions::own_buffers,
               "cpu copy path: tensors of a page or more are read into buffers of their own pages (mmap), so "
               "an evicted tensor's memory goes back to the system at once; False: c10's CPU allocator, whose "
@@ -163,7 +190,7 @@ struct PagerOptions {
               "(> 0)"));
   }
   // Throws naming `owner` (the source) for a negative prefetch, a non-positive wait timeout or
-  // zero_copy on an accelerator.
+  // zero_copy=true on an accelerator.
   void validate(const std::string& owner = "LayerPager") const;
 };
 
@@ -203,7 +230,9 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   enum class State { Absent, Loading, Ready };
   struct Entry {
     std::string id;
-    int64_t nbytes = 0;
+    int64_t nbytes = 0;  // resident bytes: in `dtype`
+    c10::ScalarType dtype = c10::kFloat;  // as stored, or options_.dtype where it converts
+    bool view = false;  // served as a view of the source (zero_copy and no conversion)
     bool pinned = false;
     State state = State::Absent;
     at::Tensor tensor;
@@ -228,8 +257,9 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   bool evictable_locked(const Entry& e) const;
   int64_t next_use_distance_locked(const Entry& e) const;
   bool advance_cursor_locked(const std::string& id);  // true when the cursor moved
-  at::Tensor load(const std::string& id, at::Tensor recycled);  // no lock held
-  at::Tensor read_into_own_pages(const std::string& id);
+  // No lock held: reads only the entry's immutable fields (id, nbytes, dtype, view).
+  at::Tensor load(const Entry& e, at::Tensor recycled);
+  at::Tensor load_on_cpu(const Entry& e, at::Tensor recycled);
   void finish_load_locked(Entry& e, at::Tensor tensor, std::exception_ptr error, double seconds, bool prefetch);
   // Something the prefetcher may act on changed (the cursor moved, an entry was evicted or a
   // load failed): counts it, and wakes the thread when it is idle and has work ahead.
@@ -262,7 +292,7 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   uint64_t cursor_generation_ = 0;
   uint64_t work_generation_ = 0;  // counts work_changed_locked() calls
 
-  bool recycle_ = false;  // CPU target and a source that reads into any buffer
+  bool recycle_ = false;  // CPU target, copies, and a source that reads into any buffer
   std::optional<c10::Stream> copy_stream_;
   bool stop_ = false;
   bool prefetcher_idle_ = false;  // the prefetch thread is waiting for work
