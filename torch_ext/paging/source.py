@@ -121,8 +121,10 @@ def _plain_budget(budget: Any) -> int | float | str:
     """A budget as one of the types the C++ option reads: int, float or str."""
     if isinstance(budget, (bool, int, float, str)):
         return budget  # bool: rejected by the C++ parser like any other non-budget, naming its type
-    if hasattr(type(budget), "__index__"):
+    try:
         return operator.index(budget)
+    except TypeError:
+        pass
     if isinstance(budget, numbers.Real):
         return float(budget)
     raise ValueError(f"LayerPager: budget_bytes={budget!r} (a {type(budget).__module__}.{type(budget).__qualname__}) "
