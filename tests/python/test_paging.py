@@ -291,6 +291,22 @@ def test_dtype_converts_as_it_pages_and_zero_copy_is_the_cpu_default(tmp_path):
         torch_ext.LayerPager(path, 1, dtype=torch.int8)
 
 
+@pytest.mark.parametrize("stored, served", [(a, b) for a in (torch.float32, torch.float16, torch.bfloat16)
+                                             for b in (torch.float32, torch.float16, torch.bfloat16) if a != b])
+@pytest.mark.parametrize("zero_copy", [None, False])
+def test_every_floating_point_conversion_equals_torchs_and_integers_stay_as_stored(tmp_path, stored, served, zero_copy):
+    path = tmp_path / "mixed.safetensors"
+    generator = torch.Generator().manual_seed(0)
+    save_file({"w": (torch.randn(64, 300, generator=generator) * 100).to(stored), "ids": torch.arange(7)}, path)
+    source = torch_ext.SafetensorsSource(path)
+    pager = torch_ext.LayerPager(source, "100%", dtype=served, zero_copy=zero_copy, prefetch=0)
+    weight, ids = pager.acquire("w"), pager.acquire("ids")
+    assert weight.dtype == served and torch.equal(weight, source.load("w").to(served))
+    assert ids.dtype == torch.int64 and torch.equal(ids, torch.arange(7))
+    assert (ids.data_ptr() == source.view("ids").data_ptr()) == (zero_copy is None)   # views unless told not to
+    assert pager.resident_bytes() == 64 * 300 * served.itemsize + 7 * 8
+
+
 def test_torchscript_front_door(tmp_path):
     path = _layers(tmp_path, n=3)
 
