@@ -32,25 +32,6 @@ double seconds_since(Clock::time_point start) {
 
 constexpr int64_t kFar = std::numeric_limits<int64_t>::max();
 
-}  // namespace
-
-EvictionPolicy parse_policy(const std::string& name) {
-  if (name == "lru") return EvictionPolicy::LRU;
-  if (name == "scan_resistant") return EvictionPolicy::ScanResistant;
-  if (name == "auto") return EvictionPolicy::Auto;
-  TORCH_CHECK_VALUE(false, "LayerPager: unknown policy \"", name, "\" (expected \"lru\", \"scan_resistant\" or \"auto\")");
-}
-
-std::string policy_name(EvictionPolicy policy) {
-  switch (policy) {
-    case EvictionPolicy::LRU: return "lru";
-    case EvictionPolicy::ScanResistant: return "scan_resistant";
-    case EvictionPolicy::Auto: return "auto";
-  }
-  return "auto";
-}
-
-namespace {
 
 constexpr double kMaxBytes = 9223372036854775807.0;  // INT64_MAX, as the double 2^63
 

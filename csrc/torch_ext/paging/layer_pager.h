@@ -33,8 +33,9 @@
 #include <c10/core/Stream.h>
 #include <torch/custom_class.h>
 
+#include "torch_ext/common/enum_names.h"
+#include "torch_ext/common/fork.h"
 #include "torch_ext/fields.h"
-#include "torch_ext/fork.h"
 #include "torch_ext/paging/source.h"
 
 namespace c10 {
@@ -62,9 +63,6 @@ struct ByteBudget {
 // the next one needs first under LRU), else LRU.
 enum class EvictionPolicy { LRU, ScanResistant, Auto };
 
-EvictionPolicy parse_policy(const std::string& name);  // "lru" | "scan_resistant" | "auto"
-std::string policy_name(EvictionPolicy policy);
-
 }  // namespace torch_ext::paging
 
 namespace torch_ext {
@@ -78,12 +76,11 @@ struct FieldCodec<paging::ByteBudget> {
 };
 
 template <>
-struct FieldCodec<paging::EvictionPolicy> {
-  using Exposed = std::string;
-  static std::string expose(paging::EvictionPolicy policy) { return paging::policy_name(policy); }
-  static paging::EvictionPolicy parse(const std::string& name, const char* /*field*/) {
-    return paging::parse_policy(name);
-  }
+struct EnumNames<paging::EvictionPolicy> {
+  static constexpr std::string_view owner = "LayerPager", what = "policy";
+  static constexpr std::array<std::pair<paging::EvictionPolicy, std::string_view>, 3> names{
+      {{paging::EvictionPolicy::LRU, "lru"}, {paging::EvictionPolicy::ScanResistant, "scan_resistant"},
+       {paging::EvictionPolicy::Auto, "auto"}}};
 };
 }  // namespace torch_ext
 
@@ -237,7 +234,7 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   void prefetch_loop();
   void prefetch_ahead_locked(std::unique_lock<std::mutex>& lock);
 
-  // ForkParticipant (torch_ext/fork.h): pthread_atfork handlers.
+  // ForkParticipant (torch_ext/common/fork.h): pthread_atfork handlers.
   void fork_prepare() override;
   void fork_parent() override;
   void fork_child() override;
