@@ -13,7 +13,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "torch_ext/plan/plan_cache.h"
-#include "torch_ext/plan/threads.h"
+#include "torch_ext/common/wait.h"
 
 namespace py = pybind11;
 namespace plan = torch_ext::plan;
@@ -103,7 +103,7 @@ void bind_plan(py::module_& m) {
           "source(*inputs) runs a request no plan serves: a tensor, or a tuple of tensors as the plans return");
   // Joins and waits on threads that may be inside Python (a compiler, a future's callback) release
   // the GIL, or the waiting thread and the waited-for one would each hold what the other needs.
-  plan::set_blocking_section([](const std::function<void()>& wait) {
+  torch_ext::set_blocking_section([](const std::function<void()>& wait) {
     if (Py_IsInitialized() && PyGILState_Check()) {
       py::gil_scoped_release release;
       wait();

@@ -25,8 +25,8 @@ constexpr Field<Struct, T> field(const char* name, T Struct::*member, const char
 }
 
 // How a field's C++ type crosses into TorchScript and Python: as `Exposed`, converted by expose()
-// and parse(). parse() validates and throws naming the field; enums specialise this next to their
-// parse functions (an enum is exposed as its name).
+// and parse(). parse() validates and throws naming the field; an enum is exposed as its name, from
+// its EnumNames table (common/enum_names.h).
 template <class T>
 struct FieldCodec {
   using Exposed = T;

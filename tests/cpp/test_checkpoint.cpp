@@ -135,10 +135,10 @@ TEST(Checkpoint, CompressedStorageIsApproximateAndSmaller) {
 }
 
 TEST(Checkpoint, StoragePolicyNames) {
-  EXPECT_EQ(ck::parse_storage_policy("fp16"), ck::StoragePolicy::kFloat16);
-  EXPECT_EQ(ck::storage_policy_name(ck::StoragePolicy::kOffload), "offload");
+  EXPECT_EQ(torch_ext::enum_from_name<ck::StoragePolicy>("fp16"), ck::StoragePolicy::kFloat16);
+  EXPECT_EQ(torch_ext::enum_name(ck::StoragePolicy::kOffload), "offload");
   try {
-    ck::parse_storage_policy("zip");
+    torch_ext::enum_from_name<ck::StoragePolicy>("zip");
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("unknown storage policy 'zip'"), std::string::npos);

@@ -22,7 +22,6 @@
 #include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
 
-#include "torch_ext/paging/json.h"
 #include "torch_ext/paging/layer_pager.h"
 #include "torch_ext/paging/source.h"
 #include "reliability_helpers.h"
@@ -120,46 +119,6 @@ c10::intrusive_ptr<pg::LayerPager> make_pager(const c10::intrusive_ptr<pg::Safet
 }
 
 }  // namespace
-
-TEST(PagingJson, ParsesObjectsArraysStringsIntegers) {
-  const auto doc = pg::parse_json(R"( {"a": [1, -2, 9223372036854775807], "s": "x\"\u00e9\ud83d\ude00", "t": true} )", "j");
-  const auto v = doc.root();
-  ASSERT_EQ(v.kind(), pg::JsonValue::Kind::Object);
-  EXPECT_EQ(v.size(), 3);
-  EXPECT_EQ(v.find("a")->elements()[2].integer(), INT64_MAX);
-  EXPECT_EQ(v.find("a")->elements()[1].integer(), -2);
-  EXPECT_EQ(v.find("s")->string(), "x\"\xc3\xa9\xf0\x9f\x98\x80");
-  EXPECT_TRUE(v.find("t")->boolean());
-  EXPECT_FALSE(v.find("u").has_value());
-  EXPECT_EQ(pg::parse_json("{\"k\": \"\xc3\xa9\"}", "raw").root().find("k")->string(), "\xc3\xa9");
-}
-
-TEST(PagingJson, RejectsMalformedInput) {
-  for (const char* bad : {"{", "{\"a\":1,}", "{\"a\" 1}", "[1 2]", "{\"a\":1.5}", "{\"a\":1e3}",
-                          "{\"a\":01}", "{\"a\":\"\\x\"}", "{\"a\":1}}", "{\"a\":1,\"a\":2}",
-                          "{\"a\":99999999999999999999}", "{\"a\":\"\\ud800\"}", "{\"a\":tru}", ""}) {
-    expect_error([&] { pg::parse_json(bad, "hdr.json"); }, {"hdr.json", "malformed JSON"});
-  }
-  std::string deep(100, '[');
-  expect_error([&] { pg::parse_json(deep, "deep"); }, {"nesting"});
-}
-
-TEST(PagingJson, RejectsInvalidUtf8AndDuplicatesInLinearTime) {
-  // Invalid or overlong UTF-8, surrogates encoded raw, code points above U+10FFFF, truncated sequences.
-  for (const char* bad : {"{\"\xff\":1}", "{\"\xc0\xaf\":1}", "{\"\xe0\x80\xaf\":1}", "{\"\xed\xa0\x80\":1}",
-                          "{\"\xf4\x90\x80\x80\":1}", "{\"\xe2\x82\":1}", "{\"a\":\"\x80\"}"}) {
-    expect_error([&] { pg::parse_json(bad, "utf8.json"); }, {"utf8.json", "invalid UTF-8"});
-  }
-  // 200,000 keys with one duplicate at the end: found, and quickly (a linear scan per key took
-  // minutes; this bound only catches that, it is not a benchmark).
-  std::string text = "{";
-  for (int i = 0; i < 200000; ++i) text += "\"tensor." + std::to_string(i) + "\":" + std::to_string(i) + ",";
-  const auto start = std::chrono::steady_clock::now();
-  const auto doc = pg::parse_json(text.substr(0, text.size() - 1) + "}", "many.json");
-  EXPECT_EQ(doc.root().size(), 200000);
-  expect_error([&] { pg::parse_json(text + "\"tensor.7\":1}", "dup.json"); }, {"dup.json", "duplicate key \"tensor.7\""});
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
-}
 
 TEST(PagingSource, ReadsNamesShapesDataAndMetadata) {
   TempDir dir;
@@ -480,7 +439,7 @@ TEST(Paging, DtypeConvertsTensorsAsTheyLoadAndTheBudgetCountsConvertedBytes) {
   EXPECT_TRUE(at::equal(copier->acquire("t0"), values(256, 0.0f).to(at::kBFloat16)));
   options.keep_float32 = {"nope"};
   expect_error([&] { c10::make_intrusive<pg::LayerPager>(source, options); }, {"keep_float32", "nope"});
-  expect_error([&] { pg::parse_weight_dtype("int8", "dtype"); }, {"dtype", "'float32'", "'int8'"});
+  expect_error([&] { torch_ext::enum_from_name<c10::ScalarType>("int8"); }, {"dtype", "'float32'", "'int8'"});
 }
 
 TEST(Paging, ConcurrentAcquiresLoadOnce) {
@@ -514,7 +473,7 @@ TEST(Paging, BadArguments) {
   write_bytes(path, safetensors_bytes(layers(1, 4)));
   expect_error([&] { make_pager(open(path), -1); }, {"budget_bytes", "m.safetensors"});
   expect_error([&] { make_pager(open(path), 1, pg::EvictionPolicy::LRU, -2); }, {"prefetch"});
-  expect_error([&] { pg::parse_policy("fifo"); }, {"fifo"});
+  expect_error([&] { torch_ext::enum_from_name<pg::EvictionPolicy>("fifo"); }, {"fifo"});
 }
 
 TEST(Paging, CudaTargetLoadsExactDataOnTheDeviceWithinTheBudget) {

@@ -7,11 +7,11 @@
 
 #include <c10/util/Exception.h>
 
-#include "torch_ext/paging/json.h"
+#include "torch_ext/common/json.h"
 
 namespace {
 
-using torch_ext::paging::JsonValue;
+using torch_ext::JsonValue;
 
 // Reads every value, so each accessor runs on every shape the parser accepts.
 int64_t walk(const JsonValue& value) {
@@ -37,13 +37,13 @@ int64_t walk(const JsonValue& value) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
   try {
-    const auto doc = torch_ext::paging::parse_json(text, "fuzz.json");
+    const auto doc = torch_ext::parse_json(text, "fuzz.json");
     volatile int64_t sink = walk(doc.root());
     (void)sink;
   } catch (const c10::Error&) {
   }
   try {
-    torch_ext::paging::check_utf8(text, "fuzz.txt");
+    torch_ext::check_utf8(text, "fuzz.txt");
   } catch (const c10::Error&) {
   }
   return 0;

@@ -157,6 +157,47 @@ def test_a_folder_saved_from_another_program_is_refused(mlp_folder):
         other.load(mlp_folder)
 
 
+def test_a_saved_folder_whose_manifest_is_not_the_pinned_one_is_refused_before_any_code_loads(mlp, mlp_folder,
+                                                                                             tmp_path):
+    import hashlib
+    trusted = hashlib.sha256((mlp_folder / "manifest.txt").read_bytes()).hexdigest()
+    pinned = PlanCache(mlp_folder, manifest_sha256=trusted)
+    inputs = x(4)
+    close(pinned(inputs), eager(mlp, inputs))
+    assert pinned.stats().compiles == 0
+    # Another folder (its manifest edited as an attacker would, its program and packages replaced
+    # by bytes that could not load): refused by the pin, before any of them is opened.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.txt").write_text((mlp_folder / "manifest.txt").read_text().replace("lower 4", "lower 3"))
+    assert hashlib.sha256((other / "manifest.txt").read_bytes()).hexdigest() != trusted
+    for name in os.listdir(mlp_folder):
+        if name != "manifest.txt":
+            (other / name).write_bytes(b"not a package")
+    with pytest.raises(RuntimeError, match="refusing .*other: the SHA-256 of its manifest .* nothing in the folder "
+                       "was loaded"):
+        PlanCache(other, manifest_sha256=trusted)
+
+
+def test_the_compile_request_holds_only_tensors_and_plain_values_and_is_read_weights_only(tmp_path):
+    from torch_ext.plan import _compile
+    path = str(tmp_path / "request.pt")
+    request = dict(program="p.pt2", dim_of=[{0: 0, 1: 1}], upper=[8, 16], lower=[1, 1], dynamic=True,
+                   example=[torch.randn(2, 3)], devices=["cpu"], package="p.pt2", threads=1,
+                   inductor_configs={"aot_inductor.compile_wrapper_opt_level": "O0", "max_autotune": False})
+    _compile.write_request(path, request)
+    back = _compile.read_request(path)
+    assert back.keys() == request.keys() and torch.equal(back["example"][0], request["example"][0])
+    assert back["dim_of"] == request["dim_of"] and back["inductor_configs"] == request["inductor_configs"]
+    # Anything else is refused when written, naming where it is...
+    with pytest.raises(TypeError, match=r"request\['inductor_configs'\]\['hook'\] is a function"):
+        _compile.write_request(path, {**request, "inductor_configs": {"hook": lambda: None}})
+    # ...and a file holding an arbitrary object is refused when read (weights_only=True).
+    torch.save({"program": MLP()}, path)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        _compile.read_request(path)
+
+
 def test_auto_compiles_static_and_dynamic_measures_both_and_keeps_the_faster(mlp):
     cache = PlanCache(mlp, (x(2),), MLP_SHAPES, buckets=[[8, 16]], plan_shapes="auto", inductor_configs=FAST,
                       warmup_calls=2)

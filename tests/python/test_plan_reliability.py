@@ -3,6 +3,7 @@ child never hangs on the parent's threads, and every wait is bounded."""
 import gc
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -64,6 +65,39 @@ def test_a_manifest_is_parsed_strictly_and_its_sizes_checked_before_anything_is_
     with pytest.raises(RuntimeError, match=error):
         cache.load(saved)
     assert cache.stats().builds == 0 and cache.cached_sizes() == []
+
+
+def sha256_of(path) -> str:
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_pinned_manifest_digest_loads_that_folder_and_refuses_any_other_before_opening_its_files(rowwise, saved,
+                                                                                                 tmp_path):
+    trusted = sha256_of(saved / "manifest.txt")
+    pinned = PlanCache(rowwise, warmup_calls=1, manifest_sha256=trusted)
+    assert pinned.manifest_sha256 == trusted
+    assert pinned.load(saved) == 2 and pinned.cached_sizes() == [2, 6]
+    # An attacker rewrites a file and the manifest with it: the SHA-256 lines agree, the digest does not.
+    edit_manifest(saved, "value method forward", "value method forward ")
+    with pytest.raises(RuntimeError, match=f"refusing {saved}: the SHA-256 of its manifest .* is "
+                       f"{sha256_of(saved / 'manifest.txt')}, not the manifest_sha256 this cache trusts "
+                       f"\\({trusted}\\); nothing in the folder was loaded"):
+        PlanCache(rowwise, warmup_calls=1, manifest_sha256=trusted).load(saved)
+    # Refused before any file it lists is opened: with them gone the error is still the pin's.
+    for path in saved.iterdir():
+        if path.name != "manifest.txt":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    cache = PlanCache(rowwise, warmup_calls=1, manifest_sha256=trusted)
+    with pytest.raises(RuntimeError, match="nothing in the folder was loaded"):
+        cache.load(saved)
+    assert cache.stats().builds == 0 and cache.cached_sizes() == []
+
+
+@pytest.mark.parametrize("bad", ["abc", "0" * 63, "G" * 64, "A" * 64])
+def test_manifest_sha256_must_be_a_lowercase_sha256(rowwise, bad):
+    with pytest.raises(ValueError, match="manifest_sha256 must be 64 lowercase hex digits"):
+        PlanCache(rowwise, manifest_sha256=bad)
 
 
 def test_manifest_sizes_above_max_batch_size_are_refused(rowwise, saved):

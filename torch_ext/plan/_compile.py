@@ -3,7 +3,10 @@
 Imports only torch, so it also runs as a script in a separate process (background builds: the
 compile's Python work then never holds the serving process's GIL):
 
-    python _compile.py REQUEST.pt        # REQUEST: torch.save'd dict, see compile_in_subprocess
+    python _compile.py REQUEST.pt        # REQUEST: see write_request
+
+The request file holds only tensors and plain values and is read with weights_only=True, so
+reading it runs no code of the file's.
 """
 from __future__ import annotations
 
@@ -46,6 +49,37 @@ def compile_bucket(program: torch.export.ExportedProgram, dim_of: Sequence[dict]
                                                     inductor_configs=dict(inductor_configs or {}))
 
 
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, where: str) -> None:
+    if isinstance(value, (torch.Tensor,) + _PLAIN):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(key, f"{where} key {key!r}")
+            _check_plain(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(f"compile request: {where} is a {type(value).__name__}; a request holds only tensors and plain "
+                    "values (str, int, float, bool, None, and lists, tuples and dicts of them), since the compiler "
+                    "process reads it with weights_only=True")
+
+
+def write_request(path: str, request: dict) -> None:
+    """Saves a compile request, refusing anything but tensors and plain values (naming where)."""
+    _check_plain(request, "request")
+    torch.save(request, path)
+
+
+def read_request(path: str) -> dict:
+    """Loads a compile request with weights_only=True: tensors and plain values, no code."""
+    return torch.load(path, weights_only=True)
+
+
 def compile_in_subprocess(program_path: str, dim_of: Sequence[dict], upper: Sequence[int], lower: Sequence[int],
                           dynamic: bool, example: Sequence[torch.Tensor], package_path: str,
                           inductor_configs: Optional[dict], threads: int,
@@ -53,10 +87,10 @@ def compile_in_subprocess(program_path: str, dim_of: Sequence[dict], upper: Sequ
     """compile_bucket in a separate Python process; gives up (killing it) once cancelled()."""
     with tempfile.TemporaryDirectory(prefix="torch_ext_compile_") as scratch:
         request = os.path.join(scratch, "request.pt")
-        torch.save(dict(program=program_path, dim_of=list(dim_of), upper=list(upper), lower=list(lower),
-                        dynamic=dynamic, example=[t.detach().cpu() for t in example],
-                        devices=[str(t.device) for t in example], package=package_path,
-                        inductor_configs=dict(inductor_configs or {}), threads=threads), request)
+        write_request(request, dict(program=program_path, dim_of=list(dim_of), upper=list(upper), lower=list(lower),
+                                    dynamic=dynamic, example=[t.detach().cpu() for t in example],
+                                    devices=[str(t.device) for t in example], package=package_path,
+                                    inductor_configs=dict(inductor_configs or {}), threads=threads))
         log = os.path.join(scratch, "log.txt")
         with open(log, "w") as out:
             process = subprocess.Popen([sys.executable, os.path.abspath(__file__), request], stdout=out,
@@ -77,7 +111,7 @@ def compile_in_subprocess(program_path: str, dim_of: Sequence[dict], upper: Sequ
 
 
 def _main(request_path: str) -> None:
-    request = torch.load(request_path, weights_only=False)
+    request = read_request(request_path)
     torch.set_num_threads(request["threads"])  # Inductor's CPU kernels use the count set at compile time
     program = torch.export.load(request["program"])
     example = [t.to(device) for t, device in zip(request["example"], request["devices"])]

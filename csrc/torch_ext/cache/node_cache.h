@@ -18,7 +18,7 @@
 // Thread safety: every method may be called from any thread; one mutex guards all state.
 // Values are released after the mutex is let go, so a value whose destructor takes another
 // lock (a Python object and the GIL) cannot deadlock against the cache. Fork-safe: pthread_atfork
-// handlers (torch_ext/fork.h) hold the mutex across fork(), so a child inherits whole state and a
+// handlers (torch_ext/common/fork.h) hold the mutex across fork(), so a child inherits whole state and a
 // free mutex even when another thread was using the cache.
 #include <cstdint>
 #include <limits>
@@ -32,7 +32,7 @@
 
 #include "torch_ext/cache/input_key.h"
 #include "torch_ext/fields.h"
-#include "torch_ext/fork.h"
+#include "torch_ext/common/fork.h"
 
 namespace torch_ext::cache {
 

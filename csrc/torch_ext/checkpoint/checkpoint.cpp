@@ -427,25 +427,6 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
 }  // namespace
 
-StoragePolicy parse_storage_policy(std::string_view name) {
-  if (name == "keep") return StoragePolicy::kKeep;
-  if (name == "offload") return StoragePolicy::kOffload;
-  if (name == "bf16") return StoragePolicy::kBFloat16;
-  if (name == "fp16") return StoragePolicy::kFloat16;
-  TORCH_CHECK_VALUE(false, "checkpoint: unknown storage policy '", std::string(name),
-              "'; expected one of 'keep', 'offload', 'bf16', 'fp16'");
-}
-
-std::string_view storage_policy_name(StoragePolicy policy) {
-  switch (policy) {
-    case StoragePolicy::kKeep: return "keep";
-    case StoragePolicy::kOffload: return "offload";
-    case StoragePolicy::kBFloat16: return "bf16";
-    case StoragePolicy::kFloat16: return "fp16";
-  }
-  return "keep";
-}
-
 TensorList checkpoint(const Segment& segment, const TensorList& inputs, const TensorList& params,
                       const CheckpointOptions& options) {
   TORCH_CHECK(static_cast<bool>(segment), "checkpoint: ", options.name, " is an empty callable");

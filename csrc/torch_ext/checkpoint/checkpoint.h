@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
 
+#include "torch_ext/common/enum_names.h"
 #include "torch_ext/fields.h"
 
 namespace torch_ext::checkpoint {
@@ -32,22 +33,15 @@ using Segment = std::function<TensorList(const TensorList&)>;
 //            replay sees the rounded inputs, so gradients are approximate; opt-in only).
 enum class StoragePolicy { kKeep, kOffload, kBFloat16, kFloat16 };
 
-// "keep", "offload", "bf16" or "fp16"; anything else raises, naming the choices.
-StoragePolicy parse_storage_policy(std::string_view name);
-std::string_view storage_policy_name(StoragePolicy policy);
-
 }  // namespace torch_ext::checkpoint
 
 namespace torch_ext {
 template <>
-struct FieldCodec<checkpoint::StoragePolicy> {
-  using Exposed = std::string;
-  static std::string expose(checkpoint::StoragePolicy policy) {
-    return std::string(checkpoint::storage_policy_name(policy));
-  }
-  static checkpoint::StoragePolicy parse(const std::string& name, const char* /*field*/) {
-    return checkpoint::parse_storage_policy(name);
-  }
+struct EnumNames<checkpoint::StoragePolicy> {
+  static constexpr std::string_view owner = "checkpoint", what = "storage policy";
+  static constexpr std::array<std::pair<checkpoint::StoragePolicy, std::string_view>, 4> names{
+      {{checkpoint::StoragePolicy::kKeep, "keep"}, {checkpoint::StoragePolicy::kOffload, "offload"},
+       {checkpoint::StoragePolicy::kBFloat16, "bf16"}, {checkpoint::StoragePolicy::kFloat16, "fp16"}}};
 };
 }  // namespace torch_ext
 

@@ -27,7 +27,7 @@ void checkpoint_module(const c10::OperatorHandle& /*op*/, torch::jit::Stack* sta
 }
 
 c10::SymInt checkpoint_boundary_bytes(std::vector<at::Tensor> inputs, c10::string_view storage) {
-  return torch_ext::checkpoint::boundary_bytes(inputs, torch_ext::checkpoint::parse_storage_policy(storage));
+  return torch_ext::checkpoint::boundary_bytes(inputs, torch_ext::enum_from_name<torch_ext::checkpoint::StoragePolicy>(storage));
 }
 
 }  // namespace

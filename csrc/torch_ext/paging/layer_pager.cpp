@@ -32,48 +32,6 @@ double seconds_since(Clock::time_point start) {
 
 constexpr int64_t kFar = std::numeric_limits<int64_t>::max();
 
-}  // namespace
-
-EvictionPolicy parse_policy(const std::string& name) {
-  if (name == "lru") return EvictionPolicy::LRU;
-  if (name == "scan_resistant") return EvictionPolicy::ScanResistant;
-  if (name == "auto") return EvictionPolicy::Auto;
-  TORCH_CHECK_VALUE(false, "LayerPager: unknown policy \"", name, "\" (expected \"lru\", \"scan_resistant\" or \"auto\")");
-}
-
-namespace {
-
-constexpr std::pair<const char*, c10::ScalarType> kWeightDtypes[] = {
-    {"float32", c10::kFloat}, {"float16", c10::kHalf}, {"bfloat16", c10::kBFloat16}, {"float64", c10::kDouble}};
-
-}  // namespace
-
-c10::ScalarType parse_weight_dtype(const std::string& name, const std::string& option) {
-  for (const auto& [known, dtype] : kWeightDtypes) {
-    if (name == known) return dtype;
-  }
-  TORCH_CHECK_VALUE(false, option, ": expected one of 'float32', 'float16', 'bfloat16', 'float64' (or None), got '",
-                    name, "'");
-}
-
-std::string weight_dtype_name(c10::ScalarType dtype) {
-  for (const auto& [name, known] : kWeightDtypes) {
-    if (dtype == known) return name;
-  }
-  TORCH_CHECK(false, "no weight dtype name for ", c10::toString(dtype));
-}
-
-std::string policy_name(EvictionPolicy policy) {
-  switch (policy) {
-    case EvictionPolicy::LRU: return "lru";
-    case EvictionPolicy::ScanResistant: return "scan_resistant";
-    case EvictionPolicy::Auto: return "auto";
-  }
-  return "auto";
-}
-
-namespace {
-
 constexpr double kMaxBytes = 9223372036854775807.0;  // INT64_MAX, as the double 2^63
 
 [[noreturn]] void bad_budget(const std::string& option, const std::string& shown) {

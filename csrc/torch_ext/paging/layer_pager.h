@@ -33,8 +33,9 @@
 #include <c10/core/Stream.h>
 #include <torch/custom_class.h>
 
+#include "torch_ext/common/enum_names.h"
+#include "torch_ext/common/fork.h"
 #include "torch_ext/fields.h"
-#include "torch_ext/fork.h"
 #include "torch_ext/paging/source.h"
 
 namespace c10 {
@@ -62,14 +63,6 @@ struct ByteBudget {
 // the next one needs first under LRU), else LRU.
 enum class EvictionPolicy { LRU, ScanResistant, Auto };
 
-EvictionPolicy parse_policy(const std::string& name);  // "lru" | "scan_resistant" | "auto"
-std::string policy_name(EvictionPolicy policy);
-
-// PagerOptions.dtype: the floating-point dtypes a pager converts weights to, by torch's names
-// ("float32", "float16", "bfloat16", "float64"); throws naming `option` for any other name.
-c10::ScalarType parse_weight_dtype(const std::string& name, const std::string& option);
-std::string weight_dtype_name(c10::ScalarType dtype);
-
 }  // namespace torch_ext::paging
 
 namespace torch_ext {
@@ -83,22 +76,29 @@ struct FieldCodec<paging::ByteBudget> {
 };
 
 template <>
-struct FieldCodec<std::optional<c10::ScalarType>> {
-  using Exposed = std::optional<std::string>;  // torch's name of the dtype, or None
-  static std::optional<std::string> expose(const std::optional<c10::ScalarType>& dtype) {
-    return dtype ? std::optional<std::string>(paging::weight_dtype_name(*dtype)) : std::nullopt;
-  }
-  static std::optional<c10::ScalarType> parse(const std::optional<std::string>& name, const char* field) {
-    return name ? std::optional<c10::ScalarType>(paging::parse_weight_dtype(*name, field)) : std::nullopt;
-  }
+struct EnumNames<paging::EvictionPolicy> {
+  static constexpr std::string_view owner = "LayerPager", what = "policy";
+  static constexpr std::array<std::pair<paging::EvictionPolicy, std::string_view>, 3> names{
+      {{paging::EvictionPolicy::LRU, "lru"}, {paging::EvictionPolicy::ScanResistant, "scan_resistant"},
+       {paging::EvictionPolicy::Auto, "auto"}}};
+};
+
+// PagerOptions.dtype: the floating-point dtypes a pager converts weights to, by torch's names.
+template <>
+struct EnumNames<c10::ScalarType> {
+  static constexpr std::string_view owner = "LayerPager", what = "dtype";
+  static constexpr std::array<std::pair<c10::ScalarType, std::string_view>, 4> names{
+      {{c10::kFloat, "float32"}, {c10::kHalf, "float16"}, {c10::kBFloat16, "bfloat16"}, {c10::kDouble, "float64"}}};
 };
 
 template <>
-struct FieldCodec<paging::EvictionPolicy> {
-  using Exposed = std::string;
-  static std::string expose(paging::EvictionPolicy policy) { return paging::policy_name(policy); }
-  static paging::EvictionPolicy parse(const std::string& name, const char* /*field*/) {
-    return paging::parse_policy(name);
+struct FieldCodec<std::optional<c10::ScalarType>> {
+  using Exposed = std::optional<std::string>;  // torch's name of the dtype, or None
+  static Exposed expose(const std::optional<c10::ScalarType>& dtype) {
+    return dtype ? Exposed(std::string(enum_name(*dtype))) : std::nullopt;
+  }
+  static std::optional<c10::ScalarType> parse(const Exposed& name, const char* /*field*/) {
+    return name ? std::optional<c10::ScalarType>(enum_from_name<c10::ScalarType>(*name)) : std::nullopt;
   }
 };
 }  // namespace torch_ext
@@ -267,7 +267,7 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   void prefetch_loop();
   void prefetch_ahead_locked(std::unique_lock<std::mutex>& lock);
 
-  // ForkParticipant (torch_ext/fork.h): pthread_atfork handlers.
+  // ForkParticipant (torch_ext/common/fork.h): pthread_atfork handlers.
   void fork_prepare() override;
   void fork_parent() override;
   void fork_child() override;

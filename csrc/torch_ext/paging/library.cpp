@@ -42,7 +42,7 @@ std::string source_repr(const Source& self) {
 std::string pager_repr(const Pager& self) {
   std::ostringstream out;
   out << "LayerPager('" << self->source()->describe() << "', budget_bytes=" << self->options().budget_bytes
-      << ", policy='" << torch_ext::paging::policy_name(self->options().policy) << "', prefetch="
+      << ", policy='" << torch_ext::enum_name(self->options().policy) << "', prefetch="
       << self->options().prefetch << ", device='" << self->options().device << "', resident_bytes="
       << self->resident_bytes() << ")";
   return out.str();

@@ -17,7 +17,7 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
-#include "torch_ext/paging/json.h"
+#include "torch_ext/common/json.h"
 
 namespace torch_ext::paging {
 

@@ -18,7 +18,7 @@
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include "torch_ext/plan/persistence.h"
-#include "torch_ext/plan/sha256.h"
+#include "torch_ext/common/sha256.h"
 
 namespace torch_ext::plan {
 

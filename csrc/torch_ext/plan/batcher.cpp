@@ -18,6 +18,7 @@
 #include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
 
+#include "torch_ext/common/wait.h"
 #include "torch_ext/plan/layout.h"
 
 namespace torch_ext::plan {
@@ -45,12 +46,12 @@ Batcher::Batcher(c10::intrusive_ptr<PlanCache> cache, BatcherOptions options)
   options_.validate();
   max_rows_ = options_.max_batch_size > 0 ? options_.max_batch_size : cache_->layout().max_size(0);
   TORCH_CHECK_VALUE(max_rows_ > 0, "Batcher: set max_batch_size (the cache has no max_batch_size to take it from)");
-  register_fork_aware(this);
+  register_fork_participant(this);
   thread_ = std::make_unique<std::thread>([this] { loop(); });
 }
 
 Batcher::~Batcher() {
-  unregister_fork_aware(this);
+  unregister_fork_participant(this);
   close();
 }
 
@@ -116,12 +117,7 @@ void BatchResult::complete(c10::IValue value, std::exception_ptr error) {
 }
 
 bool BatchResult::wait(double timeout_seconds) {
-  bool ready = false;
-  blocking_section([&] {
-    std::unique_lock<std::mutex> lock(mutex_);
-    ready = cv_.wait_for(lock, std::chrono::duration<double>(std::max(0.0, timeout_seconds)), [this] { return done_; });
-  });
-  return ready;
+  return wait_until(mutex_, cv_, deadline_after(timeout_seconds), [this] { return done_; });
 }
 
 c10::IValue BatchResult::result(double timeout_seconds) {
@@ -279,11 +275,11 @@ BatcherStats Batcher::stats() const {
   return out;
 }
 
-void Batcher::before_fork() { mutex_.lock(); }
+void Batcher::fork_prepare() { mutex_.lock(); }
 
-void Batcher::after_fork_parent() { mutex_.unlock(); }
+void Batcher::fork_parent() { mutex_.unlock(); }
 
-void Batcher::after_fork_child() {
+void Batcher::fork_child() {
   new (&mutex_) std::mutex();  // made afresh: the parent's thread took it
   new (&cv_) std::condition_variable();
   forked_.store(true, std::memory_order_relaxed);

@@ -21,9 +21,9 @@
 
 #include <ATen/core/ivalue.h>
 
+#include "torch_ext/common/fork.h"
 #include "torch_ext/fields.h"
 #include "torch_ext/plan/plan_cache.h"
-#include "torch_ext/plan/threads.h"
 
 namespace torch_ext::plan {
 
@@ -101,7 +101,7 @@ class BatchResult : public torch::CustomClassHolder {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-class Batcher : public torch::CustomClassHolder, private ForkAware {
+class Batcher : public torch::CustomClassHolder, private ForkParticipant {
  public:
   // Runs on the batcher's thread with the request's output, or the error its batch raised.
   using Callback = std::function<void(c10::IValue output, std::exception_ptr error)>;
@@ -138,9 +138,9 @@ class Batcher : public torch::CustomClassHolder, private ForkAware {
   std::vector<Request> take_batch_locked();
   bool joins(const Request& first, const Request& other) const;
   void run_batch(std::vector<Request>& batch);
-  void before_fork() override;
-  void after_fork_parent() override;
-  void after_fork_child() override;
+  void fork_prepare() override;
+  void fork_parent() override;
+  void fork_child() override;
 
   c10::intrusive_ptr<PlanCache> cache_;
   BatcherOptions options_;

@@ -13,7 +13,7 @@
 #include <c10/util/Exception.h>
 
 #include "torch_ext/plan/persistence.h"
-#include "torch_ext/plan/sha256.h"
+#include "torch_ext/common/sha256.h"
 
 namespace torch_ext::plan {
 
@@ -211,11 +211,23 @@ void write_manifest(const std::string& dir, const Manifest& manifest) {
   TORCH_CHECK(stream.good(), "PlanCache.save: writing ", file, " failed");
 }
 
-Manifest read_manifest(const std::string& dir) {
+Manifest read_manifest(const std::string& dir, const std::string& expected_sha256) {
   Manifest manifest;
   manifest.path = (std::filesystem::path(dir) / "manifest.txt").string();
-  std::ifstream in(manifest.path);
-  TORCH_CHECK(in.good(), "PlanCache.load: ", manifest.path, " does not exist or cannot be read");
+  std::ifstream file(manifest.path, std::ios::binary);
+  TORCH_CHECK(file.good(), "PlanCache.load: ", manifest.path, " does not exist or cannot be read");
+  // The bytes hashed are the bytes parsed: read once, so the file cannot change in between.
+  std::ostringstream bytes;
+  bytes << file.rdbuf();
+  TORCH_CHECK(!file.bad(), "PlanCache.load: reading ", manifest.path, " failed");
+  const std::string text = std::move(bytes).str();
+  if (!expected_sha256.empty()) {
+    const std::string actual = sha256_hex(text);
+    TORCH_CHECK(actual == expected_sha256, "PlanCache.load: refusing ", dir, ": the SHA-256 of its manifest ",
+                manifest.path, " is ", actual, ", not the manifest_sha256 this cache trusts (", expected_sha256,
+                "); nothing in the folder was loaded");
+  }
+  std::istringstream in(text);
   std::string line;
   int number = 0;
   std::getline(in, line);

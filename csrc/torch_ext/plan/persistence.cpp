@@ -18,7 +18,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include "torch_ext/plan/plan.h"
-#include "torch_ext/plan/sha256.h"
+#include "torch_ext/common/sha256.h"
 
 namespace torch_ext::plan {
 
@@ -109,7 +109,7 @@ int64_t PlanCache::load(const std::string& dir, const ProgressFn& progress) {
 }
 
 int64_t PlanCache::load_folder(const std::string& dir, const ProgressFn& progress, bool adopt_layout) {
-  const Manifest manifest = read_manifest(dir);
+  const Manifest manifest = read_manifest(dir, options_.manifest_sha256);
   TORCH_CHECK(manifest.kind == source_->kind(), "PlanCache.load: ", manifest.path, " holds ", manifest.kind,
               " plans; this cache's plans are ", source_->kind());
   if (adopt_layout && default_layout(options_)) {

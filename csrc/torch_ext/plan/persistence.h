@@ -35,7 +35,9 @@ struct Manifest {
 };
 
 void write_manifest(const std::string& dir, const Manifest& manifest);
-Manifest read_manifest(const std::string& dir);
+// Reads dir/manifest.txt. With `expected_sha256` (non-empty) a manifest whose bytes have another
+// SHA-256 is refused before anything in it is parsed or any file it lists is opened.
+Manifest read_manifest(const std::string& dir, const std::string& expected_sha256 = "");
 
 // Copies the layout options of `from` into `to`.
 void copy_layout(const PlanCacheOptions& from, PlanCacheOptions& to);

@@ -52,40 +52,6 @@ double Bucket::volume() const {
   return v;
 }
 
-MissMode miss_mode_from_string(const std::string& name) {
-  if (name == "exact") return MissMode::exact;
-  if (name == "pad") return MissMode::pad;
-  if (name == "split") return MissMode::split;
-  if (name == "auto") return MissMode::auto_;
-  TORCH_CHECK_VALUE(false, "PlanCache: unknown miss_mode '", name, "'; expected exact, pad, split or auto");
-}
-
-std::string to_string(MissMode mode) {
-  switch (mode) {
-    case MissMode::exact: return "exact";
-    case MissMode::pad: return "pad";
-    case MissMode::split: return "split";
-    case MissMode::auto_: return "auto";
-  }
-  return "exact";
-}
-
-PlanShapes plan_shapes_from_string(const std::string& name) {
-  if (name == "static") return PlanShapes::static_;
-  if (name == "dynamic") return PlanShapes::dynamic;
-  if (name == "auto") return PlanShapes::auto_;
-  TORCH_CHECK_VALUE(false, "PlanCache: unknown plan_shapes '", name, "'; expected static, dynamic or auto");
-}
-
-std::string to_string(PlanShapes shapes) {
-  switch (shapes) {
-    case PlanShapes::static_: return "static";
-    case PlanShapes::dynamic: return "dynamic";
-    case PlanShapes::auto_: return "auto";
-  }
-  return "auto";
-}
-
 void PlanCacheOptions::validate() const {
   TORCH_CHECK_VALUE(admit_after >= 1, "PlanCache: admit_after must be >= 1, got ", admit_after);
   TORCH_CHECK_VALUE(max_plans >= 0, "PlanCache: max_plans must be >= 0, got ", max_plans);
@@ -132,6 +98,9 @@ void PlanCacheOptions::validate() const {
                         "PlanCache: bucket bounds must be positive and ascending, got ", bounds);
     }
   }
+  TORCH_CHECK_VALUE(manifest_sha256.empty() || (manifest_sha256.size() == 64 &&
+                                                manifest_sha256.find_first_not_of("0123456789abcdef") == std::string::npos),
+                    "PlanCache: manifest_sha256 must be 64 lowercase hex digits (a SHA-256), got '", manifest_sha256, "'");
 }
 
 PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options) : options_(std::move(options)) {
@@ -158,12 +127,12 @@ PlanCache::PlanCache(ExportSource source, PlanCacheOptions options) : options_(s
 
 void PlanCache::start() {
   if (!layout_) layout_ = std::make_unique<Layout>(options_);
-  register_fork_aware(this);
+  register_fork_participant(this);
   if (options_.background_builds) worker_ = std::make_unique<std::thread>([this] { worker_loop(); });
 }
 
 PlanCache::~PlanCache() {
-  unregister_fork_aware(this);
+  unregister_fork_participant(this);
   stop_worker();
 }
 

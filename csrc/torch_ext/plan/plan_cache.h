@@ -40,8 +40,9 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/jit/api/module.h>
 
+#include "torch_ext/common/enum_names.h"
+#include "torch_ext/common/fork.h"
 #include "torch_ext/fields.h"
-#include "torch_ext/plan/threads.h"
 
 namespace torch_ext::plan {
 
@@ -54,8 +55,6 @@ enum class MissMode {
   auto_,  // pad or split, whichever the measured latencies say is cheaper; build if neither
 };
 
-MissMode miss_mode_from_string(const std::string& name);
-std::string to_string(MissMode mode);
 
 enum class PlanShapes {
   static_,  // each plan compiled for its bucket's largest sizes; smaller requests are padded
@@ -63,27 +62,22 @@ enum class PlanShapes {
   auto_,    // compile both, measure both on the bucket, keep the faster (stats say which and why)
 };
 
-PlanShapes plan_shapes_from_string(const std::string& name);
-std::string to_string(PlanShapes shapes);
-
 }  // namespace torch_ext::plan
 
 namespace torch_ext {
 template <>
-struct FieldCodec<plan::MissMode> {
-  using Exposed = std::string;
-  static std::string expose(plan::MissMode mode) { return plan::to_string(mode); }
-  static plan::MissMode parse(const std::string& name, const char* /*field*/) {
-    return plan::miss_mode_from_string(name);
-  }
+struct EnumNames<plan::MissMode> {
+  static constexpr std::string_view owner = "PlanCache", what = "miss_mode";
+  static constexpr std::array<std::pair<plan::MissMode, std::string_view>, 4> names{
+      {{plan::MissMode::exact, "exact"}, {plan::MissMode::pad, "pad"}, {plan::MissMode::split, "split"},
+       {plan::MissMode::auto_, "auto"}}};
 };
 template <>
-struct FieldCodec<plan::PlanShapes> {
-  using Exposed = std::string;
-  static std::string expose(plan::PlanShapes shapes) { return plan::to_string(shapes); }
-  static plan::PlanShapes parse(const std::string& name, const char* /*field*/) {
-    return plan::plan_shapes_from_string(name);
-  }
+struct EnumNames<plan::PlanShapes> {
+  static constexpr std::string_view owner = "PlanCache", what = "plan_shapes";
+  static constexpr std::array<std::pair<plan::PlanShapes, std::string_view>, 3> names{
+      {{plan::PlanShapes::static_, "static"}, {plan::PlanShapes::dynamic, "dynamic"},
+       {plan::PlanShapes::auto_, "auto"}}};
 };
 }  // namespace torch_ext
 
@@ -149,6 +143,8 @@ struct PlanCacheOptions {
   int64_t runners = 1;
   std::string package_dir;
   std::string fingerprint;
+  // Saved caches.
+  std::string manifest_sha256;
 
   static constexpr auto fields() {
     return std::make_tuple(
@@ -224,7 +220,11 @@ struct PlanCacheOptions {
               "exported programs: folder for compiled packages; empty: a temporary folder removed with the cache"),
         field("fingerprint", &PlanCacheOptions::fingerprint,
               "exported programs: what identifies the program (the Python face hashes its code and weights); "
-              "save() records it and load() refuses a folder saved from another"));
+              "save() records it and load() refuses a folder saved from another"),
+        field("manifest_sha256", &PlanCacheOptions::manifest_sha256,
+              "the SHA-256 (64 lowercase hex digits) of the manifest.txt a deployment trusts: a saved folder "
+              "(PlanCache(folder), load()) whose manifest has another digest is refused before any of its code "
+              "loads; the manifest holds every file's SHA-256, so this pins every byte loaded; empty: no pin"));
   }
   void validate() const;
 };
@@ -372,7 +372,7 @@ struct ExportSource {
 class PlanSource;     // plan.h
 struct ManifestPlan;  // persistence.h
 
-class PlanCache : public torch::CustomClassHolder, private ForkAware {
+class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
  public:
   PlanCache(torch::jit::Module module, PlanCacheOptions options = {});
   PlanCache(ExportSource source, PlanCacheOptions options = {});
@@ -483,9 +483,9 @@ class PlanCache : public torch::CustomClassHolder, private ForkAware {
   void build_job(Job& job);
   // Stops the worker (the destructor): buckets still queued are never built, their waiters fail.
   void stop_worker();
-  void before_fork() override;
-  void after_fork_parent() override;
-  void after_fork_child() override;
+  void fork_prepare() override;
+  void fork_parent() override;
+  void fork_child() override;
   // In a forked child: fails the builds the parent's threads were running (once).
   void recover_after_fork();
 

@@ -25,7 +25,7 @@
 #include <torch/csrc/jit/serialization/import.h>
 
 #include "torch_ext/plan/persistence.h"
-#include "torch_ext/plan/sha256.h"
+#include "torch_ext/common/sha256.h"
 
 namespace torch_ext::plan {
 

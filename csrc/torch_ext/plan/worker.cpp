@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "torch_ext/common/wait.h"
+
 namespace torch_ext::plan {
 
 namespace {
@@ -88,12 +90,13 @@ void PlanCache::wait_for_builds(double timeout_seconds) {
   recover_after_fork();
   check_usable("wait_for_builds");
   const double limit = timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds;
-  const auto deadline = Clock::now() + std::chrono::duration<double>(limit);
-  std::unique_lock<std::mutex> lock(worker_mutex_);
   // The worker notifies idle_cv_ under worker_mutex_ whenever the queue drains, so the
   // predicate sees every change; the deadline bounds a build that never ends.
-  const bool idle = idle_cv_.wait_until(lock, deadline, [this] { return (queue_.empty() && !running_) || stopping_; });
-  TORCH_CHECK(idle, "PlanCache.wait_for_builds: builds still ", running_ ? "running" : "queued", " after ", limit,
+  const bool idle = wait_until(worker_mutex_, idle_cv_, deadline_after(limit),
+                               [this] { return (queue_.empty() && !running_) || stopping_; });
+  if (idle) return;
+  std::lock_guard<std::mutex> lock(worker_mutex_);
+  TORCH_CHECK(false, "PlanCache.wait_for_builds: builds still ", running_ ? "running" : "queued", " after ", limit,
               " s (", queue_.size(), " queued", running_ ? ", bucket " + Bucket::of(running_->bucket).str() + " building" : "",
               "); pass a longer timeout");
 }
@@ -114,19 +117,19 @@ void PlanCache::stop_worker() {
   if (worker_ && worker_->joinable()) blocking_section([this] { worker_->join(); });
 }
 
-void PlanCache::before_fork() {
+void PlanCache::fork_prepare() {
   // Held across fork(), so the child's copies are never held by a thread it does not have. No
   // lock here is held while code that may fork runs (builds and callbacks run outside them).
   worker_mutex_.lock();
   mutex_.lock();
 }
 
-void PlanCache::after_fork_parent() {
+void PlanCache::fork_parent() {
   mutex_.unlock();
   worker_mutex_.unlock();
 }
 
-void PlanCache::after_fork_child() {
+void PlanCache::fork_child() {
   // Made afresh rather than unlocked: glibc's rwlock knows its writer by thread id, which fork
   // changes, so an unlock here would be taken for a reader's and leave it locked. No thread of
   // the child holds or waits on any of them.

@@ -1,5 +1,5 @@
 #pragma once
-// A small, strict JSON reader for safetensors headers and index files: objects, arrays, strings
+// A small, strict JSON reader (safetensors headers and index files): objects, arrays, strings
 // (all escapes, \u surrogate pairs; raw bytes must be valid, shortest-form UTF-8), integers,
 // true/false/null. Floats, trailing commas, duplicate keys (found with a hash set: linear time),
 // objects of more than kMaxJsonMembers members, nesting deeper than 64 and trailing garbage are
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-namespace torch_ext::paging {
+namespace torch_ext {
 
 constexpr int64_t kMaxJsonMembers = int64_t{1} << 24;
 constexpr int kMaxJsonDepth = 64;
@@ -73,4 +73,4 @@ JsonDocument parse_json(std::string_view text, const std::string& what);
 // Throws naming `what` unless `text` is valid, shortest-form UTF-8 (no surrogates, <= U+10FFFF).
 void check_utf8(std::string_view text, const std::string& what);
 
-}  // namespace torch_ext::paging
+}  // namespace torch_ext

@@ -1,4 +1,4 @@
-#include "torch_ext/fork.h"
+#include "torch_ext/common/fork.h"
 
 #include <pthread.h>
 

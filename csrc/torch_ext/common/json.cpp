@@ -1,11 +1,11 @@
-#include "torch_ext/paging/json.h"
+#include "torch_ext/common/json.h"
 
 #include <algorithm>
 #include <unordered_set>
 
 #include <c10/util/Exception.h>
 
-namespace torch_ext::paging {
+namespace torch_ext {
 
 namespace {
 
@@ -377,4 +377,4 @@ JsonDocument parse_json(std::string_view text, const std::string& what) {
   return JsonParser(text, what).parse_document();
 }
 
-}  // namespace torch_ext::paging
+}  // namespace torch_ext
