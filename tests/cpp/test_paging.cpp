@@ -442,6 +442,26 @@ TEST(Paging, DtypeConvertsTensorsAsTheyLoadAndTheBudgetCountsConvertedBytes) {
   expect_error([&] { torch_ext::enum_from_name<c10::ScalarType>("int8"); }, {"dtype", "'float32'", "'int8'"});
 }
 
+TEST(Paging, AConvertedLoadNeverReusesAViewsPages) {
+  // "a" is served as a view (kept in float32), "b" converted to bfloat16: the same byte size, so
+  // evicting "a" for "b" must not hand "a"'s mapped pages to "b" as memory to write into.
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes({{"a", values(256, 1.0f)}, {"b", values(512, 5000.0f)}}));
+  auto source = open(path);
+  pg::PagerOptions options;
+  options.budget_bytes = 1024;
+  options.prefetch = 0;
+  options.dtype = at::kBFloat16;
+  options.keep_float32 = {"a"};
+  auto pager = c10::make_intrusive<pg::LayerPager>(source, options);
+  for (int pass = 0; pass < 3; ++pass) {
+    EXPECT_TRUE(at::equal(pager->acquire("a"), values(256, 1.0f)));
+    EXPECT_TRUE(at::equal(pager->acquire("b"), values(512, 5000.0f).to(at::kBFloat16)));
+  }
+  EXPECT_EQ(pager->stats().misses, 6);
+}
+
 TEST(Paging, ConcurrentAcquiresLoadOnce) {
   TempDir dir;
   const auto path = dir.file("m.safetensors");

@@ -544,7 +544,8 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
       fits = false;
       break;
     }
-    if (recycled != nullptr && !recycled->defined() && victim->nbytes == incoming &&
+    // Only memory the pager owns is reused: a view's pages are the mapped file's.
+    if (recycled != nullptr && !recycled->defined() && !victim->view && victim->nbytes == incoming &&
         victim->tensor.storage().nbytes() == static_cast<size_t>(incoming)) {
       *recycled = std::move(victim->tensor);
     }
