@@ -26,7 +26,7 @@ SECTIONS = [
       "checkpoint_overhead_cuda"]),
     ("Paging", "Weight paging of a GPT from a safetensors file at several budgets, against accelerate's offloads; "
      "Hugging Face GPT-2 loaded from its folder, generating, and training adapters over paged weights.",
-     ["paging", "paging_threads2", "paging_cuda", "paging_header", "paging_copy_rss", "paging_hf", "paging_hf_train"]),
+     ["paging", "paging_threads2", "paging_cuda", "paging_header", "paging_copy_rss", "paging_hf", "paging_hf_bf16", "paging_hf_train"]),
     ("Cache", "The lazy node cache on a diffusion-style loop, preprocessed weights and full misses.", ["cache"]),
     ("Plan", "The plan cache serving random batch sizes, what each step of a plan buys, and serving torch.export "
      "programs (AOTInductor plans per bucket, a saved cache restarted, the dynamic batcher).",
