@@ -222,7 +222,7 @@ def _restore_rng(states: list) -> None:
 
 # torch.utils.checkpoint.checkpoint_sequential's own keywords, accepted for drop-in use and ignored:
 # there is one implementation.
-_TORCH_KEYWORDS = ("use_reentrant", "determinism_check", "debug", "context_fn")
+_TORCH_KEYWORDS = ("use_reentrant", "determinism_check", "debug")
 
 
 def _boundary_bytes(tensors: list[torch.Tensor], storage: str) -> int:
@@ -235,8 +235,9 @@ def checkpoint_sequential(functions: Any, segments: int, *inputs: Any, **kwargs:
     segments functions; all but the last are checkpointed, and the last runs plainly with the rest
     (its activations are needed right away by backward), as torch does. Unlike torch's, the first
     function may take several inputs, and the keyword arguments that are not options. Options are
-    torch_ext.checkpoint's; torch's use_reentrant, determinism_check, debug and context_fn are
-    accepted and ignored: there is one implementation, whose replays are always checked."""
+    torch_ext.checkpoint's, context_fn (selective checkpointing) included; torch's use_reentrant,
+    determinism_check and debug are accepted and ignored: there is one implementation, whose
+    replays are always checked."""
     for keyword in _TORCH_KEYWORDS:
         kwargs.pop(keyword, None)
     names = option_names()

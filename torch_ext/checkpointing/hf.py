@@ -33,8 +33,9 @@ def _is_checkpointing_layer(module: nn.Module) -> bool:
 
 def gradient_checkpointing_enable(model: nn.Module, *, every_n_layers: int = 1, **options: Any) -> nn.Module:
     """model.gradient_checkpointing_enable(every_n_layers=...) with torch_ext's checkpoint as the
-    function Hugging Face calls for each checkpointed layer; options are torch_ext.checkpoint's.
-    Returns the model."""
+    function Hugging Face calls for each checkpointed layer; options are torch_ext.checkpoint's
+    (context_fn included: a selective checkpointing policy, as TRL injects into Hugging Face's
+    gradient_checkpointing_kwargs). Returns the model."""
     if not hasattr(model, "gradient_checkpointing_enable"):
         raise TypeError(f"gradient_checkpointing_enable: {type(model).__name__} is not a Hugging Face model "
                         f"(it has no gradient_checkpointing_enable method)")
