@@ -1,7 +1,9 @@
 """torch's selective activation checkpointing (context_fn, create_selective_checkpoint_contexts)
 through every torch_ext entry point, compared with torch.utils.checkpoint's own result: the same
 gradients (torch.equal, CPU) and the same ops skipped in backward (counted with a dispatch mode)."""
+import copy
 import functools
+import pickle
 from collections import Counter
 
 import pytest
@@ -259,6 +261,11 @@ def save_addmm(ctx, op, *args, **kwargs):
 SAVE_ADDMM = functools.partial(create_selective_checkpoint_contexts, save_addmm)
 
 
+@torch_ext.checkpoint(context_fn=SAVE_ADDMM)
+class CheckpointedBlock(Block):
+    pass
+
+
 def chain(n_blocks=4):
     torch.manual_seed(0)
     return nn.Sequential(*[Block() for _ in range(n_blocks)])
@@ -306,6 +313,36 @@ def test_every_entry_point_matches_torchs_selective_checkpointing(entry):
     assert_same([p.grad for p in ours.parameters()], torch_params)
     assert counts["addmm"] == torch_counts["addmm"] == 0  # backward of Linear uses mm; no forward addmm again
     assert counts["tanh"] == torch_counts["tanh"]
+
+
+def test_a_checkpointed_class_and_its_copies_keep_the_policy():
+    torch.manual_seed(0)
+    original = CheckpointedBlock()
+    for model in (original, copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
+        counts, _ = backward_counts(lambda: model(torch.randn(4, 8)).sum())
+        assert counts["addmm"] == 0
+    instance = torch_ext.checkpoint(Block(), context_fn=SAVE_ADDMM)
+    for model in (copy.deepcopy(instance), pickle.loads(pickle.dumps(instance))):
+        counts, _ = backward_counts(lambda: model(torch.randn(4, 8)).sum())
+        assert counts["addmm"] == 0
+
+
+def test_a_new_context_fn_per_call_does_not_accumulate():
+    from torch_ext.checkpointing import api
+
+    before = len(api._OPTIONS_CACHE)
+    x, w = inputs()
+    for _ in range(5):
+        torch_ext.checkpoint_call(fn, x, w, context_fn=functools.partial(create_selective_checkpoint_contexts, save_mm))
+    assert len(api._OPTIONS_CACHE) <= before + 1
+
+
+def test_a_budget_plan_with_a_policy_is_refused():
+    with pytest.raises(ValueError, match="CheckpointedSequential: budget_bytes with context_fn"):
+        torch_ext.CheckpointedSequential(list(chain(2)), budget_bytes=1 << 20, context_fn=SAVE_ADDMM)
+    with pytest.raises(ValueError, match="checkpoint_layers: budget_bytes with context_fn"):
+        hf.checkpoint_layers(qwen2(), budget_bytes=1 << 20, inputs={"input_ids": torch.ones(1, 4, dtype=torch.long)},
+                             context_fn=SAVE_ATTENTION)
 
 
 def test_checkpoint_sequential_takes_context_fn():

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options
+from .chains import _PLANNED_POLICY
 from .planner import CheckpointPlan, plan_recorded_layers
 
 __all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "decoder_layers"]
@@ -93,7 +94,10 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     if not isinstance(inputs, dict) or not inputs:
         raise ValueError("checkpoint_layers: budget_bytes needs inputs, the keyword arguments of one model call "
                          "(input_ids, attention_mask, ...), to measure the layers on")
-    storage = checkpoint_options("checkpoint_layers", **options).script.storage
+    resolved = checkpoint_options("checkpoint_layers", **options)
+    if resolved.context_fn is not None:
+        raise ValueError(f"checkpoint_layers: {_PLANNED_POLICY}")
+    storage = resolved.script.storage
     plan = plan_recorded_layers(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, storage,
                                 repeat, progress)
     for start, _, checkpointed in plan.segments:
