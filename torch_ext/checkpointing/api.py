@@ -215,11 +215,12 @@ def checkpoint(target: Any = None, **options: Any) -> Any:
 
     Options are those of the C++ CheckpointOptions (torch.classes.torch_ext.CheckpointOptions):
     storage ("keep", exact; "offload"; "bf16" / "fp16", lossy), preserve_rng_state and
-    early_stop; and context_fn, torch's (selective checkpointing with
-    torch.utils.checkpoint.create_selective_checkpoint_contexts). Use as ``@checkpoint(storage="bf16")`` to pass options. Gradients equal the
-    unwrapped segment's (on CPU with "keep": bit for bit), whatever the segment reads (tensors in
-    nested arguments, closures, module parameters), with double backward, nested checkpoints and
-    hooks on its outputs' grad_fns. A replay is checked against its forward: every tensor it
+    early_stop; and torch's context_fn (selective checkpointing with
+    torch.utils.checkpoint.create_selective_checkpoint_contexts). Use as
+    ``@checkpoint(storage="bf16")`` to pass options. Gradients equal the unwrapped segment's
+    (on CPU with "keep": bit for bit), whatever the segment reads (tensors in nested arguments,
+    closures, module parameters), with double backward, nested checkpoints and hooks on its
+    outputs' grad_fns. A replay is checked against its forward: every tensor it
     saves for backward must match in shape, dtype and device, else CheckpointError names the
     segment and the first differing tensor. Hugging Face Cache arguments are set to None in the
     segment (caching off, as their gradient checkpointing does), with one warning.
