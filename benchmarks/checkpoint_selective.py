@@ -8,8 +8,11 @@ use_cache), eager, CPU:
       policy (attention saved, and every second matmul of each layer's forward)
   (d) torch_ext per layer: hf.gradient_checkpointing_enable(model)
   (e) torch_ext with the same policy: hf.gradient_checkpointing_enable(model, context_fn=...)
+  compiled (torch.compile(model), inductor): (a), (c) and (e)
 
-Step: model(**batch).loss.backward(), gradients preallocated. Step peak: the highest live memory
+Step: model(**batch).loss.backward(), gradients preallocated; compiled rows run with
+torch._inductor.config.fallback_random, so their dropout draws eager's masks, and are compiled by
+their first step (not timed). Step peak: the highest live memory
 above the step's start (torch_ext.memory). Grad diff: max |g - g_(a)| / max |g_(a)| after one step
 from the same seed. Step time: rounds of every variant (harness.measure_interleaved), then (e)
 against (c) in rounds of their own, alternating which runs first, judged by a 95% sign-test
@@ -32,6 +35,7 @@ from torch_ext.checkpointing import hf
 NONE, HF, TORCH_SAC, OURS, OURS_SAC = (
     "(a) no checkpointing", "(b) Hugging Face gradient checkpointing", "(c) torch SAC, torchtitan-style policy",
     "(d) torch_ext per layer", "(e) torch_ext + the same policy")
+COMPILED = (NONE, TORCH_SAC, OURS_SAC)
 PLOT = Path(__file__).resolve().parent.parent / "docs" / "checkpoint_selective.png"
 
 _MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
@@ -65,25 +69,37 @@ def variants(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return built
 
 
+def compiled_steps(built: dict, batch: dict) -> dict:
+    """The compiled rows: name -> (model, step)."""
+    return {f"{name}, compiled": (built[name], functools.partial(lambda c: c(**batch).loss.backward(),
+                                                                 torch.compile(built[name])))
+            for name in COMPILED}
+
+
 def run_model(label: str, build, quick: bool, device, report: harness.Report, checks: list, points: dict) -> None:
     base = build().to(device)
     config = base.config
     batch = padded_batch(config.vocab_size, 2 if quick else 4, config.max_position_embeddings, device)
     built = variants(base)
-    steps, grad_diffs, peaks, reference = {}, {}, {}, None
-    for name, model in built.items():
+    for model in built.values():
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        steps[name] = functools.partial(lambda m: m(**batch).loss.backward(), model)
+    rows = {name: (model, functools.partial(lambda m: m(**batch).loss.backward(), model))
+            for name, model in built.items()}
+    rows.update(compiled_steps(built, batch))
+    steps, grad_diffs, peaks, reference = {}, {}, {}, None
+    for name, (model, step) in rows.items():
+        steps[name] = step
         torch.manual_seed(5)  # the same dropout masks in every variant
-        steps[name]()
+        step()  # compiles a compiled row
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).float().cpu()
         reference = grads if reference is None else reference
         grad_diffs[name] = ((grads - reference).abs().max() / reference.abs().max()).item()
         model.zero_grad(set_to_none=False)
-        peaks[name] = harness.peak_memory(steps[name], device)
+        peaks[name] = harness.peak_memory(step, device)
         model.zero_grad(set_to_none=False)
-    zero = {name: functools.partial(built[name].zero_grad, set_to_none=False) for name in built}
+    built_by_row = {name: model for name, (model, _) in rows.items()}
+    zero = {name: functools.partial(model.zero_grad, set_to_none=False) for name, model in built_by_row.items()}
     repeat, pair_repeat = (2, 4) if quick else (8, 20)
     timings = harness.measure_interleaved(steps, warmup=1, repeat=repeat, before_each=zero)
     base_time = timings[NONE].median_seconds
@@ -109,6 +125,9 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
                    peaks[OURS_SAC] <= peaks[TORCH_SAC] * 1.02 and low <= 0))
     same = grad_diffs[OURS_SAC] == grad_diffs[TORCH_SAC] == 0
     checks.append((f"{label}: (c) and (e) give (a)'s gradients exactly (dropout on): {'yes' if same else 'no'}", same))
+    compiled_c, compiled_e = f"{TORCH_SAC}, compiled", f"{OURS_SAC}, compiled"
+    checks.append((f"{label}, compiled: (e) at (c)'s step peak memory ({harness.format_bytes(peaks[compiled_e])} vs "
+                   f"{harness.format_bytes(peaks[compiled_c])})", peaks[compiled_e] <= peaks[compiled_c] * 1.02))
 
 
 def plot(points: dict) -> None:
@@ -120,13 +139,15 @@ def plot(points: dict) -> None:
     fig, axes = plt.subplots(1, len(points), figsize=(6 * len(points), 4.5), squeeze=False)
     for ax, (label, by_variant) in zip(axes[0], points.items()):
         for name, (time_ratio, peak_ratio) in by_variant.items():
-            ax.scatter(time_ratio, peak_ratio, s=40)
-            ax.annotate(name.split(")")[0] + ")", (time_ratio, peak_ratio), textcoords="offset points", xytext=(5, 4))
+            compiled = name.endswith("compiled")
+            ax.scatter(time_ratio, peak_ratio, s=40, marker="s" if compiled else "o")
+            ax.annotate(name.split(")")[0] + ")" + (" compiled" if compiled else ""), (time_ratio, peak_ratio),
+                        textcoords="offset points", xytext=(5, 4), fontsize=8)
         ax.set_title(label)
-        ax.set_xlabel("step time / no checkpointing")
-        ax.set_ylabel("step peak memory / no checkpointing")
+        ax.set_xlabel("step time / (a) eager")
+        ax.set_ylabel("step peak memory / (a) eager")
         ax.grid(alpha=0.3)
-    fig.suptitle("Selective checkpointing, eager CPU: " + "; ".join(
+    fig.suptitle("Selective checkpointing, CPU (squares: compiled): " + "; ".join(
         name for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC)), fontsize=7)
     fig.tight_layout()
     fig.savefig(PLOT, dpi=110)
@@ -137,11 +158,13 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    torch._inductor.config.fallback_random = True
+    torch._dynamo.config.recompile_limit = 64  # each variant compiles the shared layer code once more
     columns = ["model", "variant", "step peak memory", "vs (a) peak", "step time", "vs (a) time", "grad diff vs (a)"]
     where = f"CUDA, {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "CPU"
     name = "checkpoint_selective" + ("_cuda" if device.type == "cuda" else "") + ("_quick" if quick else "")
-    report = harness.Report(name, f"Selective activation checkpointing of Hugging Face models, eager ({where})",
-                            columns, command)
+    title = f"Selective activation checkpointing of Hugging Face models, eager and compiled ({where})"
+    report = harness.Report(name, title, columns, command)
     checks, points = [], {}
     for label, build in models(quick).items():
         run_model(label, build, quick, device, report, checks, points)
