@@ -5,13 +5,14 @@
 // CPython functions, not pybind11 ones: they run for every tensor autograd saves, and pybind11's
 // dispatch would cost more than the rest of a small segment's bookkeeping.
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <ATen/SavedTensorHooks.h>
-#include <ATen/ops/empty_strided.h>
 #include <pybind11/pybind11.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -39,6 +40,8 @@ void set_python_error() {
   try {
     throw;
   } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (python_error& e) {  // a Python hook's error through autograd (a replay stopping, nested)
     e.restore();
   } catch (const ck::CheckpointError& e) {
     PyErr_SetString(checkpoint_error_type, e.what());
@@ -158,25 +161,20 @@ struct PyRef {
   PyObject* object;
 };
 
-// One input of the segment as the replay gets it back.
+// One input of the segment as the replay gets it back: a tensor the storage policy keeps as itself
+// is saved through the enclosing frame's hooks, if any (that is what nests checkpoints), a copy as
+// the core stores it (store_copy), anything else as the Python object.
 struct SavedInput {
-  torch::autograd::SavedVariable saved;  // "keep": the caller's tensor itself
-  at::Tensor stored;                     // an offloaded or compressed copy
-  c10::Device device{c10::kCPU};
-  at::ScalarType dtype = at::kFloat;
-  bool requires_grad = false;
-  bool is_tensor = false;
+  torch::autograd::SavedVariable saved;
+  std::optional<ck::StoredCopy> copy;
   std::unique_ptr<PyRef> value;  // not a tensor
 
   PyObject* restore() const {
-    if (!is_tensor) {
+    if (value) {
       Py_INCREF(value->object);
       return value->object;
     }
-    if (!stored.defined()) return THPVariable_Wrap(saved.unpack());
-    at::Tensor t = stored.to(device, dtype, /*non_blocking=*/true).detach();
-    if (requires_grad) t.requires_grad_(true);
-    return THPVariable_Wrap(std::move(t));
+    return THPVariable_Wrap(copy ? copy->restore() : saved.unpack());
   }
 };
 
@@ -187,23 +185,8 @@ SavedInput save_input(PyObject* arg, ck::StoragePolicy policy) {
     return in;
   }
   const at::Tensor& t = THPVariable_Unpack(arg);
-  in.is_tensor = true;
-  const at::ScalarType stored_dtype = ck::boundary_dtype(t, policy);
-  const bool offload = policy == ck::StoragePolicy::kOffload && t.device().type() != c10::kCPU;
-  if (stored_dtype == t.scalar_type() && !offload) {
-    // Saved through the enclosing frame's hooks, if any: that is what nests checkpoints.
-    in.saved = torch::autograd::SavedVariable(t, /*is_output=*/false);
-    return in;
-  }
-  in.device = t.device();
-  in.dtype = t.scalar_type();
-  in.requires_grad = t.requires_grad();
-  if (offload) {
-    in.stored = at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU).pinned_memory(true));
-    in.stored.copy_(t.detach(), /*non_blocking=*/true);
-  } else {
-    in.stored = t.detach().to(stored_dtype);
-  }
+  in.copy = ck::store_copy(t, policy);
+  if (!in.copy) in.saved = torch::autograd::SavedVariable(t, /*is_output=*/false);
   return in;
 }
 
@@ -300,7 +283,6 @@ PyObject* run(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
     if (!torch::autograd::GradMode::is_enabled()) return PyObject_Call(fn, args, kwargs);
     const auto* options = from_capsule<ck::CheckpointOptions>(argv[3], kOptions);
     if (options == nullptr) return nullptr;
-    auto frame = std::make_shared<ck::Frame>(py::cast<std::string>(argv[4]), options->early_stop);
     auto call = std::make_shared<Call>();
     const Py_ssize_t n = PyTuple_GET_SIZE(args);
     call->inputs.reserve(static_cast<size_t>(n));
@@ -310,6 +292,8 @@ PyObject* run(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
       call->inputs.push_back(save_input(arg, options->storage));
       if (THPVariable_Check(arg)) versions.emplace_back(i, THPVariable_Unpack(arg)._version());
     }
+    // Begun after its inputs are saved (frame.h: how an enclosing frame sees a nested one).
+    auto frame = std::make_shared<ck::Frame>(py::cast<std::string>(argv[4]), options->early_stop);
     call->fn = std::make_unique<PyRef>(fn);
     if (kwargs != nullptr) call->kwargs = std::make_unique<PyRef>(kwargs);
     call->state = ck::ReplayState::capture(devices_of(args, kwargs), options->preserve_rng_state);

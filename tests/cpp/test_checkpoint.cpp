@@ -134,6 +134,25 @@ TEST(Checkpoint, CompressedStorageIsApproximateAndSmaller) {
   EXPECT_LT((grad - exact).norm().item<double>() / exact.norm().item<double>(), 2e-2);
 }
 
+TEST(Checkpoint, StoreCopyIsTheOnePlaceAStoragePolicyApplies) {
+  auto x = at::randn({8}).requires_grad_();
+  EXPECT_FALSE(ck::store_copy(x, ck::StoragePolicy::kKeep).has_value());
+  EXPECT_FALSE(ck::store_copy(x, ck::StoragePolicy::kOffload).has_value());  // a CPU tensor is kept
+  EXPECT_FALSE(ck::store_copy(at::arange(8), ck::StoragePolicy::kBFloat16).has_value());  // not float
+  auto stored = ck::store_copy(x, ck::StoragePolicy::kBFloat16);
+  ASSERT_TRUE(stored.has_value());
+  EXPECT_EQ(stored->copy.scalar_type(), at::kBFloat16);
+  {
+    at::NoGradGuard no_grad;
+    x.mul_(2);  // the copy is a snapshot of the forward's value
+  }
+  at::Tensor restored = stored->restore();
+  EXPECT_EQ(restored.scalar_type(), at::kFloat);
+  EXPECT_TRUE(restored.requires_grad());
+  EXPECT_TRUE(restored.is_leaf());
+  EXPECT_TRUE(restored.equal((x.detach() / 2).to(at::kBFloat16).to(at::kFloat)));
+}
+
 TEST(Checkpoint, StoragePolicyNames) {
   EXPECT_EQ(torch_ext::enum_from_name<ck::StoragePolicy>("fp16"), ck::StoragePolicy::kFloat16);
   EXPECT_EQ(torch_ext::enum_name(ck::StoragePolicy::kOffload), "offload");

@@ -17,6 +17,10 @@ graph's tail is worth skipping. Gradients, double backward, nested checkpoints, 
 closures behave as without checkpointing. The C++ and TorchScript front doors replay whole
 segments through an autograd Function (csrc/torch_ext/checkpoint/checkpoint.h).
 
+Every entry point takes torch's context_fn: with torch.utils.checkpoint's
+create_selective_checkpoint_contexts, selective checkpointing with torch's semantics (the forward
+runs under the first context, each replay under the second).
+
 Storage policies for the inputs: "keep" (default, exact: the replay gets the caller's tensors),
 "offload" (accelerator inputs go to pinned CPU memory asynchronously; CPU inputs are kept),
 "bf16" / "fp16" (lossy and opt-in: float inputs are stored rounded, so gradients are approximate).

@@ -6,11 +6,12 @@ every saved tensor is recomputed). Under torch.compile the segment is traced ins
 torch.utils.checkpoint, as torch's own checkpoint is."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.utils.checkpoint
@@ -31,9 +32,16 @@ class Options:
     script: torch.ScriptObject
     native: Any  # what _C.checkpoint.run takes
     compiled: tuple
+    # torch's selective checkpointing: a callable returning (forward context, recompute context), as
+    # torch.utils.checkpoint takes it; a Python object, so the one option C++ cannot hold.
+    context_fn: Optional[Callable] = None
 
     def as_dict(self) -> dict:
-        return self.script.as_dict()
+        """The options as keywords (the C++ ones, and context_fn when one is set)."""
+        values = self.script.as_dict()
+        if self.context_fn is not None:
+            values["context_fn"] = self.context_fn
+        return values
 
 
 _DEFAULT_OPTIONS = torch.classes.torch_ext.CheckpointOptions()
@@ -41,12 +49,31 @@ _OPTIONS_CACHE: dict = {}
 
 
 def option_names() -> list[str]:
-    return _DEFAULT_OPTIONS.fields()
+    return _DEFAULT_OPTIONS.fields() + ["context_fn"]
+
+
+def _context_fn(owner: str, context_fn: Any) -> Optional[Callable]:
+    if context_fn is None or context_fn is torch.utils.checkpoint.noop_context_fn:
+        return None
+    if not callable(context_fn):
+        raise TypeError(f"{owner}: context_fn must be a callable returning two context managers (the forward's and "
+                        f"the recomputation's), as torch.utils.checkpoint takes it; got {type(context_fn).__name__}")
+    return context_fn
 
 
 def checkpoint_options(owner: str, **options: Any) -> Options:
-    """Options from keywords, validated by C++; raises TypeError naming owner for an unknown one.
-    Built once per distinct set of keywords."""
+    """Options from keywords, validated by C++ (context_fn, a Python callable, here); raises
+    TypeError naming owner for an unknown one. The C++ options are built once per distinct set of
+    keywords (a context_fn is not cached: a new one per call must not accumulate)."""
+    context_fn = _context_fn(owner, options.pop("context_fn", None))
+    resolved = _native_options(owner, options)
+    if context_fn is None:
+        return resolved
+    return dataclasses.replace(resolved, compiled=resolved.compiled + (("context_fn", context_fn),),
+                               context_fn=context_fn)
+
+
+def _native_options(owner: str, options: dict) -> Options:
     key = tuple(sorted(options.items()))
     try:
         return _OPTIONS_CACHE[key]
@@ -102,7 +129,38 @@ def _run(fn: Callable, args: tuple, kwargs: dict, options: Options, name: str) -
         args, kwargs = _without_caches(name, args, kwargs)
     if torch.compiler.is_compiling():
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **dict(options.compiled), **kwargs)
+    if options.context_fn is not None:
+        fn = _UnderContexts(fn, options.context_fn, name)
     return _run_segment(fn, args, kwargs, options.native, name)
+
+
+class _UnderContexts:
+    """A segment run under context_fn's contexts, as torch.utils.checkpoint runs it: its forward
+    (the first call) under the first, every replay under the second. One per checkpointed call:
+    context_fn is called once per call, as torch calls it (a selective checkpointing policy's
+    contexts share the storage of the outputs the policy saves in that call)."""
+
+    __slots__ = ("fn", "forward_context", "recompute_context", "name", "forward_done")
+
+    def __init__(self, fn: Callable, context_fn: Callable, name: str) -> None:
+        contexts = context_fn()
+        if not isinstance(contexts, tuple) or len(contexts) != 2:
+            raise TypeError(f"torch_ext.checkpoint: {name}: context_fn must return a tuple of two context managers "
+                            f"(the forward's, the recomputation's), got {type(contexts).__name__}")
+        self.fn = fn
+        self.forward_context, self.recompute_context = contexts
+        self.name = name
+        self.forward_done = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.forward_done:
+            with self.recompute_context:
+                return self.fn(*args, **kwargs)
+        self.forward_done = True
+        with self.forward_context:
+            return self.fn(*args, **kwargs)
+        raise RuntimeError(f"torch_ext.checkpoint: {self.name}: the forward context from context_fn suppressed an "
+                           f"exception raised in the checkpointed forward; a failed forward has no value to return")
 
 
 def _name_of(fn: Any) -> str:
@@ -157,10 +215,12 @@ def checkpoint(target: Any = None, **options: Any) -> Any:
 
     Options are those of the C++ CheckpointOptions (torch.classes.torch_ext.CheckpointOptions):
     storage ("keep", exact; "offload"; "bf16" / "fp16", lossy), preserve_rng_state and
-    early_stop. Use as ``@checkpoint(storage="bf16")`` to pass options. Gradients equal the
-    unwrapped segment's (on CPU with "keep": bit for bit), whatever the segment reads (tensors in
-    nested arguments, closures, module parameters), with double backward, nested checkpoints and
-    hooks on its outputs' grad_fns. A replay is checked against its forward: every tensor it
+    early_stop; and torch's context_fn (selective checkpointing with
+    torch.utils.checkpoint.create_selective_checkpoint_contexts). Use as
+    ``@checkpoint(storage="bf16")`` to pass options. Gradients equal the unwrapped segment's
+    (on CPU with "keep": bit for bit), whatever the segment reads (tensors in nested arguments,
+    closures, module parameters), with double backward, nested checkpoints and hooks on its
+    outputs' grad_fns. A replay is checked against its forward: every tensor it
     saves for backward must match in shape, dtype and device, else CheckpointError names the
     segment and the first differing tensor. Hugging Face Cache arguments are set to None in the
     segment (caching off, as their gradient checkpointing does), with one warning.
@@ -226,16 +286,14 @@ def checkpoint_call(function: Callable, *args: Any, context_fn: Any = None, dete
     run function(*args, **kwargs) checkpointed and return its output. Takes torch's keywords
     (use_reentrant and debug are accepted and ignored: torch_ext has the non-reentrant
     implementation only; early_stop and preserve_rng_state are options) and torch_ext's options
-    (storage). determinism_check must be "default" (torch_ext always checks its replays), and
-    context_fn (selective activation checkpointing) is not supported."""
-    if context_fn is not None and context_fn is not torch.utils.checkpoint.noop_context_fn:
-        raise NotImplementedError("torch_ext.checkpoint_call: context_fn (selective activation checkpointing) is not "
-                                  "supported; use torch.utils.checkpoint for it")
+    (storage); context_fn as torch's (selective activation checkpointing). determinism_check
+    must be "default" (torch_ext always checks its replays)."""
     if determinism_check != "default":
         raise ValueError(f"torch_ext.checkpoint_call: determinism_check={determinism_check!r}: torch_ext always "
                          f"checks its replays (\"default\")")
     for keyword in _TORCH_ONLY:
         kwargs.pop(keyword, None)
     names = option_names()
-    options = checkpoint_options("torch_ext.checkpoint_call", **{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+    options = checkpoint_options("torch_ext.checkpoint_call", context_fn=context_fn,
+                                 **{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     return _run(function, args, kwargs, options, _name_of(function))

@@ -63,6 +63,8 @@ class CheckpointedSequential(nn.Sequential):
         if len(chosen) > 1:
             raise ValueError(f"CheckpointedSequential: give one of every, boundaries or budget_bytes, not {chosen}")
         self.options = checkpoint_options("CheckpointedSequential", **options)
+        if budget_bytes is not None and self.options.context_fn is not None:
+            raise ValueError(f"CheckpointedSequential: {_PLANNED_POLICY}")
         self.budget_bytes = budget_bytes
         self.plan: Optional[CheckpointPlan] = None
         if budget_bytes is not None:
@@ -220,9 +222,13 @@ def _restore_rng(states: list) -> None:
             torch.cuda.set_rng_state(state, index)
 
 
+_PLANNED_POLICY = ("budget_bytes with context_fn: the planner measures layers without a selective checkpointing "
+                   "policy, so its plan would not account for the outputs the policy keeps; choose the layers "
+                   "(every / boundaries), or plan without context_fn")
+
 # torch.utils.checkpoint.checkpoint_sequential's own keywords, accepted for drop-in use and ignored:
 # there is one implementation.
-_TORCH_KEYWORDS = ("use_reentrant", "determinism_check", "debug", "context_fn")
+_TORCH_KEYWORDS = ("use_reentrant", "determinism_check", "debug")
 
 
 def _boundary_bytes(tensors: list[torch.Tensor], storage: str) -> int:
@@ -235,8 +241,9 @@ def checkpoint_sequential(functions: Any, segments: int, *inputs: Any, **kwargs:
     segments functions; all but the last are checkpointed, and the last runs plainly with the rest
     (its activations are needed right away by backward), as torch does. Unlike torch's, the first
     function may take several inputs, and the keyword arguments that are not options. Options are
-    torch_ext.checkpoint's; torch's use_reentrant, determinism_check, debug and context_fn are
-    accepted and ignored: there is one implementation, whose replays are always checked."""
+    torch_ext.checkpoint's, context_fn (selective checkpointing) included; torch's use_reentrant,
+    determinism_check and debug are accepted and ignored: there is one implementation, whose
+    replays are always checked."""
     for keyword in _TORCH_KEYWORDS:
         kwargs.pop(keyword, None)
     names = option_names()

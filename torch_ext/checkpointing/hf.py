@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options
+from .chains import _PLANNED_POLICY
 from .planner import CheckpointPlan, plan_recorded_layers
 
 __all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "decoder_layers"]
@@ -33,8 +34,9 @@ def _is_checkpointing_layer(module: nn.Module) -> bool:
 
 def gradient_checkpointing_enable(model: nn.Module, *, every_n_layers: int = 1, **options: Any) -> nn.Module:
     """model.gradient_checkpointing_enable(every_n_layers=...) with torch_ext's checkpoint as the
-    function Hugging Face calls for each checkpointed layer; options are torch_ext.checkpoint's.
-    Returns the model."""
+    function Hugging Face calls for each checkpointed layer; options are torch_ext.checkpoint's
+    (context_fn included: a selective checkpointing policy, as TRL injects into Hugging Face's
+    gradient_checkpointing_kwargs). Returns the model."""
     if not hasattr(model, "gradient_checkpointing_enable"):
         raise TypeError(f"gradient_checkpointing_enable: {type(model).__name__} is not a Hugging Face model "
                         f"(it has no gradient_checkpointing_enable method)")
@@ -92,7 +94,10 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     if not isinstance(inputs, dict) or not inputs:
         raise ValueError("checkpoint_layers: budget_bytes needs inputs, the keyword arguments of one model call "
                          "(input_ids, attention_mask, ...), to measure the layers on")
-    storage = checkpoint_options("checkpoint_layers", **options).script.storage
+    resolved = checkpoint_options("checkpoint_layers", **options)
+    if resolved.context_fn is not None:
+        raise ValueError(f"checkpoint_layers: {_PLANNED_POLICY}")
+    storage = resolved.script.storage
     plan = plan_recorded_layers(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, storage,
                                 repeat, progress)
     for start, _, checkpointed in plan.segments:

@@ -46,28 +46,27 @@ at::ScalarType boundary_dtype(const at::Tensor& t, StoragePolicy policy) {
   return t.scalar_type();
 }
 
+std::optional<StoredCopy> store_copy(const at::Tensor& t, StoragePolicy policy) {
+  const at::ScalarType dtype = boundary_dtype(t, policy);
+  const bool offload = policy == StoragePolicy::kOffload && t.device().type() != c10::kCPU;
+  if (dtype == t.scalar_type() && !offload) return std::nullopt;
+  StoredCopy stored{{}, t.device(), t.scalar_type(), t.requires_grad()};
+  if (offload) {
+    stored.copy = at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU).pinned_memory(true));
+    stored.copy.copy_(t.detach(), /*non_blocking=*/true);
+  } else {
+    stored.copy = t.detach().to(dtype);
+  }
+  return stored;
+}
+
+at::Tensor StoredCopy::restore() const {
+  at::Tensor t = copy.to(device, dtype, /*non_blocking=*/true).detach();
+  if (requires_grad) t.requires_grad_(true);
+  return t;
+}
+
 namespace {
-
-std::optional<at::ScalarType> compressed_dtype(StoragePolicy policy, const at::Tensor& t) {
-  if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble) return std::nullopt;
-  if (policy == StoragePolicy::kBFloat16) return at::kBFloat16;
-  if (policy == StoragePolicy::kFloat16) return at::kHalf;
-  return std::nullopt;
-}
-
-bool offloaded(StoragePolicy policy, const at::Tensor& t) {
-  return policy == StoragePolicy::kOffload && t.device().type() != c10::kCPU;
-}
-
-// A boundary input stored other than as itself (offloaded or compressed), with what is
-// needed to restore it and to detect an in-place change of the original before backward.
-struct StoredInput {
-  at::Tensor stored;
-  c10::Device device{c10::kCPU};
-  at::ScalarType dtype = at::kFloat;
-  c10::VariableVersion version{0};
-  uint32_t saved_version = 0;
-};
 
 struct OutputMeta {
   std::vector<int64_t> sizes;
@@ -86,7 +85,7 @@ struct SegmentState : torch::CustomClassHolder {
   size_t num_inputs = 0;
   TensorList params;
   std::vector<bool> input_requires_grad;
-  std::vector<std::optional<StoredInput>> stored;  // per input; nullopt: saved in ctx (keep)
+  std::vector<std::optional<StoredCopy>> stored;  // per input; nullopt: saved in ctx (kept as itself)
   ReplayState state;  // RNG and autocast state of the forward
   std::vector<OutputMeta> output_meta;
 };
@@ -286,25 +285,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     for (size_t i = 0; i < inputs.size(); ++i) {
       const auto& input = inputs[i];
       s.input_requires_grad.push_back(input.requires_grad());
-      auto dtype = compressed_dtype(s.options.storage, input);
-      if (!dtype && !offloaded(s.options.storage, input)) {
-        kept.push_back(input);
-        continue;
-      }
-      StoredInput stored;
-      stored.device = input.device();
-      stored.dtype = input.scalar_type();
-      stored.version = torch::autograd::impl::version_counter(input);
-      stored.saved_version = stored.version.current_version();
-      if (dtype) {
-        stored.stored = input.to(*dtype);
-      } else {
-        stored.stored = at::empty_strided(input.sizes(), input.strides(),
-                                          input.options().device(c10::kCPU).pinned_memory(true));
-        stored.stored.copy_(input, /*non_blocking=*/true);
-      }
-      s.stored[i] = std::move(stored);
-      kept.emplace_back();
+      s.stored[i] = store_copy(input, s.options.storage);
+      kept.push_back(s.stored[i] ? at::Tensor() : input);
     }
     ctx->save_for_backward(std::move(kept));
     s.params.assign(tensors.begin() + static_cast<std::ptrdiff_t>(s.num_inputs), tensors.end());
@@ -367,16 +349,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     TensorList inputs;
     inputs.reserve(s.num_inputs);
     for (size_t i = 0; i < s.num_inputs; ++i) {
-      at::Tensor restored;
-      if (s.stored[i]) {
-        const auto& stored = *s.stored[i];
-        TORCH_CHECK(stored.version.current_version() == stored.saved_version, "checkpoint: input ", i, " of ",
-                    s.options.name, " was modified in place after the forward (version ", stored.saved_version,
-                    " -> ", stored.version.current_version(), "); the replay would see different values");
-        restored = stored.stored.to(stored.device, stored.dtype, /*non_blocking=*/true);
-      } else {
-        restored = kept[i];
-      }
+      const at::Tensor restored = s.stored[i] ? s.stored[i]->restore() : kept[i];
       at::Tensor detached = restored.detach();
       if (s.input_requires_grad[i]) detached.requires_grad_(true);
       inputs.push_back(std::move(detached));

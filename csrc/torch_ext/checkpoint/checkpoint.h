@@ -7,6 +7,7 @@
 // so it must not rely on thread-local state of the thread that ran the forward.
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -81,6 +82,24 @@ TensorList checkpoint(const Segment& segment, const TensorList& inputs, const Te
 
 // The dtype `t` is stored in under `policy` (bf16 / fp16 round float32 and float64 only).
 at::ScalarType boundary_dtype(const at::Tensor& t, StoragePolicy policy);
+
+// A boundary input a storage policy keeps as a copy (offloaded to pinned CPU memory, or rounded):
+// a snapshot of the input at the forward, so a later in-place change of the input does not reach it.
+struct StoredCopy {
+  at::Tensor copy;
+  c10::Device device{c10::kCPU};
+  at::ScalarType dtype = at::kFloat;
+  bool requires_grad = false;
+
+  // The input again: on its device, in its dtype (rounded values under bf16 / fp16), detached,
+  // requiring grad where the input did.
+  at::Tensor restore() const;
+};
+
+// The one place a storage policy is applied, for every front door: the copy `policy` keeps of `t`,
+// or nullopt where it keeps `t` itself (keep; CPU tensors under offload; tensors other than
+// float32 / float64 under bf16 / fp16), which the front door saves as autograd saves a tensor.
+std::optional<StoredCopy> store_copy(const at::Tensor& t, StoragePolicy policy);
 
 // Bytes the boundary of `inputs` occupies under `policy` (offloaded bytes count on the CPU);
 // symbolic under dynamic shapes.

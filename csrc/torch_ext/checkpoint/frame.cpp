@@ -10,7 +10,15 @@
 
 namespace torch_ext::checkpoint {
 
-Frame::Frame(std::string name, bool early_stop) : name_(std::move(name)), early_stop_(early_stop) {}
+namespace {
+// Frames begun on this thread (a frame's forward runs on one thread): a nested checkpoint's forward
+// in a frame's tail shows as a count that moved after the frame's last pack.
+thread_local uint64_t frames_begun = 0;
+}  // namespace
+
+Frame::Frame(std::string name, bool early_stop) : name_(std::move(name)), early_stop_(early_stop) {
+  ++frames_begun;
+}
 
 int64_t Frame::fresh_graph_task() {
   static std::atomic<int64_t> next{-2};  // -1 is get_current_graph_task_id()'s "none"
@@ -41,6 +49,7 @@ std::shared_ptr<Holder> Frame::pack(const at::Tensor& tensor) {
   const uint64_t next = at::sequence_number::peek();
   const auto* producer = torch::autograd::impl::grad_fn_unsafe(tensor);
   tail_start_ = producer != nullptr && producer->sequence_nr() + 1 == next ? next : next - 1;
+  frames_at_pack_ = frames_begun;
   return holder;
 }
 
@@ -62,6 +71,10 @@ bool is_product(const torch::autograd::Node& node) {
 void Frame::finish_forward(const std::vector<at::Tensor>& outputs) {
   forward_done_ = true;
   if (!early_stop_ || holders_.empty()) return;
+  if (frames_begun != frames_at_pack_) {  // a nested checkpoint's forward is in the tail
+    stop_early_ = true;
+    return;
+  }
   // The tail: the nodes the forward created after its last saved tensor, found from the outputs.
   std::vector<torch::autograd::Node*> stack;
   std::unordered_map<torch::autograd::Node*, bool> seen;

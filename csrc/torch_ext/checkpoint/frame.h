@@ -17,7 +17,9 @@
 // and only a tail of at least kEarlyStopWork is worth stopping before (the stop is an exception
 // through the segment's Python frames, which costs about what that much elementwise work does).
 // The same program takes the same path on any machine: no timing decides. Nested checkpoints follow
-// from the front door saving a segment's inputs through the enclosing frame's hooks.
+// from the front door saving a segment's inputs through the enclosing frame's hooks; a tail that
+// holds a nested checkpoint's forward is always stopped before (as torch's early stop does), so the
+// nested segment is recomputed once, by its own frame, not once more inside the enclosing replay.
 //
 // Thread safety: a frame's forward runs on one thread. unpack() and repack() take the frame's
 // (recursive) mutex, so backward passes on several threads recompute a frame once per graph task.
@@ -68,6 +70,8 @@ class Frame : public std::enable_shared_from_this<Frame> {
   // as the saved-tensor pack hook, catching StopRecomputation.
   using Recompute = std::function<void(Frame& frame, int64_t graph_task)>;
 
+  // Construct when the segment's forward begins, after its inputs are saved (through the enclosing
+  // frame's hooks, if any): a frame begun after the enclosing frame's last pack is in its tail.
   Frame(std::string name, bool early_stop);
   void set_recompute(Recompute recompute) { recompute_ = std::move(recompute); }
   const std::string& name() const { return name_; }
@@ -108,6 +112,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
   const bool early_stop_;
   bool stop_early_ = false;     // decided by finish_forward()
   uint64_t tail_start_ = 0;     // the first node of the tail: the last saved tensor's or the next
+  uint64_t frames_at_pack_ = 0; // frames begun on this thread when the forward last packed
   Recompute recompute_;
   std::recursive_mutex mutex_;
   std::vector<std::weak_ptr<Holder>> holders_;  // in the order the forward saved them

@@ -1,0 +1,178 @@
+"""Part "selective" of bench_checkpoint: selective activation checkpointing (torch's context_fn) on
+Hugging Face GPT-2 and Llama (12 layers, width 256, padded 4x128 batches, defaults on: dropout,
+use_cache), eager, CPU:
+
+  (a) no checkpointing
+  (b) Hugging Face's model.gradient_checkpointing_enable() (torch.utils.checkpoint per layer)
+  (c) torch's SAC: the same, with gradient_checkpointing_kwargs' context_fn a torchtitan-style
+      policy (attention saved, and every second matmul of each layer's forward)
+  (d) torch_ext per layer: hf.gradient_checkpointing_enable(model)
+  (e) torch_ext with the same policy: hf.gradient_checkpointing_enable(model, context_fn=...)
+  compiled (torch.compile(model), inductor): (a), (c) and (e)
+
+Step: model(**batch).loss.backward(), gradients preallocated; compiled rows run with
+torch._inductor.config.fallback_random, so their dropout draws eager's masks, and are compiled by
+their first step (not timed). Step peak: the highest live memory
+above the step's start (torch_ext.memory). Grad diff: max |g - g_(a)| / max |g_(a)| after one step
+from the same seed. Step time: rounds of every variant (harness.measure_interleaved), then (e)
+against (c) in rounds of their own, alternating which runs first, judged by a 95% sign-test
+interval on the per-round difference. A plot of step peak against step time, one point per
+variant: docs/checkpoint_selective.png.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import harness
+from checkpoint_hf import models, padded_batch
+from torch_ext.checkpointing import hf
+
+NONE, HF, TORCH_SAC, OURS, OURS_SAC = (
+    "(a) no checkpointing", "(b) Hugging Face gradient checkpointing", "(c) torch SAC, torchtitan-style policy",
+    "(d) torch_ext per layer", "(e) torch_ext + the same policy")
+COMPILED = (NONE, TORCH_SAC, OURS_SAC)
+PLOT = Path(__file__).resolve().parent.parent / "docs" / "checkpoint_selective.png"
+
+_MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+
+
+def torchtitan_context():
+    """torchtitan's selective policy: attention outputs saved, and every second matmul (counted
+    per checkpointed call's forward; the policy is called in the forward only)."""
+    matmuls = [0]
+
+    def policy(ctx, op, *args, **kwargs):
+        packet = op.overloadpacket
+        if packet.__name__.startswith("_scaled_dot_product"):
+            return CheckpointPolicy.MUST_SAVE
+        if packet in _MATMULS:
+            matmuls[0] += 1
+            if matmuls[0] % 2 == 0:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def variants(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    built = {name: copy.deepcopy(base) for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC)}
+    built[HF].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    built[TORCH_SAC].gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": torchtitan_context})
+    hf.gradient_checkpointing_enable(built[OURS])
+    hf.gradient_checkpointing_enable(built[OURS_SAC], context_fn=torchtitan_context)
+    return built
+
+
+def compiled_steps(built: dict, batch: dict) -> dict:
+    """The compiled rows: name -> (model, step)."""
+    return {f"{name}, compiled": (built[name], functools.partial(lambda c: c(**batch).loss.backward(),
+                                                                 torch.compile(built[name])))
+            for name in COMPILED}
+
+
+def run_model(label: str, build, quick: bool, device, report: harness.Report, checks: list, points: dict) -> None:
+    base = build().to(device)
+    config = base.config
+    batch = padded_batch(config.vocab_size, 2 if quick else 4, config.max_position_embeddings, device)
+    built = variants(base)
+    for model in built.values():
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+    rows = {name: (model, functools.partial(lambda m: m(**batch).loss.backward(), model))
+            for name, model in built.items()}
+    rows.update(compiled_steps(built, batch))
+    steps, grad_diffs, peaks, reference = {}, {}, {}, None
+    for name, (model, step) in rows.items():
+        steps[name] = step
+        torch.manual_seed(5)  # the same dropout masks in every variant
+        step()  # compiles a compiled row
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).float().cpu()
+        reference = grads if reference is None else reference
+        grad_diffs[name] = ((grads - reference).abs().max() / reference.abs().max()).item()
+        model.zero_grad(set_to_none=False)
+        peaks[name] = harness.peak_memory(step, device)
+        model.zero_grad(set_to_none=False)
+    built_by_row = {name: model for name, (model, _) in rows.items()}
+    zero = {name: functools.partial(model.zero_grad, set_to_none=False) for name, model in built_by_row.items()}
+    repeat, pair_repeat = (2, 4) if quick else (8, 20)
+    timings = harness.measure_interleaved(steps, warmup=1, repeat=repeat, before_each=zero)
+    base_time = timings[NONE].median_seconds
+    for name, t in timings.items():
+        report.add_row({"model": label, "variant": name, "step peak memory": harness.format_bytes(peaks[name]),
+                        "vs (a) peak": f"{peaks[name] / peaks[NONE]:.0%}",
+                        "step time": f"{harness.format_seconds(t.median_seconds)} ±{t.spread:.0%}",
+                        "vs (a) time": f"{t.median_seconds / base_time:.2f}x",
+                        "grad diff vs (a)": f"{grad_diffs[name]:.1e}"},
+                       step_peak_bytes=peaks[name], step_seconds=t.median_seconds, timing=t,
+                       grad_max_rel_diff=grad_diffs[name])
+        points.setdefault(label, {})[name] = (t.median_seconds / base_time, peaks[name] / peaks[NONE])
+    pair = harness.measure_interleaved({TORCH_SAC: steps[TORCH_SAC], OURS_SAC: steps[OURS_SAC]}, warmup=1,
+                                       repeat=pair_repeat, before_each=zero, alternate=True)
+    paired, low, high, faster = harness.paired_difference(pair[OURS_SAC], pair[TORCH_SAC])
+    verdict = "faster" if high < 0 else ("slower" if low > 0 else "a tie within this run's noise")
+    checks.append((f"{label}: (e) at (c)'s step peak memory ({harness.format_bytes(peaks[OURS_SAC])} vs "
+                   f"{harness.format_bytes(peaks[TORCH_SAC])}) and no slower: in {pair_repeat} paired rounds "
+                   f"{harness.format_seconds(pair[OURS_SAC].median_seconds)} vs "
+                   f"{harness.format_seconds(pair[TORCH_SAC].median_seconds)}, per round (e) - (c) median "
+                   f"{paired * 1e3:+.1f} ms, 95% interval [{low * 1e3:+.1f}, {high * 1e3:+.1f}] ms (sign test), "
+                   f"(e) faster in {faster} of {pair_repeat}: {verdict}",
+                   peaks[OURS_SAC] <= peaks[TORCH_SAC] * 1.02 and low <= 0))
+    same = grad_diffs[OURS_SAC] == grad_diffs[TORCH_SAC] == 0
+    checks.append((f"{label}: (c) and (e) give (a)'s gradients exactly (dropout on): {'yes' if same else 'no'}", same))
+    compiled_c, compiled_e = f"{TORCH_SAC}, compiled", f"{OURS_SAC}, compiled"
+    checks.append((f"{label}, compiled: (e) at (c)'s step peak memory ({harness.format_bytes(peaks[compiled_e])} vs "
+                   f"{harness.format_bytes(peaks[compiled_c])})", peaks[compiled_e] <= peaks[compiled_c] * 1.02))
+
+
+def plot(points: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(points), figsize=(6 * len(points), 4.5), squeeze=False)
+    for ax, (label, by_variant) in zip(axes[0], points.items()):
+        for name, (time_ratio, peak_ratio) in by_variant.items():
+            compiled = name.endswith("compiled")
+            ax.scatter(time_ratio, peak_ratio, s=40, marker="s" if compiled else "o")
+            ax.annotate(name.split(")")[0] + ")" + (" compiled" if compiled else ""), (time_ratio, peak_ratio),
+                        textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_title(label)
+        ax.set_xlabel("step time / (a) eager")
+        ax.set_ylabel("step peak memory / (a) eager")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Selective checkpointing, CPU (squares: compiled): " + "; ".join(
+        name for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC)), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=110)
+    plt.close(fig)
+
+
+def run(device: torch.device, quick: bool, command: str) -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch._inductor.config.fallback_random = True
+    torch._dynamo.config.recompile_limit = 64  # each variant compiles the shared layer code once more
+    columns = ["model", "variant", "step peak memory", "vs (a) peak", "step time", "vs (a) time", "grad diff vs (a)"]
+    where = f"CUDA, {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "CPU"
+    name = "checkpoint_selective" + ("_cuda" if device.type == "cuda" else "") + ("_quick" if quick else "")
+    title = f"Selective activation checkpointing of Hugging Face models, eager and compiled ({where})"
+    report = harness.Report(name, title, columns, command)
+    checks, points = [], {}
+    for label, build in models(quick).items():
+        run_model(label, build, quick, device, report, checks, points)
+    report.notes.append("")
+    report.notes.append(f"transformers {transformers.__version__}; {torch.get_num_threads()} torch thread(s). "
+                        f"Policy of (c) and (e): torchtitan's (attention saved, every second matmul of a layer's "
+                        f"forward saved). Plot: docs/{PLOT.name}.")
+    report.add_checks(checks)
+    report.write()
+    if not quick and device.type == "cpu":
+        plot(points)
