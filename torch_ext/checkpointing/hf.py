@@ -41,7 +41,8 @@ def gradient_checkpointing_enable(model: nn.Module, *, every_n_layers: int = 1, 
         raise TypeError(f"gradient_checkpointing_enable: {type(model).__name__} is not a Hugging Face model "
                         f"(it has no gradient_checkpointing_enable method)")
     checkpoint_options("gradient_checkpointing_enable", **options)  # validated before the model changes
-    enable = model.gradient_checkpointing_enable
+    # transformers 5.23 renamed it activation_checkpointing_enable (the old name warns)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     if "every_n_layers" in inspect.signature(enable).parameters:
         enable(every_n_layers=every_n_layers)
     elif every_n_layers != 1:
@@ -53,6 +54,13 @@ def gradient_checkpointing_enable(model: nn.Module, *, every_n_layers: int = 1, 
         if hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = function
     return model
+
+
+def _uses_hugging_faces_checkpointing(model: nn.Module) -> bool:
+    # transformers 5.23 renamed is_gradient_checkpointing is_activation_checkpointing (the old name warns)
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -79,7 +87,7 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     Hugging Face's own gradient checkpointing must be off (the layers would be checkpointed twice)."""
     if (every is None) == (budget_bytes is None):
         raise ValueError("checkpoint_layers: give exactly one of every or budget_bytes")
-    if getattr(model, "is_gradient_checkpointing", False):
+    if _uses_hugging_faces_checkpointing(model):
         raise ValueError(f"checkpoint_layers: {type(model).__name__} already uses Hugging Face's gradient "
                          f"checkpointing; call model.gradient_checkpointing_disable() first")
     checkpoint_options("checkpoint_layers", **options)
