@@ -676,6 +676,88 @@ TEST(Plan, BatcherQueueIsBoundedAndAFullQueueRaises) {
   }
 }
 
+TEST(Plan, BatcherTheClientWhoseRequestFillsABatchRunsItBeforeSubmitReturns) {
+  auto m = rowwise();
+  PlanCacheOptions o = options(MissMode::pad);
+  o.max_batch_size = 16;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  plan::BatcherOptions b;
+  b.max_batch_size = 4;
+  b.max_delay_ms = 600000;  // only a full batch runs: no timing in this test
+  plan::Batcher batcher(cache, b);
+  std::vector<at::Tensor> xs, outs(4);
+  std::vector<std::thread::id> ran_on(4);
+  for (int i = 0; i < 4; ++i) {
+    xs.push_back(input(1));
+    batcher.submit({xs.back()}, [&, i](c10::IValue out, std::exception_ptr error) {
+      ran_on[i] = std::this_thread::get_id();
+      if (!error) outs[i] = out.toTensor();
+    });
+    // Before the 4th request nothing ran; the 4th's submit() ran all four on this thread.
+    EXPECT_EQ(batcher.stats().batches, i < 3 ? 0 : 1);
+  }
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(ran_on[i], std::this_thread::get_id());
+    EXPECT_TRUE(at::equal(outs[i], reference(m, xs[i])));
+  }
+  const auto s = batcher.stats();
+  EXPECT_EQ(s.client_batches, 1);
+  EXPECT_EQ(s.max_batch_rows, 4);
+}
+
+TEST(Plan, BatcherADeadlineThatCannotBeMetFailsAtOnceAndOneThatPassesInTheQueueIsNotRun) {
+  auto m = rowwise();
+  PlanCacheOptions o = options(MissMode::pad);
+  o.max_batch_size = 16;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  plan::BatcherOptions b;
+  b.max_batch_size = 2;
+  b.max_delay_ms = 600000;
+  {
+    // A deadline that passed as it was given: refused at once, nothing queued.
+    plan::Batcher batcher(cache, b);
+    try {
+      batcher.submit({input(1)}, 0.0);
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("deadline of 0 ms cannot be met: it has already passed"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(batcher.stats().requests, 0);
+    EXPECT_EQ(batcher.stats().expired, 1);
+    // Once a batch has run, a deadline below the fastest batch is refused too (no batch runs in 1 ns).
+    auto x = input(1);
+    auto first = batcher.submit({x}, 600000.0);
+    auto second = batcher.submit({input(1)});  // fills the batch: runs it here
+    EXPECT_TRUE(at::equal(first->result(0).toTensor(), reference(m, x)));
+    try {
+      batcher.submit({input(1)}, 1e-6);
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cannot be met: no batch has run in under"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(batcher.stats().expired, 2);
+  }
+  {
+    // No batch has run, so a 1 us deadline is taken; it passes while the request waits, and the
+    // request fails without running.
+    plan::Batcher batcher(cache, b);
+    auto late = batcher.submit({input(1)}, 1e-3);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // at least 2 ms: the deadline has passed
+    batcher.close();  // runs (here: fails) what is queued
+    ASSERT_TRUE(late->done());
+    try {
+      late->result(0);
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ms in the queue; it was not run"), std::string::npos) << e.what();
+    }
+    const auto s = batcher.stats();
+    EXPECT_EQ(s.expired, 1);
+    EXPECT_EQ(s.batches, 0);
+  }
+}
+
 // Issue 16's stress run for the plan cache (TORCH_EXT_STRESS_SECONDS; `bash .ci/run sanitize`
 // runs it 30 s under ASan+UBSan and TSan): 8 threads over caches in every mode, bounded to force
 // evictions and background builds, and a batcher in front of one of them. Every output equals the
