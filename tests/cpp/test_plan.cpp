@@ -25,6 +25,7 @@
 #include <torch/csrc/jit/api/module.h>
 
 #include "torch_ext/plan/batcher.h"
+#include "torch_ext/plan/build_worker.h"
 #include "torch_ext/plan/plan_cache.h"
 #include "reliability_helpers.h"
 
@@ -756,6 +757,80 @@ TEST(Plan, BatcherADeadlineThatCannotBeMetFailsAtOnceAndOneThatPassesInTheQueueI
     EXPECT_EQ(s.expired, 1);
     EXPECT_EQ(s.batches, 0);
   }
+}
+
+// The build worker alone: jobs in order on its thread, bounded idle waits, queued jobs abandoned
+// (never run) when it stops or in a forked child.
+TEST(PlanBuildWorker, RunsJobsInOrderAndAbandonsWhatCanNeverRun) {
+  auto worker = std::make_unique<plan::BuildWorker>();
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::mutex mutex;
+  std::vector<std::string> log;
+  auto job = [&](const std::string& name, bool block) {
+    plan::BuildWorker::Job j;
+    j.what = name;
+    j.run = [&, name, block] {
+      if (block) released.wait();
+      std::lock_guard<std::mutex> lock(mutex);
+      log.push_back("ran " + name);
+    };
+    j.abandon = [&, name](std::exception_ptr error) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        log.push_back("abandoned " + name + ": " + e.what_without_backtrace());
+      }
+    };
+    return j;
+  };
+  worker->push(job("a", false));
+  worker->push(job("b", false));
+  ASSERT_TRUE(worker->wait_idle(torch_ext::deadline_after(60)));
+  EXPECT_EQ(log, (std::vector<std::string>{"ran a", "ran b"}));
+  // c blocks; d and e wait behind it. An idle wait that ends at once says so.
+  worker->push(job("c", true));
+  worker->push(job("d", false));
+  worker->push(job("e", false));
+  EXPECT_FALSE(worker->wait_idle(torch_ext::deadline_after(0)));
+  const auto state = worker->snapshot();
+  EXPECT_EQ(state.queued + (state.running ? 1 : 0), 3);
+  // A forked child abandons the jobs its parent queued or ran: none of them runs there.
+  const int code = torch_ext::testing::run_in_child([&] {
+    if (!worker->recover_after_fork()) return 1;
+    bool abandoned = true;
+    for (const char* name : {"c", "d", "e"}) {
+      bool found = false;
+      for (const auto& line : log) found |= line.rfind(std::string("abandoned ") + name, 0) == 0;
+      abandoned &= found;
+    }
+    return abandoned ? 0 : 3;
+  });
+  EXPECT_EQ(code, 0);
+  EXPECT_FALSE(worker->recover_after_fork());  // the parent is no forked child
+  // Stopping abandons what is queued; the running job finishes first.
+  std::thread stopper([&] { worker->stop(); });
+  while (true) {  // until stop() has begun: push() then refuses
+    try {
+      worker->push(job("late", false));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("stopped"), std::string::npos);
+      break;
+    }
+  }
+  release.set_value();
+  stopper.join();
+  std::lock_guard<std::mutex> lock(mutex);
+  ASSERT_GE(log.size(), 5u);
+  EXPECT_EQ(log[2], "ran c");
+  int abandoned = 0;
+  for (size_t i = 3; i < log.size(); ++i) {
+    EXPECT_EQ(log[i].rfind("abandoned", 0), 0u) << log[i];  // nothing queued behind c ran
+    abandoned += log[i].find("destroyed before this plan was built") != std::string::npos;
+  }
+  EXPECT_EQ(abandoned, static_cast<int>(log.size()) - 3);
 }
 
 // Issue 16's stress run for the plan cache (TORCH_EXT_STRESS_SECONDS; `bash .ci/run sanitize`
