@@ -26,6 +26,8 @@
 
 #include "torch_ext/plan/batcher.h"
 #include "torch_ext/plan/build_worker.h"
+#include "torch_ext/plan/layout.h"
+#include "torch_ext/plan/router.h"
 #include "torch_ext/plan/plan_cache.h"
 #include "reliability_helpers.h"
 
@@ -757,6 +759,40 @@ TEST(Plan, BatcherADeadlineThatCannotBeMetFailsAtOnceAndOneThatPassesInTheQueueI
     EXPECT_EQ(s.expired, 1);
     EXPECT_EQ(s.batches, 0);
   }
+}
+
+// The router alone, over plain plan descriptions: pad to the smallest run that holds the
+// request, split into the fewest pieces, auto by the estimated seconds, nothing when none serves.
+TEST(PlanRouter, PadsToTheSmallestHoldingRunSplitsIntoFewestPiecesAndAutoTakesTheCheaper) {
+  EXPECT_EQ(plan::fewest_pieces({2, 3, 8}, 13), (std::vector<int64_t>{8, 3, 2}));
+  EXPECT_EQ(plan::fewest_pieces({4, 8}, 6), (std::vector<int64_t>{}));
+  EXPECT_EQ(plan::fewest_pieces({2, 4}, 6), (std::vector<int64_t>{4, 2}));
+  const plan::Layout layout{PlanCacheOptions{}};  // the batch only
+  auto stat = [](int64_t n, double seconds) {
+    return plan::RoutePlan{plan::Bucket::of({n}), plan::Bucket::of({n}), false, seconds};
+  };
+  const std::vector<plan::RoutePlan> cached = {stat(2, 1.0), stat(4, 1.5), stat(8, 10.0)};
+  const auto six = plan::Bucket::of({6});
+  auto pad = plan::choose_route(layout, MissMode::pad, cached, six);
+  ASSERT_TRUE(pad && pad->pad);
+  EXPECT_EQ(pad->plans, (std::vector<std::size_t>{2}));  // 8 holds 6; 4 and 2 do not
+  EXPECT_EQ(pad->target, plan::Bucket::of({8}));
+  auto split = plan::choose_route(layout, MissMode::split, cached, six);
+  ASSERT_TRUE(split && !split->pad);
+  EXPECT_EQ(split->pieces, (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(split->plans, (std::vector<std::size_t>{1, 0}));
+  // auto: pad costs 10 s, split 1.5 + 1 s; with the 8's run at 2 s, pad is the cheaper.
+  EXPECT_FALSE(plan::choose_route(layout, MissMode::auto_, cached, six)->pad);
+  auto cheap = cached;
+  cheap[2].seconds = 2.0;
+  EXPECT_TRUE(plan::choose_route(layout, MissMode::auto_, cheap, six)->pad);
+  // A dynamic plan over 5..8 runs a 6 as it is.
+  const std::vector<plan::RoutePlan> ranged = {{plan::Bucket::of({8}), plan::Bucket::of({5}), true, 1.0}};
+  EXPECT_EQ(plan::choose_route(layout, MissMode::pad, ranged, six)->target, six);
+  // Nothing cached, or nothing that holds a 9 nor sums to it: no route.
+  EXPECT_FALSE(plan::choose_route(layout, MissMode::pad, {}, six));
+  EXPECT_FALSE(plan::choose_route(layout, MissMode::pad, {stat(8, 1.0)}, plan::Bucket::of({9})));
+  EXPECT_FALSE(plan::choose_route(layout, MissMode::split, {stat(4, 1.0)}, plan::Bucket::of({9})));
 }
 
 // The build worker alone: jobs in order on its thread, bounded idle waits, queued jobs abandoned
