@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -26,7 +27,9 @@
 
 #include "torch_ext/plan/batcher.h"
 #include "torch_ext/plan/build_worker.h"
+#include "torch_ext/common/sha256.h"
 #include "torch_ext/plan/layout.h"
+#include "torch_ext/plan/persistence.h"
 #include "torch_ext/plan/router.h"
 #include "torch_ext/plan/plan_cache.h"
 #include "reliability_helpers.h"
@@ -759,6 +762,49 @@ TEST(Plan, BatcherADeadlineThatCannotBeMetFailsAtOnceAndOneThatPassesInTheQueueI
     EXPECT_EQ(s.expired, 1);
     EXPECT_EQ(s.batches, 0);
   }
+}
+
+// Persistence alone: a manifest written and read back whole, a listed file checked by its
+// SHA-256, and a pinned digest that refuses another manifest before parsing it.
+TEST(PlanManifest, RoundTripsChecksFilesAndRefusesAManifestThatIsNotThePinnedOne) {
+  const auto dir = std::filesystem::temp_directory_path() / ("torch_ext_manifest_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "weights.bin") << "some bytes";
+  plan::Manifest written;
+  written.kind = "export";
+  written.values["fingerprint"] = "abc";
+  written.add_file(dir.string(), "weights.bin");
+  written.layout.buckets = {{4, 8}};
+  plan::ManifestPlan entry;
+  entry.upper = plan::Bucket::of({8});
+  entry.lower = plan::Bucket::of({5});
+  entry.dynamic = true;
+  entry.file = "weights.bin";
+  entry.sha256 = written.files["weights.bin"];
+  written.plans.push_back(entry);
+  plan::write_manifest(dir.string(), written);
+  const std::string digest = torch_ext::sha256_file((dir / "manifest.txt").string());
+  const plan::Manifest read = plan::read_manifest(dir.string(), digest);
+  EXPECT_EQ(read.kind, "export");
+  EXPECT_EQ(read.value("fingerprint"), "abc");
+  EXPECT_EQ(read.layout.buckets, written.layout.buckets);
+  ASSERT_EQ(read.plans.size(), 1u);
+  EXPECT_EQ(read.plans[0].upper, entry.upper);
+  EXPECT_EQ(read.plans[0].lower, entry.lower);
+  EXPECT_TRUE(read.plans[0].dynamic);
+  EXPECT_EQ(read.checked_file(dir.string(), "weights.bin"), (dir / "weights.bin").string());
+  std::ofstream(dir / "weights.bin") << "other bytes";
+  EXPECT_THROW(read.checked_file(dir.string(), "weights.bin"), c10::Error);
+  // A manifest with another digest is refused before it is parsed (here it would not parse at all).
+  std::ofstream(dir / "manifest.txt", std::ios::app) << "not a manifest line\n";
+  try {
+    plan::read_manifest(dir.string(), digest);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not the manifest_sha256 this cache trusts"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(plan::read_manifest(dir.string()), c10::Error);  // unpinned, it is parsed, and refused as malformed
+  std::filesystem::remove_all(dir);
 }
 
 // The router alone, over plain plan descriptions: pad to the smallest run that holds the
