@@ -20,6 +20,7 @@ hit's lookup.
     python benchmarks/bench_plan.py --quick          # 300 requests, a smoke run
     python benchmarks/bench_plan.py --device cuda    # on a GPU: results in plan_cuda{,_steps}.{md,json}
     python benchmarks/bench_plan.py --export         # torch.export programs: see bench_plan_export.py
+    python benchmarks/bench_plan.py --batcher        # the batcher against pre-formed batches: bench_plan_batcher.py
 """
 from __future__ import annotations
 
@@ -409,6 +410,10 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
 
 def main() -> None:
+    if "--batcher" in sys.argv[1:]:
+        import bench_plan_batcher
+        bench_plan_batcher.main([arg for arg in sys.argv[1:] if arg != "--batcher"])
+        return
     if "--export" in sys.argv[1:]:
         import os
         import tempfile

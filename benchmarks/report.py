@@ -30,7 +30,7 @@ SECTIONS = [
     ("Cache", "The lazy node cache on a diffusion-style loop, preprocessed weights and full misses.", ["cache"]),
     ("Plan", "The plan cache serving random batch sizes, what each step of a plan buys, and serving torch.export "
      "programs (AOTInductor plans per bucket, a saved cache restarted, the dynamic batcher).",
-     ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps", "plan_export"]),
+     ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps", "plan_export", "plan_batcher"]),
 ]
 
 INTRO = """# Benchmarks

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,11 @@
 #include <torch/csrc/jit/api/module.h>
 
 #include "torch_ext/plan/batcher.h"
+#include "torch_ext/plan/build_worker.h"
+#include "torch_ext/common/sha256.h"
+#include "torch_ext/plan/layout.h"
+#include "torch_ext/plan/persistence.h"
+#include "torch_ext/plan/router.h"
 #include "torch_ext/plan/plan_cache.h"
 #include "reliability_helpers.h"
 
@@ -674,6 +680,239 @@ TEST(Plan, BatcherQueueIsBoundedAndAFullQueueRaises) {
     ASSERT_TRUE(futures[i]->done());
     EXPECT_TRUE(at::equal(futures[i]->result(0).toTensor(), reference(m, xs[i])));
   }
+}
+
+TEST(Plan, BatcherTheClientWhoseRequestFillsABatchRunsItBeforeSubmitReturns) {
+  auto m = rowwise();
+  PlanCacheOptions o = options(MissMode::pad);
+  o.max_batch_size = 16;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  plan::BatcherOptions b;
+  b.max_batch_size = 4;
+  b.max_delay_ms = 600000;  // only a full batch runs: no timing in this test
+  plan::Batcher batcher(cache, b);
+  std::vector<at::Tensor> xs, outs(4);
+  std::vector<std::thread::id> ran_on(4);
+  for (int i = 0; i < 4; ++i) {
+    xs.push_back(input(1));
+    batcher.submit({xs.back()}, [&, i](c10::IValue out, std::exception_ptr error) {
+      ran_on[i] = std::this_thread::get_id();
+      if (!error) outs[i] = out.toTensor();
+    });
+    // Before the 4th request nothing ran; the 4th's submit() ran all four on this thread.
+    EXPECT_EQ(batcher.stats().batches, i < 3 ? 0 : 1);
+  }
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(ran_on[i], std::this_thread::get_id());
+    EXPECT_TRUE(at::equal(outs[i], reference(m, xs[i])));
+  }
+  const auto s = batcher.stats();
+  EXPECT_EQ(s.client_batches, 1);
+  EXPECT_EQ(s.max_batch_rows, 4);
+}
+
+TEST(Plan, BatcherADeadlineThatCannotBeMetFailsAtOnceAndOneThatPassesInTheQueueIsNotRun) {
+  auto m = rowwise();
+  PlanCacheOptions o = options(MissMode::pad);
+  o.max_batch_size = 16;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  plan::BatcherOptions b;
+  b.max_batch_size = 2;
+  b.max_delay_ms = 600000;
+  {
+    // A deadline that passed as it was given: refused at once, nothing queued.
+    plan::Batcher batcher(cache, b);
+    try {
+      batcher.submit({input(1)}, 0.0);
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("deadline of 0 ms cannot be met: it has already passed"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(batcher.stats().requests, 0);
+    EXPECT_EQ(batcher.stats().expired, 1);
+    // Once a batch has run, a deadline below the fastest batch is refused too (no batch runs in 1 ns).
+    auto x = input(1);
+    auto first = batcher.submit({x}, 600000.0);
+    auto second = batcher.submit({input(1)});  // fills the batch: runs it here
+    EXPECT_TRUE(at::equal(first->result(0).toTensor(), reference(m, x)));
+    try {
+      batcher.submit({input(1)}, 1e-6);
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cannot be met: no batch has run in under"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(batcher.stats().expired, 2);
+  }
+  {
+    // No batch has run, so a 1 us deadline is taken; it passes while the request waits, and the
+    // request fails without running.
+    plan::Batcher batcher(cache, b);
+    auto late = batcher.submit({input(1)}, 1e-3);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // at least 2 ms: the deadline has passed
+    batcher.close();  // runs (here: fails) what is queued
+    ASSERT_TRUE(late->done());
+    try {
+      late->result(0);
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ms in the queue; it was not run"), std::string::npos) << e.what();
+    }
+    const auto s = batcher.stats();
+    EXPECT_EQ(s.expired, 1);
+    EXPECT_EQ(s.batches, 0);
+  }
+}
+
+// Persistence alone: a manifest written and read back whole, a listed file checked by its
+// SHA-256, and a pinned digest that refuses another manifest before parsing it.
+TEST(PlanManifest, RoundTripsChecksFilesAndRefusesAManifestThatIsNotThePinnedOne) {
+  const auto dir = std::filesystem::temp_directory_path() / ("torch_ext_manifest_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "weights.bin") << "some bytes";
+  plan::Manifest written;
+  written.kind = "export";
+  written.values["fingerprint"] = "abc";
+  written.add_file(dir.string(), "weights.bin");
+  written.layout.buckets = {{4, 8}};
+  plan::ManifestPlan entry;
+  entry.upper = plan::Bucket::of({8});
+  entry.lower = plan::Bucket::of({5});
+  entry.dynamic = true;
+  entry.file = "weights.bin";
+  entry.sha256 = written.files["weights.bin"];
+  written.plans.push_back(entry);
+  plan::write_manifest(dir.string(), written);
+  const std::string digest = torch_ext::sha256_file((dir / "manifest.txt").string());
+  const plan::Manifest read = plan::read_manifest(dir.string(), digest);
+  EXPECT_EQ(read.kind, "export");
+  EXPECT_EQ(read.value("fingerprint"), "abc");
+  EXPECT_EQ(read.layout.buckets, written.layout.buckets);
+  ASSERT_EQ(read.plans.size(), 1u);
+  EXPECT_EQ(read.plans[0].upper, entry.upper);
+  EXPECT_EQ(read.plans[0].lower, entry.lower);
+  EXPECT_TRUE(read.plans[0].dynamic);
+  EXPECT_EQ(read.checked_file(dir.string(), "weights.bin"), (dir / "weights.bin").string());
+  std::ofstream(dir / "weights.bin") << "other bytes";
+  EXPECT_THROW(read.checked_file(dir.string(), "weights.bin"), c10::Error);
+  // A manifest with another digest is refused before it is parsed (here it would not parse at all).
+  std::ofstream(dir / "manifest.txt", std::ios::app) << "not a manifest line\n";
+  try {
+    plan::read_manifest(dir.string(), digest);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not the manifest_sha256 this cache trusts"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(plan::read_manifest(dir.string()), c10::Error);  // unpinned, it is parsed, and refused as malformed
+  std::filesystem::remove_all(dir);
+}
+
+// The router alone, over plain plan descriptions: pad to the smallest run that holds the
+// request, split into the fewest pieces, auto by the estimated seconds, nothing when none serves.
+TEST(PlanRouter, PadsToTheSmallestHoldingRunSplitsIntoFewestPiecesAndAutoTakesTheCheaper) {
+  EXPECT_EQ(plan::fewest_pieces({2, 3, 8}, 13), (std::vector<int64_t>{8, 3, 2}));
+  EXPECT_EQ(plan::fewest_pieces({4, 8}, 6), (std::vector<int64_t>{}));
+  EXPECT_EQ(plan::fewest_pieces({2, 4}, 6), (std::vector<int64_t>{4, 2}));
+  const plan::Layout layout{PlanCacheOptions{}};  // the batch only
+  auto stat = [](int64_t n, double seconds) {
+    return plan::RoutePlan{plan::Bucket::of({n}), plan::Bucket::of({n}), false, seconds};
+  };
+  const std::vector<plan::RoutePlan> cached = {stat(2, 1.0), stat(4, 1.5), stat(8, 10.0)};
+  const auto six = plan::Bucket::of({6});
+  auto pad = plan::choose_route(layout, MissMode::pad, cached, six);
+  ASSERT_TRUE(pad && pad->pad);
+  EXPECT_EQ(pad->plans, (std::vector<std::size_t>{2}));  // 8 holds 6; 4 and 2 do not
+  EXPECT_EQ(pad->target, plan::Bucket::of({8}));
+  auto split = plan::choose_route(layout, MissMode::split, cached, six);
+  ASSERT_TRUE(split && !split->pad);
+  EXPECT_EQ(split->pieces, (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(split->plans, (std::vector<std::size_t>{1, 0}));
+  // auto: pad costs 10 s, split 1.5 + 1 s; with the 8's run at 2 s, pad is the cheaper.
+  EXPECT_FALSE(plan::choose_route(layout, MissMode::auto_, cached, six)->pad);
+  auto cheap = cached;
+  cheap[2].seconds = 2.0;
+  EXPECT_TRUE(plan::choose_route(layout, MissMode::auto_, cheap, six)->pad);
+  // A dynamic plan over 5..8 runs a 6 as it is.
+  const std::vector<plan::RoutePlan> ranged = {{plan::Bucket::of({8}), plan::Bucket::of({5}), true, 1.0}};
+  EXPECT_EQ(plan::choose_route(layout, MissMode::pad, ranged, six)->target, six);
+  // Nothing cached, or nothing that holds a 9 nor sums to it: no route.
+  EXPECT_FALSE(plan::choose_route(layout, MissMode::pad, {}, six));
+  EXPECT_FALSE(plan::choose_route(layout, MissMode::pad, {stat(8, 1.0)}, plan::Bucket::of({9})));
+  EXPECT_FALSE(plan::choose_route(layout, MissMode::split, {stat(4, 1.0)}, plan::Bucket::of({9})));
+}
+
+// The build worker alone: jobs in order on its thread, bounded idle waits, queued jobs abandoned
+// (never run) when it stops or in a forked child.
+TEST(PlanBuildWorker, RunsJobsInOrderAndAbandonsWhatCanNeverRun) {
+  auto worker = std::make_unique<plan::BuildWorker>();
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::mutex mutex;
+  std::vector<std::string> log;
+  auto job = [&](const std::string& name, bool block) {
+    plan::BuildWorker::Job j;
+    j.what = name;
+    j.run = [&, name, block] {
+      if (block) released.wait();
+      std::lock_guard<std::mutex> lock(mutex);
+      log.push_back("ran " + name);
+    };
+    j.abandon = [&, name](std::exception_ptr error) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const c10::Error& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        log.push_back("abandoned " + name + ": " + e.what_without_backtrace());
+      }
+    };
+    return j;
+  };
+  worker->push(job("a", false));
+  worker->push(job("b", false));
+  ASSERT_TRUE(worker->wait_idle(torch_ext::deadline_after(60)));
+  EXPECT_EQ(log, (std::vector<std::string>{"ran a", "ran b"}));
+  // c blocks; d and e wait behind it. An idle wait that ends at once says so.
+  worker->push(job("c", true));
+  worker->push(job("d", false));
+  worker->push(job("e", false));
+  EXPECT_FALSE(worker->wait_idle(torch_ext::deadline_after(0)));
+  const auto state = worker->snapshot();
+  EXPECT_EQ(state.queued + (state.running ? 1 : 0), 3);
+  // A forked child abandons the jobs its parent queued or ran: none of them runs there.
+  const int code = torch_ext::testing::run_in_child([&] {
+    if (!worker->recover_after_fork()) return 1;
+    bool abandoned = true;
+    for (const char* name : {"c", "d", "e"}) {
+      bool found = false;
+      for (const auto& line : log) found |= line.rfind(std::string("abandoned ") + name, 0) == 0;
+      abandoned &= found;
+    }
+    return abandoned ? 0 : 3;
+  });
+  EXPECT_EQ(code, 0);
+  EXPECT_FALSE(worker->recover_after_fork());  // the parent is no forked child
+  // Stopping abandons what is queued; the running job finishes first.
+  std::thread stopper([&] { worker->stop(); });
+  while (true) {  // until stop() has begun: push() then refuses
+    try {
+      worker->push(job("late", false));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("stopped"), std::string::npos);
+      break;
+    }
+  }
+  release.set_value();
+  stopper.join();
+  std::lock_guard<std::mutex> lock(mutex);
+  ASSERT_GE(log.size(), 5u);
+  EXPECT_EQ(log[2], "ran c");
+  int abandoned = 0;
+  for (size_t i = 3; i < log.size(); ++i) {
+    EXPECT_EQ(log[i].rfind("abandoned", 0), 0u) << log[i];  // nothing queued behind c ran
+    abandoned += log[i].find("destroyed before this plan was built") != std::string::npos;
+  }
+  EXPECT_EQ(abandoned, static_cast<int>(log.size()) - 3);
 }
 
 // Issue 16's stress run for the plan cache (TORCH_EXT_STRESS_SECONDS; `bash .ci/run sanitize`

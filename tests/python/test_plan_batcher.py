@@ -165,3 +165,34 @@ def test_a_forked_child_gets_an_error_and_destroys_the_batcher_without_joining(c
     assert os.waitstatus_to_exitcode(status) == 0
     holder[0].script_object.close()
     assert torch.equal(pending.result(timeout=60), module(x))
+
+
+def test_the_call_whose_request_fills_a_batch_runs_it_on_its_own_thread(cache):
+    module, plans = cache
+    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
+        xs = [torch.randn(1, 8) for _ in range(4)]
+        futures = [batcher.submit(x) for x in xs[:3]]
+        assert not any(f.done() for f in futures)
+        futures.append(batcher.submit(xs[3]))  # fills the batch: ran before submit returned
+        assert all(f.done() for f in futures)
+        for f, x in zip(futures, xs):
+            assert torch.equal(f.result(timeout=0), module(x))
+        s = batcher.stats()
+        assert (s.batches, s.client_batches, s.max_batch_rows) == (1, 1, 4)
+
+
+def test_a_deadline_that_cannot_be_met_fails_at_once_saying_so(cache):
+    module, plans = cache
+    with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS) as batcher:
+        with pytest.raises(RuntimeError, match="deadline of 0 ms cannot be met: it has already passed"):
+            batcher.infer(torch.randn(1, 8), deadline_ms=0)
+        with pytest.raises(ValueError, match="deadline_ms must be >= 0"):
+            batcher.submit(torch.randn(1, 8), deadline_ms=-1)
+        x, y = torch.randn(1, 8), torch.randn(1, 8)
+        first = batcher.submit(x, deadline_ms=NEVER_MS)
+        assert torch.equal(batcher.infer(y), module(y)) and torch.equal(first.result(0), module(x))
+        # A batch has run: no batch runs in a nanosecond, so that deadline is refused before queueing.
+        with pytest.raises(RuntimeError, match="cannot be met: no batch has run in under"):
+            batcher.submit(torch.randn(1, 8), deadline_ms=1e-6)
+        s = batcher.stats()
+        assert (s.expired, s.requests, s.queued) == (2, 2, 0)

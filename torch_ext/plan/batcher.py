@@ -60,12 +60,25 @@ class BatchFuture:
         self._handle.future().add_done_callback(lambda _: fn(self))
 
 
+def _deadline(deadline_ms: Optional[float]) -> float:
+    if deadline_ms is None:
+        return -1.0  # none
+    if not deadline_ms >= 0:
+        raise ValueError(f"Batcher: deadline_ms must be >= 0 (or None: no deadline), got {deadline_ms}")
+    return float(deadline_ms)
+
+
 class Batcher(ScriptObjectFace):
     """Dynamic batching for a PlanCache (TorchScript or exported program).
 
     Keyword options are those of the C++ BatcherOptions (torch_ext/plan/batcher.h): max_batch_size
     (0: the cache's), max_delay_ms, max_queue, timeout_seconds, group_by_bucket; each is also a property. stats()
     is a BatcherStats; close() stops taking requests, runs those queued and joins the thread.
+    The call whose request fills a batch runs that batch on its own thread before it returns; a batch
+    that does not fill runs on the batcher's thread after max_delay_ms. deadline_ms (submit, infer):
+    the request must be served within that many milliseconds; one that cannot be (not positive, or
+    shorter than the fastest batch run so far) raises at once, one whose deadline passes in the queue
+    fails without running.
     """
 
     def __init__(self, cache: PlanCache, **options: Any) -> None:
@@ -80,20 +93,23 @@ class Batcher(ScriptObjectFace):
     def _flat(self, inputs: tuple, kwargs: dict) -> list:
         return self.cache._flat(inputs, kwargs) if self.cache._in_spec is not None else list(inputs)
 
-    def submit(self, *inputs: Any, **kwargs: Any) -> BatchFuture:
+    def submit(self, *inputs: Any, deadline_ms: Optional[float] = None, **kwargs: Any) -> BatchFuture:
         """Queue one request (the model's arguments, any batch size up to max_batch_size); returns a
-        future of its output. Raises RuntimeError at once when the queue is full."""
-        return BatchFuture(self._submit(self._flat(inputs, kwargs)), self.cache._structured, self._timeout)
+        future of its output. Raises RuntimeError at once when the queue is full or deadline_ms cannot be met."""
+        return BatchFuture(self._submit(self._flat(inputs, kwargs), _deadline(deadline_ms)), self.cache._structured,
+                           self._timeout)
 
-    def infer(self, *inputs: Any, timeout: Optional[float] = None, **kwargs: Any) -> Any:
+    def infer(self, *inputs: Any, timeout: Optional[float] = None, deadline_ms: Optional[float] = None,
+              **kwargs: Any) -> Any:
         """submit() and wait for the output, at most timeout seconds (default: timeout_seconds)."""
         flat = self._flat(inputs, kwargs)
         wait = self._timeout if timeout is None else timeout
+        deadline = _deadline(deadline_ms)
         try:
             if all(type(value) is torch.Tensor for value in flat):
-                out = self._infer_tensors(flat, wait)
+                out = self._infer_tensors(flat, wait, deadline)
             else:
-                out = self.script_object.infer(tuple(flat), wait)
+                out = self.script_object.infer(tuple(flat), wait, deadline)
         except RuntimeError as error:
             if "Batcher: no result after" in str(error):
                 raise concurrent.futures.TimeoutError(str(error)) from None

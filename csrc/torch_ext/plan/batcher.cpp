@@ -1,10 +1,11 @@
-// The dynamic batcher: a bounded queue of single requests, one thread that gathers them into
-// batches (max_batch_size rows or max_delay_ms), runs each through the plan cache and hands every
-// caller its rows; and what fork() does to it.
+// The dynamic batcher: a bounded queue of single requests; batches (max_batch_size rows, run by
+// the client that filled them, or max_delay_ms, run by the batcher's thread) through the plan
+// cache, every caller handed its rows; deadlines; and what fork() does to it.
 #include "torch_ext/plan/batcher.h"
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -29,6 +30,10 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double ms_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
 }
 
 }  // namespace
@@ -74,27 +79,58 @@ void Batcher::close() {
   if (thread_ && thread_->joinable()) blocking_section([this] { thread_->join(); });
 }
 
-void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback) {
+void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms) {
   TORCH_CHECK(!forked_.load(std::memory_order_relaxed), "Batcher.submit: this process was forked from the one that "
               "made the batcher, whose thread a forked child does not have; make a new Batcher in the child");
+  TORCH_CHECK_VALUE(!std::isnan(deadline_ms), "Batcher.submit: deadline_ms is NaN");
   const Bucket sizes = cache_->check_request(inputs);
   TORCH_CHECK(sizes[0] <= max_rows_, "Batcher: a request of batch size ", sizes[0], " is above max_batch_size ",
               max_rows_);
   const Bucket bucket = cache_->layout().bucket_of(sizes);
+  const auto now = Clock::now();
+  const bool has_deadline = deadline_ms >= 0;
+  const auto deadline = has_deadline ? deadline_after(deadline_ms / 1000) : Clock::time_point::max();
+  std::vector<Request> batch, expired;
+  bool was_empty = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!closing_, "Batcher.submit: the batcher is closed");
+    if (has_deadline && (deadline_ms == 0 || deadline_ms < fastest_batch_seconds_ * 1000)) {
+      ++stats_.expired;
+      TORCH_CHECK(false, "Batcher: this request's deadline of ", deadline_ms, " ms cannot be met: ",
+                  deadline_ms == 0 ? std::string("it has already passed")
+                                   : "no batch has run in under " + std::to_string(fastest_batch_seconds_ * 1000) +
+                                         " ms (the fastest so far)",
+                  "; it was not queued");
+    }
     if (static_cast<int64_t>(queue_.size()) >= options_.max_queue) {
       ++stats_.rejected;
       TORCH_CHECK(false, "Batcher: the queue is full (", queue_.size(), " requests waiting, max_queue=",
                   options_.max_queue, "); retry later, or raise max_queue");
     }
-    queue_.push_back(Request{std::move(inputs), sizes, bucket, std::move(callback), Clock::now()});
+    was_empty = queue_.empty();
+    queue_.push_back(Request{std::move(inputs), sizes, bucket, std::move(callback), now, deadline, deadline_ms});
     queued_rows_ += sizes[0];
     ++stats_.requests;
     stats_.max_queued = std::max(stats_.max_queued, static_cast<int64_t>(queue_.size()));
+    // The request that fills a batch runs it here: no hand-off to the batcher's thread.
+    if (queued_rows_ >= max_rows_) {
+      batch = take_batch_locked(expired);
+      if (!batch.empty()) ++stats_.client_batches;
+    }
   }
-  cv_.notify_one();
+  // The batcher's thread needs waking only to start a batch's max_delay_ms: a full one runs here.
+  if (was_empty && batch.empty()) cv_.notify_one();
+  fail_expired(expired);
+  if (batch.empty()) return;
+  // A client's thread computes with torch's intra-op thread count, as the batcher's does (a thread
+  // torch did not start would use OpenMP's default: every core).
+  thread_local bool threads_set = false;
+  if (!threads_set) {
+    at::init_num_threads();
+    threads_set = true;
+  }
+  blocking_section([&] { run_batch(batch); });
 }
 
 void BatchResult::complete(c10::IValue value, std::exception_ptr error) {
@@ -143,16 +179,18 @@ c10::intrusive_ptr<c10::ivalue::Future> BatchResult::future() {
   return future_;
 }
 
-c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs) {
+c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs, double deadline_ms) {
   auto result = c10::make_intrusive<BatchResult>();
-  submit(std::move(inputs), [result](c10::IValue output, std::exception_ptr error) {
-    result->complete(std::move(output), error);
-  });
+  submit(
+      std::move(inputs),
+      [result](c10::IValue output, std::exception_ptr error) { result->complete(std::move(output), error); },
+      deadline_ms);
   return result;
 }
 
-c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_seconds) {
-  return submit(std::move(inputs))->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
+c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_seconds, double deadline_ms) {
+  return submit(std::move(inputs), deadline_ms)
+      ->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
 }
 
 bool Batcher::joins(const Request& first, const Request& other) const {
@@ -175,11 +213,17 @@ bool Batcher::joins(const Request& first, const Request& other) const {
   return true;
 }
 
-std::vector<Batcher::Request> Batcher::take_batch_locked() {
+std::vector<Batcher::Request> Batcher::take_batch_locked(std::vector<Request>& expired) {
   std::vector<Request> batch;
   int64_t rows = 0;
+  const auto now = Clock::now();
   for (auto it = queue_.begin(); it != queue_.end() && rows < max_rows_;) {
-    if (batch.empty() || (rows + it->sizes[0] <= max_rows_ && joins(batch.front(), *it))) {
+    if (it->deadline <= now) {
+      queued_rows_ -= it->sizes[0];
+      ++stats_.expired;
+      expired.push_back(std::move(*it));
+      it = queue_.erase(it);
+    } else if (batch.empty() || (rows + it->sizes[0] <= max_rows_ && joins(batch.front(), *it))) {
       rows += it->sizes[0];
       queued_rows_ -= it->sizes[0];
       batch.push_back(std::move(*it));
@@ -191,22 +235,42 @@ std::vector<Batcher::Request> Batcher::take_batch_locked() {
   return batch;
 }
 
+void Batcher::fail_expired(std::vector<Request>& expired) {
+  const auto now = Clock::now();
+  for (auto& request : expired) {
+    const auto error = std::make_exception_ptr(
+        c10::Error("Batcher: this request's deadline of " + std::to_string(request.deadline_ms) + " ms passed after " +
+                   std::to_string(ms_between(request.arrived, now)) + " ms in the queue; it was not run"));
+    try {
+      request.callback(c10::IValue(), error);
+    } catch (...) {  // as in run_batch: a callback's error is its caller's
+    }
+  }
+}
+
 void Batcher::loop() {
   at::init_num_threads();  // this thread computes with torch's intra-op thread count, as callers' do
+  const auto delay = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double, std::milli>(options_.max_delay_ms));
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    // Predicate waits: a request queued before the wait is seen, one queued after it notifies.
-    // The idle wait runs in 1 s slices; the gathering wait ends by the oldest request's deadline.
+    // Predicate waits: a request queued into an empty queue before the wait is seen, one after it
+    // notifies. The idle wait runs in 1 s slices.
     while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return closing_ || !queue_.empty(); })) {
     }
     if (queue_.empty()) break;  // closing, nothing left to run
-    const auto deadline =
-        queue_.front().arrived + std::chrono::duration_cast<Clock::duration>(
-                                     std::chrono::duration<double, std::milli>(options_.max_delay_ms));
-    cv_.wait_until(lock, deadline, [this] { return closing_ || queued_rows_ >= max_rows_; });
-    std::vector<Request> batch = take_batch_locked();
+    // The oldest request's batch is due max_delay_ms after it arrived; a client may fill and run it
+    // first, so the front is looked at again after the wait.
+    const auto due = queue_.front().arrived + delay;
+    if (!closing_ && Clock::now() < due) {
+      cv_.wait_until(lock, due, [this] { return closing_; });
+      continue;
+    }
+    std::vector<Request> expired;
+    std::vector<Request> batch = take_batch_locked(expired);
     lock.unlock();
-    run_batch(batch);
+    fail_expired(expired);
+    if (!batch.empty()) run_batch(batch);
     lock.lock();
   }
 }
@@ -243,7 +307,9 @@ void Batcher::run_batch(std::vector<Request>& batch) {
     stats_.max_batch_rows = std::max(stats_.max_batch_rows, padded[0]);
     stats_.failed += error ? static_cast<int64_t>(batch.size()) : 0;
     stats_.queue_seconds += waited;
-    stats_.batch_seconds += seconds_since(start);
+    const double seconds = seconds_since(start);
+    stats_.batch_seconds += seconds;
+    if (!error && (fastest_batch_seconds_ == 0 || seconds < fastest_batch_seconds_)) fastest_batch_seconds_ = seconds;
   }
   int64_t offset = 0;
   for (auto& request : batch) {

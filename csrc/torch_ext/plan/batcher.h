@@ -1,14 +1,19 @@
 #pragma once
-// Batcher: a dynamic batcher in front of a PlanCache. Callers submit single requests; one thread
-// gathers them, oldest first, until max_batch_size rows are waiting or max_delay_ms after the
-// oldest arrived, runs them as one batch through the cache (padded to the longest along the other
-// dynamic dimensions where the cache pads them; with group_by_bucket only requests of one bucket
-// join) and hands each caller its own rows.
+// Batcher: a dynamic batcher in front of a PlanCache. Callers submit single requests, which
+// queue; a batch takes them oldest first (padded to the longest along the other dynamic
+// dimensions where the cache pads them; with group_by_bucket only requests of one bucket join),
+// runs as one call of the cache, and each caller gets its own rows. The client whose request
+// brings max_batch_size rows runs that batch itself, on its own thread (no hand-off); a batch
+// that does not fill runs on the batcher's thread max_delay_ms after its oldest request arrived.
+// A request may carry a deadline (deadline_ms after submit): one that cannot be met (not
+// positive, or shorter than the fastest batch this batcher has run) is refused at once, and
+// one whose deadline passes while it waits fails without running; the errors say so.
 //
 // Thread safety: submit() and infer() may be called from any number of threads. Callbacks run on
-// the batcher's thread, outside its locks. The queue is bounded: submit() raises at once when
-// max_queue requests wait. Every wait is bounded (infer() by timeout_seconds). A forked child
-// gets an error from submit() (the batcher's thread is not in it) and may destroy the batcher.
+// the thread that ran the batch (a client's, or the batcher's), outside its locks. The queue is
+// bounded: submit() raises at once when max_queue requests wait. Every wait is bounded (infer()
+// by timeout_seconds). A forked child gets an error from submit() (the batcher's thread is not in
+// it) and may destroy the batcher.
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -63,6 +68,8 @@ struct BatcherStats {
   int64_t max_queued = 0;
   double queue_seconds = 0;
   double batch_seconds = 0;
+  int64_t client_batches = 0;
+  int64_t expired = 0;
 
   static constexpr auto fields() {
     return std::make_tuple(
@@ -75,7 +82,11 @@ struct BatcherStats {
         field("queued", &BatcherStats::queued, "requests waiting now"),
         field("max_queued", &BatcherStats::max_queued, "the most requests that waited at once"),
         field("queue_seconds", &BatcherStats::queue_seconds, "time requests waited for their batch, summed"),
-        field("batch_seconds", &BatcherStats::batch_seconds, "time batches took to run, summed"));
+        field("batch_seconds", &BatcherStats::batch_seconds, "time batches took to run, summed"),
+        field("client_batches", &BatcherStats::client_batches,
+              "batches run by the client whose request filled them (the rest ran on the batcher's thread)"),
+        field("expired", &BatcherStats::expired,
+              "requests failed for their deadline: refused at submit (it could not be met) or passed in the queue"));
   }
 };
 
@@ -112,11 +123,13 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   Batcher& operator=(const Batcher&) = delete;
 
   // Queues one request: inputs as PlanCache::infer takes them, any batch size up to
-  // max_batch_size. Checked here (a bad request never joins a batch); raises when the queue is full.
-  void submit(std::vector<c10::IValue> inputs, Callback callback);
-  c10::intrusive_ptr<BatchResult> submit(std::vector<c10::IValue> inputs);
+  // max_batch_size. Checked here (a bad request never joins a batch); raises when the queue is
+  // full or the deadline (deadline_ms after now; < 0: none) cannot be met. When the request fills
+  // a batch, runs that batch on this thread before returning.
+  void submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms = -1);
+  c10::intrusive_ptr<BatchResult> submit(std::vector<c10::IValue> inputs, double deadline_ms = -1);
   // submit() and wait for the result, at most timeout_seconds (< 0: the option's).
-  c10::IValue infer(std::vector<c10::IValue> inputs, double timeout_seconds = -1);
+  c10::IValue infer(std::vector<c10::IValue> inputs, double timeout_seconds = -1, double deadline_ms = -1);
 
   BatcherStats stats() const;
   const BatcherOptions& options() const { return options_; }
@@ -131,11 +144,15 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
     Bucket bucket;  // the cache's bucket of sizes (group_by_bucket compares it after the batch)
     Callback callback;
     std::chrono::steady_clock::time_point arrived;
+    std::chrono::steady_clock::time_point deadline;  // time_point::max(): none
+    double deadline_ms = -1;
   };
 
   void loop();
-  // The requests of the next batch, oldest first (called with the lock held).
-  std::vector<Request> take_batch_locked();
+  // The requests of the next batch, oldest first; those whose deadline has passed move to `expired`
+  // (called with the lock held).
+  std::vector<Request> take_batch_locked(std::vector<Request>& expired);
+  void fail_expired(std::vector<Request>& expired);
   bool joins(const Request& first, const Request& other) const;
   void run_batch(std::vector<Request>& batch);
   void fork_prepare() override;
@@ -152,6 +169,7 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   int64_t queued_rows_ = 0;
   bool closing_ = false;
   BatcherStats stats_;  // guarded by mutex_
+  double fastest_batch_seconds_ = 0;  // guarded by mutex_; 0: no batch has run
   std::unique_ptr<std::thread> thread_;
   std::atomic<bool> forked_{false};
 };

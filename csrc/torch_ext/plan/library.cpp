@@ -75,19 +75,26 @@ void register_batcher(torch::Library& m) {
       "max_delay_ms, each caller handed its rows");
   torch_ext::def_option_properties<BatcherOptions>(
       cls, [](const c10::intrusive_ptr<Batcher>& self) { return self->options(); });
-  cls.def("submit", [](const c10::intrusive_ptr<Batcher>& self, c10::IValue inputs) { return self->submit(as_inputs(inputs)); },
-          "Queues a request; returns its BatchResult (raises when the queue is full)")
+  cls.def("submit",
+          [](const c10::intrusive_ptr<Batcher>& self, c10::IValue inputs, double deadline_ms) {
+            return self->submit(as_inputs(inputs), deadline_ms);
+          },
+          "Queues a request; returns its BatchResult (raises when the queue is full, or when deadline_ms, if >= 0, "
+          "cannot be met); runs the batch it fills",
+          {torch::arg("inputs"), torch::arg("deadline_ms") = -1.0})
       .def("infer",
-           [](const c10::intrusive_ptr<Batcher>& self, c10::IValue inputs, double timeout_seconds) {
-             return self->infer(as_inputs(inputs), timeout_seconds);
+           [](const c10::intrusive_ptr<Batcher>& self, c10::IValue inputs, double timeout_seconds, double deadline_ms) {
+             return self->infer(as_inputs(inputs), timeout_seconds, deadline_ms);
            },
            "submit() and wait for the output, at most timeout_seconds (< 0: the option's)",
-           {torch::arg("inputs"), torch::arg("timeout_seconds") = -1.0})
+           {torch::arg("inputs"), torch::arg("timeout_seconds") = -1.0, torch::arg("deadline_ms") = -1.0})
       .def("infer_tensors",
-           [](const c10::intrusive_ptr<Batcher>& self, std::vector<at::Tensor> inputs, double timeout_seconds) {
-             return self->infer(std::vector<c10::IValue>(inputs.begin(), inputs.end()), timeout_seconds);
+           [](const c10::intrusive_ptr<Batcher>& self, std::vector<at::Tensor> inputs, double timeout_seconds,
+              double deadline_ms) {
+             return self->infer(std::vector<c10::IValue>(inputs.begin(), inputs.end()), timeout_seconds, deadline_ms);
            },
-           "infer() for tensor-only inputs (no type inference of an Any argument)")
+           "infer() for tensor-only inputs (no type inference of an Any argument)",
+           {torch::arg("inputs"), torch::arg("timeout_seconds") = -1.0, torch::arg("deadline_ms") = -1.0})
       .def("stats", [](const c10::intrusive_ptr<Batcher>& self) { return torch_ext::box(self->stats()); })
       .def("close", [](const c10::intrusive_ptr<Batcher>& self) { self->close(); });
 }

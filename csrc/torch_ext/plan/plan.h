@@ -21,6 +21,7 @@
 #include "torch_ext/plan/cuda_graph.h"
 #include "torch_ext/plan/layout.h"
 #include "torch_ext/plan/plan_cache.h"
+#include "torch_ext/plan/router.h"
 
 namespace torch_ext::plan {
 
@@ -130,12 +131,7 @@ struct PlanCache::Plan {
 
   const Bucket& bucket() const { return spec.upper; }
   // The sizes a request is run at: its own inside a dynamic plan's range, else the bucket's.
-  Bucket target(const Bucket& sizes) const {
-    if (!spec.dynamic) return spec.upper;
-    Bucket t = sizes;
-    for (int k = 0; k < t.rank; ++k) t[k] = std::max(spec.lower[k], std::min(sizes[k], spec.upper[k]));
-    return t;
-  }
+  Bucket target(const Bucket& sizes) const { return run_target(spec.upper, spec.lower, spec.dynamic, sizes); }
   double estimated_seconds() const {
     const int64_t runs = record->plan_runs.load(std::memory_order_relaxed);
     return runs > 0 ? seconds(record->plan_ns.load(std::memory_order_relaxed)) / static_cast<double>(runs)

@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "torch_ext/plan/build_worker.h"
+
 namespace torch_ext::plan {
 
 namespace {
@@ -128,7 +130,7 @@ PlanCache::PlanCache(ExportSource source, PlanCacheOptions options) : options_(s
 void PlanCache::start() {
   if (!layout_) layout_ = std::make_unique<Layout>(options_);
   register_fork_participant(this);
-  if (options_.background_builds) worker_ = std::make_unique<std::thread>([this] { worker_loop(); });
+  if (options_.background_builds) worker_ = std::make_unique<BuildWorker>();
 }
 
 PlanCache::~PlanCache() {

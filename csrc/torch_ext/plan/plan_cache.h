@@ -23,9 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <future>
 #include <memory>
@@ -33,7 +31,6 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -371,6 +368,7 @@ struct ExportSource {
 
 class PlanSource;     // plan.h
 struct ManifestPlan;  // persistence.h
+class BuildWorker;    // build_worker.h
 
 class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
  public:
@@ -442,7 +440,6 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
 
  private:
   struct Signature;  // inputs.cpp
-  struct Job;        // below
 
   // The cache's bookkeeping and routing (plan_cache.cpp).
   void start();
@@ -477,10 +474,10 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   // Captures a plan whose capture is pending (once, on this thread, from inputs at its size).
   void capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs);
 
-  // The background worker and fork safety (worker.cpp).
+  // Background builds on the BuildWorker, and fork safety (worker.cpp).
   void enqueue_build(const Bucket& bucket, std::vector<c10::IValue> example);
-  void worker_loop();
-  void build_job(Job& job);
+  void build_job(const Bucket& bucket, const std::vector<c10::IValue>& example,
+                 std::promise<std::shared_ptr<Plan>>& promise);
   // Stops the worker (the destructor): buckets still queued are never built, their waiters fail.
   void stop_worker();
   void fork_prepare() override;
@@ -515,19 +512,8 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   std::atomic<int64_t> graph_capture_failures_{0};
   std::atomic<int64_t> hit_lookup_ns_{0};
 
-  std::mutex worker_mutex_;
-  std::condition_variable worker_cv_;
-  std::condition_variable idle_cv_;
-  struct Job {
-    std::vector<int64_t> bucket;
-    std::vector<c10::IValue> example;
-    std::shared_ptr<std::promise<std::shared_ptr<Plan>>> promise;
-  };
-  std::deque<Job> queue_;
-  std::optional<Job> running_;  // the job the worker is building, so a forked child can fail it
-  bool stopping_ = false;
-  std::unique_ptr<std::thread> worker_;
-  std::atomic<bool> forked_{false};  // set in a forked child, where worker_ is not running
+  std::unique_ptr<BuildWorker> worker_;  // background_builds only; its own lock and thread
+  std::atomic<bool> forked_{false};      // set in a forked child, where no thread of the parent runs
   std::atomic<bool> recovered_{false};
 };
 

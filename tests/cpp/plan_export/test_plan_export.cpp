@@ -24,6 +24,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include "torch_ext/common/sha256.h"
 #include "torch_ext/plan/plan_cache.h"
 
 namespace fs = std::filesystem;
@@ -135,6 +136,30 @@ TEST(PlanExport, ATamperedPackageOrManifestIsRefusedNamingTheFile) {
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("nothing may follow 'end'"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+TEST(PlanExport, APinnedManifestDigestServesThatFolderAndRefusesAnotherBeforeLoadingIt) {
+  REQUIRE_FIXTURE();
+  plan::PlanCacheOptions options = serving();
+  options.manifest_sha256 = torch_ext::sha256_file((fs::path(cache_dir()) / "manifest.txt").string());
+  plan::PlanCache pinned(plan::ExportSource{cache_dir()}, options);
+  EXPECT_EQ(pinned.stats().compiles, 0);
+  EXPECT_FALSE(pinned.cached_buckets().empty());
+  // Another folder (here: the same one with its manifest changed and every package replaced by
+  // bytes that could not load): refused by the pin before any of it is read.
+  const std::string dir = copy_of_cache("pinned");
+  std::ofstream(fs::path(dir) / "manifest.txt", std::ios::app) << "\n";
+  for (const auto& entry : fs::recursive_directory_iterator(fs::path(dir) / "plans")) {
+    if (entry.is_regular_file()) std::ofstream(entry.path(), std::ios::trunc) << "not a package";
+  }
+  try {
+    plan::PlanCache cache(plan::ExportSource{dir}, options);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not the manifest_sha256 this cache trusts"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("nothing in the folder was loaded"), std::string::npos) << e.what();
   }
   fs::remove_all(dir);
 }

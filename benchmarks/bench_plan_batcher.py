@@ -1,0 +1,154 @@
+"""bench_plan.py's batcher section: the dynamic batcher against the limit of batching.
+
+The limit is the same requests served as batches formed ahead of time. On the demo
+EncoderClassifier and bench_plan's CNN (both scripted; a PlanCache preloaded with 1, 2, 4 and 8
+rows; one torch thread), REQUESTS single requests (one row each) are served three ways:
+  preformed  the requests concatenated into batches of 8 beforehand, run one after another
+  batcher    8 client threads, each sending its share one after another through
+             Batcher(max_batch_size=8, max_delay_ms=2)
+  singles    the requests one at a time from one thread
+in ROUNDS interleaved rounds (the order rotated each round), so drift on the shared machine hits
+all alike; a round's ratio compares that round's runs, the table shows the median round.
+
+    python benchmarks/bench_plan.py --batcher          # results in plan_batcher.{md,json}
+    python benchmarks/bench_plan.py --batcher --quick  # fewer requests and rounds: a smoke run
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import Report, format_seconds  # noqa: E402
+
+CLIENTS = 8
+MAX_DELAY_MS = 2.0
+
+
+def models() -> dict:
+    from bench_plan import CNN
+    from torch_ext.demos import EncoderClassifier
+    return {
+        "EncoderClassifier (demo, 2 layers, d=64, seq 16)": (EncoderClassifier, lambda g: torch.randn(1, 16, 64, generator=g)),
+        "CNN (2 conv, 3x16x16)": (CNN, lambda g: torch.randn(1, 3, 16, 16, generator=g)),
+    }
+
+
+def run_preformed(cache, batches: list) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for batch in batches:
+            cache(batch)
+    return time.perf_counter() - start
+
+
+def run_singles(cache, requests: list) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for x in requests:
+            cache(x)
+    return time.perf_counter() - start
+
+
+def run_batcher(cache, requests: list) -> dict:
+    from torch_ext import Batcher
+    latencies = [0.0] * len(requests)
+    with Batcher(cache, max_batch_size=CLIENTS, max_delay_ms=MAX_DELAY_MS) as batcher:
+        def client(k: int) -> None:
+            with torch.no_grad():
+                for i in range(k, len(requests), CLIENTS):
+                    t = time.perf_counter()
+                    batcher(requests[i])
+                    latencies[i] = time.perf_counter() - t
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+        s = batcher.stats()
+    return dict(wall=wall, latencies=latencies, batches=s.batches, client_batches=s.client_batches,
+                mean_rows=s.rows / s.batches, mean_batch_seconds=s.batch_seconds / s.batches)
+
+
+def percentile(values: list, q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_model(name: str, make, request, n_requests: int, rounds: int, report: Report, checks: list) -> None:
+    from torch_ext import PlanCache
+    torch.manual_seed(0)
+    scripted = torch.jit.script(make().eval())
+    g = torch.Generator().manual_seed(1)
+    requests = [request(g) for _ in range(n_requests)]
+    batches = [torch.cat(requests[i:i + CLIENTS]) for i in range(0, n_requests, CLIENTS)]
+    cache = PlanCache(scripted, miss_mode="pad", max_batch_size=CLIENTS)
+    cache.preload([1, 2, 4, 8], example_inputs=(requests[0],), progress=False)
+    run_preformed(cache, batches[:20]), run_singles(cache, requests[:50]), run_batcher(cache, requests[:80])  # warm-up
+    runs: dict = {"preformed": [], "batcher": [], "singles": []}
+    order = list(runs)
+    for r in range(rounds):
+        for variant in order[r % 3:] + order[:r % 3]:
+            if variant == "preformed":
+                runs[variant].append(run_preformed(cache, batches))
+            elif variant == "singles":
+                runs[variant].append(run_singles(cache, requests))
+            else:
+                runs[variant].append(run_batcher(cache, requests))
+    ratios = [p / b["wall"] for p, b in zip(runs["preformed"], runs["batcher"])]
+    median_round = sorted(range(rounds), key=lambda i: ratios[i])[rounds // 2]
+    b = runs["batcher"][median_round]
+    rate = {"preformed": n_requests / runs["preformed"][median_round], "batcher": n_requests / b["wall"],
+            "singles": n_requests / runs["singles"][median_round]}
+    p50, p99 = percentile(b["latencies"], 0.5), percentile(b["latencies"], 0.99)
+    bound = MAX_DELAY_MS / 1000 + 2 * b["mean_batch_seconds"]
+    for variant in ("preformed", "batcher", "singles"):
+        report.add_row({
+            "model": name, "variant": {"preformed": "batches of 8 formed beforehand (the limit)",
+                                       "batcher": f"Batcher, {CLIENTS} clients of single requests",
+                                       "singles": "single requests, one thread"}[variant],
+            "requests/s": f"{rate[variant]:,.0f}", "vs the limit": f"{rate[variant] / rate['preformed']:.2f}x",
+            "p50": format_seconds(p50) if variant == "batcher" else "-",
+            "p99": format_seconds(p99) if variant == "batcher" else "-",
+            "batches": (f"{b['batches']} of {b['mean_rows']:.1f} rows ({b['client_batches']} run by a client), "
+                        f"{format_seconds(b['mean_batch_seconds'])} each") if variant == "batcher" else "-",
+        }, model=name, variant=variant, throughput=rate[variant], round_ratios=ratios if variant == "batcher" else None,
+            p50_seconds=p50 if variant == "batcher" else None, p99_seconds=p99 if variant == "batcher" else None)
+    short = name.split(" (")[0]
+    checks.append((f"{short}: the batcher at 0.9x or more of pre-formed batches: {rate['batcher']:,.0f} vs "
+                   f"{rate['preformed']:,.0f} requests/s ({statistics.median(ratios):.2f}x, the median of {rounds} "
+                   f"rounds; rounds {', '.join(f'{r:.2f}' for r in ratios)})", statistics.median(ratios) >= 0.9))
+    checks.append((f"{short}: p99 at most max_delay + 2x one batch's service time: {format_seconds(p99)} vs "
+                   f"{MAX_DELAY_MS:g} ms + 2 x {format_seconds(b['mean_batch_seconds'])}", p99 <= bound))
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    quick = "--quick" in argv
+    n_requests, rounds = (160, 3) if quick else (800, 5)
+    command = "python benchmarks/bench_plan.py --batcher" + (" --quick" if quick else "")
+    report = Report("plan_batcher" + ("_quick" if quick else ""),
+                    f"The dynamic batcher against pre-formed batches (CPU, one torch thread): {n_requests} single "
+                    f"requests, {rounds} interleaved rounds",
+                    ["model", "variant", "requests/s", "vs the limit", "p50", "p99", "batches"], command)
+    checks: list = []
+    for name, (make, request) in models().items():
+        print(name, file=sys.stderr)
+        bench_model(name, make, request, n_requests, rounds, report, checks)
+    report.notes.append(
+        f"\nThe limit: the same requests concatenated into batches of {CLIENTS} beforehand and served one after "
+        f"another from one thread. The batcher: {CLIENTS} threads each send their share of single requests one "
+        f"after another (max_batch_size={CLIENTS}, max_delay_ms={MAX_DELAY_MS:g}); the client whose request fills a "
+        "batch runs it. Latencies: each batcher request from submit to result. Rows show the round with the median "
+        "batcher/limit ratio.")
+    report.add_checks(checks)
+    report.write()
