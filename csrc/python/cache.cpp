@@ -183,19 +183,23 @@ void bind_cache(py::module_& m) {
           "The cached output for these inputs, or default")
       .def(
           "put",
-          [](PythonValues& self, int64_t node_id, const py::object& inputs, py::object value, double cost_seconds) {
+          [](PythonValues& self, int64_t node_id, const py::object& inputs, py::object value, double cost_seconds,
+             size_t content_inputs) {
             std::vector<at::Tensor> tensors;
             collect_tensors(value, tensors);
-            return self.cache->put(node_id, to_inputs(inputs), held(std::move(value), tensors), cost_seconds, tensors);
+            return self.cache->put(node_id, to_inputs(inputs), held(std::move(value), tensors), cost_seconds, tensors,
+                                   content_inputs);
           },
           py::arg("node_id"), py::arg("inputs"), py::arg("value"), py::arg("cost_seconds") = 0.0,
-          "Cache value for these inputs; False when not stored")
+          py::arg("content_inputs") = 0,
+          "Cache value for these inputs (the first content_inputs keyed by content where that pays); False when "
+          "not stored")
       .def(
           "observe",
-          [](PythonValues& self, int64_t source_id, const py::object& inputs) {
-            return self.cache->observe(source_id, to_inputs(inputs));
+          [](PythonValues& self, int64_t source_id, const py::object& inputs, int64_t work_bytes) {
+            return self.cache->observe(source_id, to_inputs(inputs), work_bytes);
           },
-          py::arg("source_id"), py::arg("inputs"))
+          py::arg("source_id"), py::arg("inputs"), py::arg("work_bytes") = 0)
       .def(
           "record_call",
           [](PythonValues& self, int64_t nodes_computed, int64_t nodes_reused) {

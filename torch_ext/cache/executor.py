@@ -65,6 +65,8 @@ class LazyExecutor(nn.Module):
         self._names: dict[int, str] = {}
         self._next_id = 0
         self._all_modules = list(module.modules())
+        # The weights a call reads, against which the NodeCache decides whether hashing inputs pays.
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
         try:
             self._signature = inspect.signature(module.forward)
         except (TypeError, ValueError):
@@ -125,8 +127,8 @@ class LazyExecutor(nn.Module):
         return on_backward
 
     # ---- running ----
-    def _source_status(self, step: _Step, inputs: list) -> int:
-        if not self._values.observe(step.node_id, inputs):
+    def _source_status(self, step: _Step, inputs: list, work_bytes: int = 0) -> int:
+        if not self._values.observe(step.node_id, inputs, work_bytes):
             step.streak = 0
             return STABLE
         step.streak += 1
@@ -153,7 +155,7 @@ class LazyExecutor(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         varying, fresh = self._read_sources(plan, env, status, placeholder_values)
         analysis = self._analysis_for(plan, varying, fresh)
-        keys: dict = {}  # frontier index -> (key, number of sources), for the misses
+        keys: dict = {}  # frontier index -> (key, number of sources, number of graph inputs), for the misses
         looked_up: dict = {}  # frontier index -> what its lookup found
         with_training = not self._trace
         demand = self._replay_demand(plan, analysis, env, fresh, with_training, keys, looked_up)
@@ -183,7 +185,8 @@ class LazyExecutor(nn.Module):
             else:
                 value = self._call(step, env, None)
             env[i] = value
-            st = status[i] = self._source_status(step, [value])
+            # A graph input may count as unchanged by content (the NodeCache's rule, against the weights).
+            st = status[i] = self._source_status(step, [value], self._weight_bytes if step.op == "placeholder" else 0)
             if st == VARYING:
                 varying |= mask[i]
             elif st == FRESH:
@@ -295,12 +298,13 @@ class LazyExecutor(nn.Module):
 
     def _store_frontier(self, plan: _Plan, step: _Step, entry: tuple, value: Any, cost: float, st: int,
                         grad_enabled: bool) -> int:
-        """Store a computed frontier node under its closure key, entry = (key, number of sources);
-        returns its status, VARYING where its module state changes at every call (training)."""
-        key, n_sources = entry
+        """Store a computed frontier node under its closure key, entry = (key, number of sources, number
+        of graph inputs among them); returns its status, VARYING where its module state changes at
+        every call (training)."""
+        key, n_sources, n_inputs = entry
         if len(key) > n_sources and self._source_status(step, key[n_sources:]) == VARYING:
             st = VARYING  # parameters that change at every call (training)
-        self._store(plan, step, key, value, cost, st == VARYING, grad_enabled)
+        self._store(plan, step, key, value, cost, st == VARYING, grad_enabled, n_inputs)
         return st
 
     def _run_keyed(self, plan: _Plan, steps: list, env: list, status: list, grad_enabled: bool) -> tuple[int, int]:
@@ -375,9 +379,10 @@ class LazyExecutor(nn.Module):
         return computed, reused
 
     def _store(self, plan: _Plan, step: _Step, key: list, value: Any, cost: float, varies: bool,
-               grad_enabled: bool) -> bool:
-        """Put a computed value in the cache under key, or, where its key varies, drop the entry it
-        held. False when the value holds no tensor: the step is not looked up from now on."""
+               grad_enabled: bool, content_inputs: int = 0) -> bool:
+        """Put a computed value in the cache under key (its first content_inputs items graph inputs,
+        which the NodeCache may key by content), or, where its key varies, drop the entry it held.
+        False when the value holds no tensor: the step is not looked up from now on."""
         tensors = _tensors_of(value)
         if not tensors:
             step.has_tensor = False
@@ -388,7 +393,7 @@ class LazyExecutor(nn.Module):
                 self.cache.invalidate_node(step.node_id)
                 step.cached = False
         else:
-            step.cached = self._values.put(step.node_id, key, value, cost)
+            step.cached = self._values.put(step.node_id, key, value, cost, content_inputs)
             if step.cached and grad_enabled:
                 for tensor in tensors:
                     if tensor.grad_fn is not None:
@@ -399,7 +404,7 @@ class LazyExecutor(nn.Module):
                  keys: dict) -> Any:
         """A frontier node's cached value (also put in env), or _MISS with its key put in keys."""
         i = step.index
-        sources, pairs, modules, _ = analysis.closure(plan, i, with_training)
+        sources, pairs, modules, _, n_inputs = analysis.closure(plan, i, with_training)
         key = [env[j] for j in sources]
         if pairs:
             key.extend([d[k] for d, k in pairs])
@@ -411,7 +416,7 @@ class LazyExecutor(nn.Module):
                 env[i] = value
                 step.streak = 0  # its module state is in the key: unchanged
                 return value
-        keys[i] = (key, len(sources))
+        keys[i] = (key, len(sources), n_inputs)
         return _MISS
 
     @staticmethod
