@@ -169,6 +169,16 @@ struct PythonValues {
 
 void bind_cache(py::module_& m) {
   auto cache = m.def_submodule("cache", "Lazy node cache");
+  cache.def(
+      "digest",
+      [](const at::Tensor& tensor) {
+        TORCH_CHECK_VALUE(torch_ext::cache::TensorKey::content_eligible(tensor),
+                          "torch_ext._C.cache.digest: expected a contiguous CPU tensor that does not require grad, got ",
+                          tensor.toString(), " of sizes ", tensor.sizes());
+        const auto digest = torch_ext::cache::digest_of(tensor);
+        return py::bytes(reinterpret_cast<const char*>(digest.data()), sizeof(digest));
+      },
+      py::arg("tensor"), "The NodeCache's content digest (XXH3 128-bit) of a tensor's bytes, as 16 bytes");
   py::class_<PythonValues>(cache, "PythonValues",
                            "get / put / observe of Python values on a torch.classes.torch_ext.NodeCache")
       .def(py::init([](const py::object& script_object) { return PythonValues{cache_of(script_object)}; }),

@@ -68,6 +68,15 @@ reports for eviction is its subgraph's compute time (shared inputs counted per u
 seconds, which on CUDA measure the launch rather than the kernel; they only order evictions.
 """
 
-from .executor import LazyExecutor, NodeCache, lazy
+from typing import Any, Iterable
 
-__all__ = ["LazyExecutor", "NodeCache", "lazy"]
+from .executor import LazyExecutor, NodeCache
+from .store import NodeStore, StoreStats
+
+
+def lazy(module, never_cache: Iterable[Any] = (), **options: Any) -> LazyExecutor:
+    """Shorthand for LazyExecutor(module, never_cache, **options)."""
+    return LazyExecutor(module, never_cache=never_cache, **options)
+
+
+__all__ = ["LazyExecutor", "NodeCache", "NodeStore", "StoreStats", "lazy"]
