@@ -3,7 +3,7 @@
 One folder, shared by any number of processes:
 
     <folder>/manifest.json        {"format": 1, "clock": n, "entries": {key: {"file", "bytes", "blake2b", "last_use"}}}
-    <folder>/entries/<key>.safetensors   the node's output tensors ("output.<i>") and the graph-input
+    <folder>/entries/<key>-<id>.safetensors   the node's output tensors ("output.<i>") and the graph-input
                                   tensors of its key ("input.<i>"), its structure in the metadata
     <folder>/lock                 fcntl lock taken around every change of the manifest
 
@@ -11,7 +11,7 @@ An entry's key is a digest of: the graph's code, a fingerprint of the module's w
 parameter's and buffer's name, dtype, shape and content digest), the node's name, and the node's
 graph inputs (dtype, shape, strides and content digest of each tensor; other values as they
 are). So a changed model (its code or one weight) never finds an old entry. Entries are written
-to a temporary file and renamed into place, then listed in the manifest (itself replaced by a
+to a temporary file, then renamed into place and listed in the manifest (itself replaced by a
 rename) under the lock; readers need no lock. A read checks the file's size and BLAKE2b digest
 against the manifest (a changed or truncated file is a miss with a RuntimeWarning, and the
 entry is dropped) and compares the stored input tensors with the call's (a digest collision is a
@@ -203,18 +203,18 @@ class NodeStore:
         if self.budget_bytes is not None and len(data) > self.budget_bytes:
             return False
         digest = hashlib.blake2b(data, digest_size=16).hexdigest()
-        name = f"{key}-{digest[:16]}.safetensors"  # a writer of the same key never replaces a file being read
         fd, temporary = tempfile.mkstemp(dir=self.path / "entries", prefix=".writing-")
         try:
             with os.fdopen(fd, "wb") as file:
                 file.write(data)
                 file.flush()
                 os.fsync(file.fileno())
-            os.replace(temporary, self.path / "entries" / name)
-        except BaseException:
+            # Renamed into place under the lock, with the manifest: a listed file always exists.
+            # The name is this write's own, so no other writer's eviction can delete it.
+            self._update(add=(key, {"file": f"{key}-{Path(temporary).name[len('.writing-'):]}.safetensors",
+                                    "bytes": len(data), "blake2b": digest}), written=temporary)
+        finally:
             Path(temporary).unlink(missing_ok=True)
-            raise
-        self._update(add=(key, {"file": name, "bytes": len(data), "blake2b": digest}))
         self._stats.writes += 1
         return True
 
@@ -233,9 +233,10 @@ class NodeStore:
                              f"expected {_FORMAT}")
         return manifest
 
-    def _update(self, add: Optional[tuple] = None, touch: Optional[str] = None, drop: Optional[str] = None) -> None:
-        """One change of the manifest under the lock: add an entry (evicting the least recently
-        used beyond the budget), mark one used, or drop one."""
+    def _update(self, add: Optional[tuple] = None, touch: Optional[str] = None, drop: Optional[str] = None,
+                written: Optional[str] = None) -> None:
+        """One change of the manifest under the lock: add an entry (its file `written`, renamed
+        into place; evicting the least recently used beyond the budget), mark one used, or drop one."""
         with self._locked():
             manifest = self._read_manifest()
             entries = manifest["entries"]
@@ -246,6 +247,7 @@ class NodeStore:
                 (self.path / "entries" / entries.pop(drop)["file"]).unlink(missing_ok=True)
             if add is not None:
                 key, entry = add
+                os.replace(written, self.path / "entries" / entry["file"])
                 entry["last_use"] = manifest["clock"]
                 replaced = entries.get(key)
                 if replaced is not None and replaced["file"] != entry["file"]:
