@@ -68,7 +68,10 @@ reports for eviction is its subgraph's compute time (shared inputs counted per u
 seconds, which on CUDA measure the launch rather than the kernel; they only order evictions.
 """
 
+import copy
 from typing import Any, Iterable
+
+from torch import nn
 
 from .executor import LazyExecutor, NodeCache
 from .store import NodeStore, StoreStats
@@ -79,4 +82,20 @@ def lazy(module, never_cache: Iterable[Any] = (), **options: Any) -> LazyExecuto
     return LazyExecutor(module, never_cache=never_cache, **options)
 
 
-__all__ = ["LazyExecutor", "NodeCache", "NodeStore", "StoreStats", "lazy"]
+def lazy_forward(module: nn.Module, never_cache: Iterable[Any] = (), **options: Any) -> LazyExecutor:
+    """Routes module's calls through a LazyExecutor while the module stays the object it is, so code
+    that holds it (a diffusers pipeline's `pipe.text_encoder`) keeps reading its attributes (config,
+    dtype, device) and calling it. Returns the executor (stats, store); `del module.forward` undoes it.
+
+    The executor runs a shallow copy of the module (sharing its parameter, buffer and submodule
+    dictionaries, so weight updates and reassignments are seen) and module.forward becomes the
+    executor's call. Options as LazyExecutor's (store=..., content_keys=..., ...)."""
+    if "forward" in vars(module) or "forward" in module._modules:
+        raise ValueError(f"lazy_forward: {type(module).__name__} already has a forward of its own "
+                         f"(routed already? `del module.forward` first)")
+    executor = LazyExecutor(copy.copy(module), never_cache=never_cache, **options)
+    object.__setattr__(module, "forward", executor)  # an instance attribute, not a registered submodule
+    return executor
+
+
+__all__ = ["LazyExecutor", "NodeCache", "NodeStore", "StoreStats", "lazy", "lazy_forward"]
