@@ -13,6 +13,9 @@
    most 5% over the plain module, and content keys (the default) at most 2% slower than identity
    keys alone (content_keys=False), in paired rounds. `--full-miss` runs only this part.
 
+`--pipeline` runs benchmarks/cache_pipeline.py instead: a diffusers pipeline across calls and
+processes (see its docstring).
+
 Variants of a workload run interleaved (plain, lazy, plain, lazy, ...) under torch.no_grad();
 times are medians of the repeats after warm-up calls (which also let the executor learn which
 inputs vary), with the ratio of the fastest repeats beside them. One intra-op thread by default
@@ -119,6 +122,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller workloads, fewer repeats")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--full-miss", action="store_true", help="only the GPT-2 full miss (3.), written as cache_full_miss")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="the diffusers pipeline (benchmarks/cache_pipeline.py), written as cache_pipeline")
     args = parser.parse_args()
     quick = args.quick
     torch.set_num_threads(args.threads)
@@ -131,6 +136,17 @@ def main() -> None:
                      "target"], command)
     repeat = 3 if quick else 9
 
+    if args.pipeline:
+        import cache_pipeline
+
+        report = Report("cache_pipeline", "Lazy node cache on a diffusers pipeline: the text encoder across calls "
+                        "and processes", ["workload", "variant", "time per call", "vs plain (paired)",
+                                          "text-encoder runs", "hit rate", "bytes on disk", "target"],
+                        "python benchmarks/bench_cache.py --pipeline" + (
+                            f" --threads {args.threads}" if args.threads != 1 else ""))
+        cache_pipeline.run(report)
+        report.write()
+        return
     if args.full_miss:
         with torch.no_grad():
             full_miss(report, quick, repeat)

@@ -8,7 +8,11 @@ Which nodes are reused. A node's cached output is returned only when the C++ Nod
 (torch_ext._C.cache.NodeCache, csrc/torch_ext/cache/node_cache.h) finds every input the same
 live tensor at the same version, data pointer, storage, sizes, strides, offset, dtype, device
 and requires_grad (and the same values for non-tensors), the same grad / inference / autocast
-mode, and the cached output tensors unchanged in place. For call_module nodes the module's
+mode, and the cached output tensors unchanged in place. Graph inputs are also keyed by content
+(content_keys, the default): a new tensor with the same bytes, dtype, sizes, strides and device
+matches (confirmed by comparing the bytes), where NodeCacheOptions' rule says hashing pays
+(content_key_fraction of the weights the cached work reads). With store=, outputs are also
+kept on disk across processes (torch_ext.cache.store). For call_module nodes the module's
 parameters, buffers and training flag are inputs too. Optimizer steps and other in-place
 updates bump version counters, so everything that depends on the updated tensors recomputes.
 

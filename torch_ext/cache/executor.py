@@ -411,7 +411,7 @@ class LazyExecutor(nn.Module):
                 step.streak = 0  # its module state is in the key: unchanged
                 return value
         # Not in memory: on disk (if keyable there: no grad, hashable inputs, the module's weights)?
-        on_disk = self.store and self.store.key(self.module, plan.graph_module, step.name, key, n_inputs)
+        on_disk = self.store and self.store.key(self.module, plan.graph_module, step.name, key, n_inputs, self.cache)
         if on_disk and (value := self.store.get(*on_disk)) is not None:
             self._values.put(step.node_id, key, value, 0.0, n_inputs)
             env[i] = value

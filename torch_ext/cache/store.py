@@ -83,12 +83,13 @@ class NodeStore:
         self._codes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     # ---- keys ----
-    def key(self, module: nn.Module, graph_module: torch.fx.GraphModule, node: str, key: list,
-            n_inputs: int) -> Optional[tuple[str, list]]:
+    def key(self, module: nn.Module, graph_module: torch.fx.GraphModule, node: str, key: list, n_inputs: int,
+            cache: torch.ScriptObject) -> Optional[tuple[str, list]]:
         """(entry key, the graph-input tensors to store and compare) of a frontier lookup whose key
         is `key` (its first n_inputs items graph inputs, the rest weights and plain values); None
-        when it cannot be stored (grad enabled, an input that cannot be hashed, a tensor that is
-        not one of the module's weights)."""
+        when it is not stored: grad enabled, an input that cannot be hashed, a tensor that is not
+        one of the module's weights, or where the NodeCache `cache`'s content-key rule says
+        hashing the inputs does not pay for the work (keys_by_content)."""
         if torch.is_grad_enabled():
             return None
         parts: list = []
@@ -96,14 +97,18 @@ class NodeStore:
         for value in key[:n_inputs]:
             if not self._describe(value, parts, tensors):
                 return None
+        weight_bytes = 0
         for value in key[n_inputs:]:
             if isinstance(value, torch.Tensor):
                 if not self._is_weight(module, value):
                     return None
+                weight_bytes += value.numel() * value.element_size()
             elif isinstance(value, _PLAIN):
                 parts.append(repr(value))
             else:
                 return None
+        if not cache.keys_by_content(sum(t.numel() * t.element_size() for t in tensors), weight_bytes):
+            return None
         code = self._codes.get(graph_module)
         if code is None:
             code = self._codes[graph_module] = hashlib.blake2b(graph_module.code.encode(), digest_size=16).hexdigest()

@@ -80,6 +80,13 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
           "Whether inputs differ from those last observed under source_id (by content where that pays for "
           "work_bytes of weights)",
           {torch::arg("source_id"), torch::arg("inputs"), torch::arg("work_bytes") = 0})
+      .def(
+          "keys_by_content",
+          [](const Self& self, int64_t hashed_bytes, int64_t work_bytes) {
+            return self->options().keys_by_content(hashed_bytes, work_bytes);
+          },
+          "The content-key rule (NodeCacheOptions::keys_by_content): whether hashing hashed_bytes of inputs pays "
+          "for work that reads work_bytes of weights")
       .def("invalidate_node", &NodeCache::invalidate_node)
       .def("invalidate_nodes", [](const Self& self, std::vector<int64_t> node_ids) { self->invalidate_nodes(node_ids); })
       .def("invalidate", &NodeCache::invalidate)

@@ -36,6 +36,17 @@ void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out) {
   }
 }
 
+// content_inputs where the rule says hashing their tensors pays for the rest (the weights), else 0.
+size_t paying_content_inputs(const NodeCacheOptions& options, c10::ArrayRef<c10::IValue> inputs,
+                             size_t content_inputs) {
+  if (content_inputs == 0) {
+    return 0;
+  }
+  const auto work = InputKey::tensor_bytes(inputs, content_inputs, inputs.size());
+  const auto hashed = InputKey::tensor_bytes(inputs, 0, content_inputs);
+  return options.keys_by_content(hashed.hashable, work.hashable + work.other) ? content_inputs : 0;
+}
+
 }  // namespace
 
 void NodeCacheOptions::validate() const {
@@ -161,14 +172,7 @@ bool NodeCache::put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IVa
               ": cost_seconds must be a finite number >= 0, got ", cost_seconds);
   TORCH_CHECK(content_inputs <= inputs.size(), "NodeCache.put: node ", node_id, ": content_inputs (", content_inputs,
               ") exceeds the number of inputs (", inputs.size(), ")");
-  if (content_inputs > 0) {
-    const auto work = InputKey::tensor_bytes(inputs, content_inputs, inputs.size());
-    const auto hashed = InputKey::tensor_bytes(inputs, 0, content_inputs);
-    if (!content_options_.keys_by_content(hashed.hashable, work.hashable + work.other)) {
-      content_inputs = 0;
-    }
-  }
-  auto key = InputKey::make(inputs, content_inputs, ContentBytes::kCopy);
+  auto key = InputKey::make(inputs, paying_content_inputs(content_options_, inputs, content_inputs), ContentBytes::kCopy);
   if (!key) {
     return false;
   }
