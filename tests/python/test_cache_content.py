@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from torch_ext import LazyExecutor, NodeCache
+from torch_ext import LazyExecutor, NodeCache, _C
+from torch_ext.cache import lazy_forward
 from torch_ext.demos import ConditionedDenoiser, sample
 
 
@@ -82,7 +83,7 @@ def test_an_input_that_requires_grad_is_never_served_for_a_new_leaf():
     assert torch.equal(y.grad, x.grad)
 
 
-class Holder(nn.Module):
+class OptionsHolder(nn.Module):
     def __init__(self):
         super().__init__()
         self.cache = NodeCache(content_keys=False, content_key_fraction=0.5, capacity_bytes=1 << 20)
@@ -95,7 +96,32 @@ def test_options_survive_saving_and_bad_ones_are_refused():
     with pytest.raises(ValueError, match="content_key_fraction must be a number >= 0"):
         NodeCache(content_key_fraction=-1.0)
     buffer = io.BytesIO()
-    torch.jit.save(torch.jit.script(Holder()), buffer)
+    torch.jit.save(torch.jit.script(OptionsHolder()), buffer)
     buffer.seek(0)
     cache = torch.jit.load(buffer).cache
     assert (cache.content_keys, cache.content_key_fraction, cache.capacity_bytes) == (False, 0.5, 1 << 20)
+
+
+def test_lazy_forward_routes_a_module_that_stays_the_same_object():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).eval()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = module(x)
+        executor = lazy_forward(module, content_key_fraction=float("inf"))  # tiny weights: hash anyway
+        assert torch.equal(module(x), expected) and torch.equal(module(x.clone()), expected)
+        assert executor.stats().hits >= 1 and module[0].weight is executor.module[0].weight
+        with pytest.raises(ValueError, match="already has a forward of its own"):
+            lazy_forward(module)
+        del module.forward
+        calls = executor.stats().calls
+        assert torch.equal(module(x), expected) and executor.stats().calls == calls
+
+
+def test_digest_refuses_tensors_it_cannot_hash():
+    assert _C.cache.digest(torch.arange(4)) == _C.cache.digest(torch.arange(4).clone())
+    assert _C.cache.digest(torch.arange(4)) != _C.cache.digest(torch.arange(1, 5))
+    with pytest.raises(ValueError, match="expected a contiguous CPU tensor that does not require grad"):
+        _C.cache.digest(torch.ones(4, 4).t())
+    with pytest.raises(ValueError, match="expected a contiguous CPU tensor"):
+        _C.cache.digest(torch.ones(2, requires_grad=True))
