@@ -17,7 +17,8 @@
 // least recently used first among equals, and only entries cheaper per byte than the new
 // one; if that cannot make room the new entry is not stored.
 //
-// Thread safety: every method may be called from any thread; one mutex guards all state.
+// Thread safety: every method may be called from any thread; one mutex guards all state (get()
+// and observe() hash and compare content-keyed inputs under it: bytes the content-key rule bounds).
 // Values are released after the mutex is let go, so a value whose destructor takes another
 // lock (a Python object and the GIL) cannot deadlock against the cache. Fork-safe: pthread_atfork
 // handlers (torch_ext/fork.h) hold the mutex across fork(), so a child inherits whole state and a
