@@ -28,6 +28,9 @@ SECTIONS = [
      "Hugging Face GPT-2 loaded from its folder, generating, and training adapters over paged weights.",
      ["paging", "paging_threads2", "paging_cuda", "paging_header", "paging_copy_rss", "paging_hf", "paging_hf_bf16", "paging_hf_train"]),
     ("Cache", "The lazy node cache on a diffusion-style loop, preprocessed weights and full misses.", ["cache"]),
+    ("Cache across calls and processes", "Content keys against identity keys alone on a full miss, and a diffusers "
+     "pipeline's text encoder across calls and processes (content keys, the store).",
+     ["cache_full_miss", "cache_pipeline"]),
     ("Plan", "The plan cache serving random batch sizes, what each step of a plan buys, and serving torch.export "
      "programs (AOTInductor plans per bucket, a saved cache restarted, the dynamic batcher).",
      ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps", "plan_export", "plan_batcher"]),

@@ -181,6 +181,43 @@ def sample(model: Callable, latent: torch.Tensor, tokens: torch.Tensor, steps: i
     return latent
 
 
+def tiny_stable_diffusion(folder: str, seed: int = 0):
+    """A diffusers StableDiffusionPipeline built from small configs, no downloads: a 2-layer CLIP text
+    encoder (width 32), a two-level UNet2DConditionModel, a one-level VAE, DDIM, and a CLIP tokenizer
+    of letters written to folder. Needs diffusers and transformers."""
+    import json
+
+    import diffusers
+    import transformers
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        vocab[letter] = len(vocab)
+        vocab[letter + "</w>"] = len(vocab)
+    Path(folder, "vocab.json").write_text(json.dumps(vocab))
+    Path(folder, "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = transformers.CLIPTokenizer(str(Path(folder, "vocab.json")), str(Path(folder, "merges.txt")),
+                                           model_max_length=16)
+    torch.manual_seed(seed)
+    text_encoder = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)).eval()
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=4, norm_num_groups=8).eval()
+    vae = diffusers.AutoencoderKL(block_out_channels=(8,), in_channels=3, out_channels=3, latent_channels=4,
+                                  down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                                  norm_num_groups=8, sample_size=8).eval()
+    scheduler = diffusers.DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                        clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    pipe = diffusers.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                             scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                             requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def demo_cache(progress) -> None:
     """A 50-step diffusion-style loop, plain and through a LazyExecutor: time per step, hit rate."""
     torch.manual_seed(0)

@@ -169,6 +169,16 @@ struct PythonValues {
 
 void bind_cache(py::module_& m) {
   auto cache = m.def_submodule("cache", "Lazy node cache");
+  cache.def(
+      "digest",
+      [](const at::Tensor& tensor) {
+        TORCH_CHECK_VALUE(torch_ext::cache::TensorKey::content_eligible(tensor),
+                          "torch_ext._C.cache.digest: expected a contiguous CPU tensor that does not require grad, got ",
+                          tensor.toString(), " of sizes ", tensor.sizes());
+        const auto digest = torch_ext::cache::digest_of(tensor);
+        return py::bytes(reinterpret_cast<const char*>(digest.data()), sizeof(digest));
+      },
+      py::arg("tensor"), "The NodeCache's content digest (XXH3 128-bit) of a tensor's bytes, as 16 bytes");
   py::class_<PythonValues>(cache, "PythonValues",
                            "get / put / observe of Python values on a torch.classes.torch_ext.NodeCache")
       .def(py::init([](const py::object& script_object) { return PythonValues{cache_of(script_object)}; }),
@@ -183,19 +193,23 @@ void bind_cache(py::module_& m) {
           "The cached output for these inputs, or default")
       .def(
           "put",
-          [](PythonValues& self, int64_t node_id, const py::object& inputs, py::object value, double cost_seconds) {
+          [](PythonValues& self, int64_t node_id, const py::object& inputs, py::object value, double cost_seconds,
+             size_t content_inputs) {
             std::vector<at::Tensor> tensors;
             collect_tensors(value, tensors);
-            return self.cache->put(node_id, to_inputs(inputs), held(std::move(value), tensors), cost_seconds, tensors);
+            return self.cache->put(node_id, to_inputs(inputs), held(std::move(value), tensors), cost_seconds, tensors,
+                                   content_inputs);
           },
           py::arg("node_id"), py::arg("inputs"), py::arg("value"), py::arg("cost_seconds") = 0.0,
-          "Cache value for these inputs; False when not stored")
+          py::arg("content_inputs") = 0,
+          "Cache value for these inputs (the first content_inputs keyed by content where that pays); False when "
+          "not stored")
       .def(
           "observe",
-          [](PythonValues& self, int64_t source_id, const py::object& inputs) {
-            return self.cache->observe(source_id, to_inputs(inputs));
+          [](PythonValues& self, int64_t source_id, const py::object& inputs, int64_t work_bytes) {
+            return self.cache->observe(source_id, to_inputs(inputs), work_bytes);
           },
-          py::arg("source_id"), py::arg("inputs"))
+          py::arg("source_id"), py::arg("inputs"), py::arg("work_bytes") = 0)
       .def(
           "record_call",
           [](PythonValues& self, int64_t nodes_computed, int64_t nodes_reused) {

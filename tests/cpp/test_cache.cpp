@@ -385,3 +385,119 @@ TEST(CacheStress, EightThreadsKeepCapacityValuesAndCounts) {
   EXPECT_FALSE(failed) << "capacity, values or counts broken";
   EXPECT_GT(gets.load(), 0);
 }
+
+// ---- content keys ----
+namespace {
+
+using torch_ext::cache::NodeCacheOptions;
+
+// Restores full digests however a test ends.
+struct DigestBits {
+  explicit DigestBits(int bits) { torch_ext::cache::set_digest_bits_for_testing(bits); }
+  ~DigestBits() { torch_ext::cache::set_digest_bits_for_testing(128); }
+};
+
+// A key of one graph input and weights 1000 times its size: content keys pay at the default fraction.
+std::vector<c10::IValue> keyed(const at::Tensor& input, const at::Tensor& weights) { return {input, weights}; }
+
+}  // namespace
+
+TEST(CacheContent, AnEqualTensorInANewObjectHitsAndOtherValuesMiss) {
+  NodeCache cache;
+  at::Tensor weights = floats(8000);
+  at::Tensor x = at::arange(8, at::kLong);
+  ASSERT_TRUE(cache.put(0, keyed(x, weights), x * 2, 0, std::nullopt, 1));
+  auto got = cache.get(0, keyed(at::arange(8, at::kLong), weights));
+  ASSERT_TRUE(got.has_value());
+  EXPECT_TRUE(got->toTensor().equal(x * 2));
+  EXPECT_FALSE(hit(cache, 0, keyed(at::arange(8, at::kLong) + 1, weights)));
+  // Same bytes, other dtype, shape or strides: different tensors.
+  ASSERT_TRUE(cache.put(0, keyed(x, weights), x * 2, 0, std::nullopt, 1));
+  EXPECT_FALSE(hit(cache, 0, keyed(at::arange(8, at::kDouble).view(at::kLong), weights)));
+  ASSERT_TRUE(cache.put(0, keyed(x, weights), x * 2, 0, std::nullopt, 1));
+  EXPECT_FALSE(hit(cache, 0, keyed(at::arange(8, at::kLong).view({2, 4}), weights)));
+  // The weights stay keyed by identity.
+  ASSERT_TRUE(cache.put(0, keyed(x, weights), x * 2, 0, std::nullopt, 1));
+  EXPECT_FALSE(hit(cache, 0, keyed(x, floats(8000))));
+}
+
+TEST(CacheContent, TheEntryKeepsACopySoChangingOrFreeingTheInputIsSeen) {
+  NodeCache cache;
+  at::Tensor weights = floats(8000);
+  at::Tensor x = at::arange(8, at::kLong);
+  ASSERT_TRUE(cache.put(0, keyed(x, weights), x * 2, 0, std::nullopt, 1));
+  const int64_t held = cache.cached_bytes();
+  EXPECT_EQ(held, 2 * 8 * 8);  // the output and the copy of the input
+  x.add_(1);  // in place: other values now
+  EXPECT_FALSE(hit(cache, 0, keyed(x, weights)));
+  ASSERT_TRUE(cache.put(0, keyed(x, weights), x * 2, 0, std::nullopt, 1));
+  x.sub_(1);
+  x.add_(1);  // another version, the same values: still a hit
+  EXPECT_TRUE(hit(cache, 0, keyed(x, weights)));
+  x = at::Tensor();  // freed: an equal tensor still hits, and the entry does not count as expired
+  EXPECT_TRUE(hit(cache, 0, keyed(at::arange(8, at::kLong) + 1, weights)));
+}
+
+TEST(CacheContent, ACollisionOfDigestsIsAMissNeverAWrongValue) {
+  DigestBits bits(0);  // every digest equal: each content match must be confirmed by the bytes
+  NodeCache cache;
+  at::Tensor weights = floats(8000);
+  at::Tensor x = at::arange(8, at::kLong);
+  ASSERT_TRUE(cache.put(0, keyed(x, weights), x * 2, 0, std::nullopt, 1));
+  EXPECT_FALSE(hit(cache, 0, keyed(at::arange(8, at::kLong) + 5, weights)));
+  ASSERT_TRUE(cache.put(0, keyed(x, weights), x * 2, 0, std::nullopt, 1));
+  EXPECT_TRUE(hit(cache, 0, keyed(at::arange(8, at::kLong), weights)));
+  EXPECT_TRUE(cache.observe(1, {x}, 1 << 20));
+  EXPECT_TRUE(cache.observe(1, {x + 3}, 1 << 20));
+  EXPECT_FALSE(cache.observe(1, {x + 3}, 1 << 20));
+}
+
+TEST(CacheContent, TheRuleHashesOnlyInputsSmallAgainstTheWeights) {
+  NodeCacheOptions options;
+  EXPECT_TRUE(options.keys_by_content(100, 10000));
+  EXPECT_FALSE(options.keys_by_content(101, 10000));
+  EXPECT_FALSE(options.keys_by_content(0, 10000));
+  EXPECT_FALSE(NodeCacheOptions{.content_keys = false}.keys_by_content(1, 1 << 30));
+  EXPECT_FALSE(NodeCacheOptions{.content_key_fraction = 0}.keys_by_content(1, 1 << 30));
+  EXPECT_TRUE(NodeCacheOptions{.content_key_fraction = INFINITY}.keys_by_content(1 << 30, 0));
+  EXPECT_THROW(NodeCache({.content_key_fraction = -1}), c10::Error);
+  EXPECT_THROW(NodeCache({.content_key_fraction = NAN}), c10::Error);
+
+  NodeCache cache;
+  at::Tensor x = at::arange(8, at::kLong);
+  at::Tensor small = floats(800);  // 64 bytes of input against 3200 of weights: 2%, over 1%
+  ASSERT_TRUE(cache.put(0, keyed(x, small), x, 0, std::nullopt, 1));
+  EXPECT_FALSE(hit(cache, 0, keyed(at::arange(8, at::kLong), small)));
+  at::Tensor large = floats(1600);  // 1%: hashed
+  ASSERT_TRUE(cache.put(0, keyed(x, large), x, 0, std::nullopt, 1));
+  EXPECT_TRUE(hit(cache, 0, keyed(at::arange(8, at::kLong), large)));
+  NodeCache always({.content_key_fraction = INFINITY});
+  ASSERT_TRUE(always.put(0, {x}, x * 2, 0, std::nullopt, 1));
+  EXPECT_TRUE(hit(always, 0, {at::arange(8, at::kLong)}));
+  NodeCache never({.content_keys = false});
+  ASSERT_TRUE(never.put(0, keyed(x, large), x * 2, 0, std::nullopt, 1));
+  EXPECT_FALSE(hit(never, 0, keyed(at::arange(8, at::kLong), large)));
+}
+
+TEST(CacheContent, TensorsThatRequireGradOrAreViewsOfOtherValuesKeepIdentity) {
+  NodeCache cache({.content_key_fraction = INFINITY});
+  at::Tensor leaf = floats(8).requires_grad_();
+  ASSERT_TRUE(cache.put(0, {leaf}, leaf * 2, 0, std::nullopt, 1));
+  EXPECT_FALSE(hit(cache, 0, {floats(8).requires_grad_()}));  // a new leaf needs its own graph
+  at::Tensor strided = at::arange(16, at::kFloat).view({4, 4}).t();
+  ASSERT_TRUE(cache.put(0, {strided}, strided * 2, 0, std::nullopt, 1));
+  EXPECT_FALSE(hit(cache, 0, {at::arange(16, at::kFloat).view({4, 4}).t()}));  // not contiguous
+}
+
+TEST(CacheContent, ObserveCountsAnEqualTensorAsUnchangedWhereHashingPays) {
+  NodeCache cache;
+  at::Tensor x = at::arange(8, at::kLong);
+  EXPECT_TRUE(cache.observe(0, {x}, 1 << 20));
+  EXPECT_FALSE(cache.observe(0, {at::arange(8, at::kLong)}, 1 << 20));
+  EXPECT_TRUE(cache.observe(0, {at::arange(8, at::kLong) + 1}, 1 << 20));
+  EXPECT_TRUE(cache.observe(1, {x}, 0));  // no work: identity only
+  EXPECT_TRUE(cache.observe(1, {at::arange(8, at::kLong)}, 0));
+  NodeCache off({.content_keys = false});
+  EXPECT_TRUE(off.observe(0, {x}, 1 << 20));
+  EXPECT_TRUE(off.observe(0, {at::arange(8, at::kLong)}, 1 << 20));
+}

@@ -8,7 +8,11 @@ Which nodes are reused. A node's cached output is returned only when the C++ Nod
 (torch_ext._C.cache.NodeCache, csrc/torch_ext/cache/node_cache.h) finds every input the same
 live tensor at the same version, data pointer, storage, sizes, strides, offset, dtype, device
 and requires_grad (and the same values for non-tensors), the same grad / inference / autocast
-mode, and the cached output tensors unchanged in place. For call_module nodes the module's
+mode, and the cached output tensors unchanged in place. Graph inputs are also keyed by content
+(content_keys, the default): a new tensor with the same bytes, dtype, sizes, strides and device
+matches (confirmed by comparing the bytes), where NodeCacheOptions' rule says hashing pays
+(content_key_fraction of the weights the cached work reads). With store=, outputs are also
+kept on disk across processes (torch_ext.cache.store). For call_module nodes the module's
 parameters, buffers and training flag are inputs too. Optimizer steps and other in-place
 updates bump version counters, so everything that depends on the updated tensors recomputes.
 
@@ -68,6 +72,34 @@ reports for eviction is its subgraph's compute time (shared inputs counted per u
 seconds, which on CUDA measure the launch rather than the kernel; they only order evictions.
 """
 
-from .executor import LazyExecutor, NodeCache, lazy
+import copy
+from typing import Any, Iterable
 
-__all__ = ["LazyExecutor", "NodeCache", "lazy"]
+from torch import nn
+
+from .executor import LazyExecutor, NodeCache
+from .store import NodeStore, StoreStats
+
+
+def lazy(module, never_cache: Iterable[Any] = (), **options: Any) -> LazyExecutor:
+    """Shorthand for LazyExecutor(module, never_cache, **options)."""
+    return LazyExecutor(module, never_cache=never_cache, **options)
+
+
+def lazy_forward(module: nn.Module, never_cache: Iterable[Any] = (), **options: Any) -> LazyExecutor:
+    """Routes module's calls through a LazyExecutor while the module stays the object it is, so code
+    that holds it (a diffusers pipeline's `pipe.text_encoder`) keeps reading its attributes (config,
+    dtype, device) and calling it. Returns the executor (stats, store); `del module.forward` undoes it.
+
+    The executor runs a shallow copy of the module (sharing its parameter, buffer and submodule
+    dictionaries, so weight updates and reassignments are seen) and module.forward becomes the
+    executor's call. Options as LazyExecutor's (store=..., content_keys=..., ...)."""
+    if "forward" in vars(module) or "forward" in module._modules:
+        raise ValueError(f"lazy_forward: {type(module).__name__} already has a forward of its own "
+                         f"(routed already? `del module.forward` first)")
+    executor = LazyExecutor(copy.copy(module), never_cache=never_cache, **options)
+    object.__setattr__(module, "forward", executor)  # an instance attribute, not a registered submodule
+    return executor
+
+
+__all__ = ["LazyExecutor", "NodeCache", "NodeStore", "StoreStats", "lazy", "lazy_forward"]

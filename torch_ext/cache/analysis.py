@@ -318,7 +318,8 @@ class _Analysis:
         return found
 
     def closure(self, plan: "_Plan", i: int, with_training: bool) -> tuple:
-        """(source indices, (dict, key) state pairs, modules, all indices) of node i\'s closure."""
+        """(source indices, graph inputs first; (dict, key) state pairs; modules; all indices; number of
+        graph inputs among the sources) of node i\'s closure."""
         found = self.closures.get(i)
         if found is None:
             seen, stack = {i}, [i]
@@ -330,7 +331,9 @@ class _Analysis:
                             seen.add(k)
                             stack.append(k)
             ordered = sorted(seen)
-            sources = [j for j in ordered if plan.is_source[j]]
+            # Graph inputs first: the NodeCache may key them by content (the rest are weights).
+            inputs = [j for j in ordered if plan.is_source[j] and plan.steps[j].op == "placeholder"]
+            sources = inputs + [j for j in ordered if plan.is_source[j] and plan.steps[j].op != "placeholder"]
             pairs, modules = [], []
             for j in ordered:
                 step = plan.steps[j]
@@ -338,7 +341,7 @@ class _Analysis:
                     pairs.extend(step.state)
                     if with_training:
                         modules.append((step.parent, step.attr))
-            found = self.closures[i] = (sources, pairs, modules, frozenset(ordered))
+            found = self.closures[i] = (sources, pairs, modules, frozenset(ordered), len(inputs))
         return found
 
 

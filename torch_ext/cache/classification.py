@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import weakref
 from typing import Any
 
 import torch
@@ -220,3 +221,15 @@ def _is_shape_node(node: fx.Node) -> bool:
         if node.target is operator.getitem:
             return isinstance(node.args[0], fx.Node) and _is_shape_node(node.args[0])
     return False
+
+
+def _invalidation_hook(cache: torch.ScriptObject, node_id: int):
+    """A grad_fn hook dropping node_id's entry: the graph behind the cached output is being freed
+    (or was used once), so the next call recomputes it."""
+    cache_ref = weakref.ref(cache)
+
+    def on_backward(grad_inputs, grad_outputs):
+        cache = cache_ref()
+        if cache is not None:
+            cache.invalidate_node(node_id)
+    return on_backward

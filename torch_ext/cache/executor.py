@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import inspect
 import operator
+import os
 import threading
 import time
 import warnings
-import weakref
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -16,9 +16,10 @@ from torch import fx, nn
 
 from .. import _C
 from .analysis import _Analysis, _KeyedStretch, _Plan, _Step
-from .classification import _MISS, FRESH, STABLE, VARYING, _tensors_of
+from .classification import _MISS, FRESH, STABLE, VARYING, _invalidation_hook, _tensors_of
 from .codegen import _Segment
 from .exporting import _Exports
+from .store import NodeStore
 from .tracing import _FxTraceError, _trace
 
 NodeCache = torch.classes.torch_ext.NodeCache
@@ -33,17 +34,19 @@ class LazyExecutor(nn.Module):
     cannot trace it, exported with non-strict torch.export once per call signature, with a
     warning: see torch_ext.cache.exporting), a torch.fx.GraphModule (run as is), or a
     torch.export.ExportedProgram (its .module(), its guards checked at every call).
-    Keyword options are the NodeCache's (capacity_bytes: the most bytes of cached outputs to
-    hold; None, the default: no limit); `cache` is that NodeCache (torch.classes.torch_ext).
-    never_cache: node names, callables or module classes never to cache, for functions with
-    effects the executor cannot see.
+    Keyword options are the NodeCache's (capacity_bytes, content_keys, content_key_fraction);
+    `cache` is that NodeCache (torch.classes.torch_ext). never_cache: node names, callables or
+    module classes never to cache, for functions with effects the executor cannot see.
+    store: a folder where outputs are also kept on disk, across processes (`store`, a NodeStore
+    of store_budget_bytes on disk: see torch_ext.cache.store); None: memory only.
 
     Calls are serialised by a lock; the cache itself may be invalidated from any thread.
     See the torch_ext.cache package docstring for what is reused, what never is, and the limitations.
     """
 
     def __init__(self, module: Union[nn.Module, fx.GraphModule, "torch.export.ExportedProgram"],
-                 never_cache: Iterable[Any] = (), **options: Any) -> None:
+                 never_cache: Iterable[Any] = (), store: Optional[Union[str, os.PathLike]] = None,
+                 store_budget_bytes: Optional[int] = None, **options: Any) -> None:
         super().__init__()
         if isinstance(module, torch.export.ExportedProgram):
             module = module.module()
@@ -57,6 +60,7 @@ class LazyExecutor(nn.Module):
                             f"ExportedProgram, got {type(module).__name__}")
         self.module = module
         self.cache = NodeCache(**options)
+        self.store = None if store is None else NodeStore(store, store_budget_bytes)
         self._values = _C.cache.PythonValues(self.cache)
         self._never_cache = set(never_cache)  # and classes by qualified name, as exported graphs record them
         self._never_cache |= {f"{c.__module__}.{c.__qualname__}" for c in self._never_cache if isinstance(c, type)}
@@ -65,6 +69,8 @@ class LazyExecutor(nn.Module):
         self._names: dict[int, str] = {}
         self._next_id = 0
         self._all_modules = list(module.modules())
+        # The weights a call reads, against which the NodeCache decides whether hashing inputs pays.
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
         try:
             self._signature = inspect.signature(module.forward)
         except (TypeError, ValueError):
@@ -88,7 +94,7 @@ class LazyExecutor(nn.Module):
         self._next_id += plan.size
         for step in plan.steps:
             self._names[step.node_id] = step.name
-            step.on_backward = self._backward_hook(step)
+            step.on_backward = _invalidation_hook(self.cache, step.node_id)
         return plan
 
     def _fall_back(self, error: _FxTraceError) -> None:
@@ -113,20 +119,9 @@ class LazyExecutor(nn.Module):
             self._plans[("export", entry.serial)] = self._new_plan(entry.graph_module, exports.wrapper)
         return self._plans[("export", entry.serial)], call.flat
 
-    def _backward_hook(self, step: _Step):
-        cache_ref = weakref.ref(self.cache)
-        node_id = step.node_id
-
-        def on_backward(grad_inputs, grad_outputs):
-            # The graph behind the cached output is being freed (or was used once): recompute.
-            cache = cache_ref()
-            if cache is not None:
-                cache.invalidate_node(node_id)
-        return on_backward
-
     # ---- running ----
-    def _source_status(self, step: _Step, inputs: list) -> int:
-        if not self._values.observe(step.node_id, inputs):
+    def _source_status(self, step: _Step, inputs: list, work_bytes: int = 0) -> int:
+        if not self._values.observe(step.node_id, inputs, work_bytes):
             step.streak = 0
             return STABLE
         step.streak += 1
@@ -153,7 +148,7 @@ class LazyExecutor(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         varying, fresh = self._read_sources(plan, env, status, placeholder_values)
         analysis = self._analysis_for(plan, varying, fresh)
-        keys: dict = {}  # frontier index -> (key, number of sources), for the misses
+        keys: dict = {}  # frontier index -> (key, number of sources, number of graph inputs), for the misses
         looked_up: dict = {}  # frontier index -> what its lookup found
         with_training = not self._trace
         demand = self._replay_demand(plan, analysis, env, fresh, with_training, keys, looked_up)
@@ -183,7 +178,8 @@ class LazyExecutor(nn.Module):
             else:
                 value = self._call(step, env, None)
             env[i] = value
-            st = status[i] = self._source_status(step, [value])
+            # A graph input may count as unchanged by content (the NodeCache's rule, against the weights).
+            st = status[i] = self._source_status(step, [value], self._weight_bytes if step.op == "placeholder" else 0)
             if st == VARYING:
                 varying |= mask[i]
             elif st == FRESH:
@@ -295,12 +291,14 @@ class LazyExecutor(nn.Module):
 
     def _store_frontier(self, plan: _Plan, step: _Step, entry: tuple, value: Any, cost: float, st: int,
                         grad_enabled: bool) -> int:
-        """Store a computed frontier node under its closure key, entry = (key, number of sources);
-        returns its status, VARYING where its module state changes at every call (training)."""
-        key, n_sources = entry
+        """Store a computed frontier node under its closure key, entry = (key, number of sources, number
+        of graph inputs among them); returns its status, VARYING where its module state changes at
+        every call (training)."""
+        key, n_sources, n_inputs, on_disk = entry
         if len(key) > n_sources and self._source_status(step, key[n_sources:]) == VARYING:
             st = VARYING  # parameters that change at every call (training)
-        self._store(plan, step, key, value, cost, st == VARYING, grad_enabled)
+        if self._store(plan, step, key, value, cost, st == VARYING, grad_enabled, n_inputs) and on_disk and step.cached:
+            self.store.put(*on_disk, value)
         return st
 
     def _run_keyed(self, plan: _Plan, steps: list, env: list, status: list, grad_enabled: bool) -> tuple[int, int]:
@@ -375,9 +373,10 @@ class LazyExecutor(nn.Module):
         return computed, reused
 
     def _store(self, plan: _Plan, step: _Step, key: list, value: Any, cost: float, varies: bool,
-               grad_enabled: bool) -> bool:
-        """Put a computed value in the cache under key, or, where its key varies, drop the entry it
-        held. False when the value holds no tensor: the step is not looked up from now on."""
+               grad_enabled: bool, content_inputs: int = 0) -> bool:
+        """Put a computed value in the cache under key (its first content_inputs items graph inputs,
+        which the NodeCache may key by content), or, where its key varies, drop the entry it held.
+        False when the value holds no tensor: the step is not looked up from now on."""
         tensors = _tensors_of(value)
         if not tensors:
             step.has_tensor = False
@@ -388,7 +387,7 @@ class LazyExecutor(nn.Module):
                 self.cache.invalidate_node(step.node_id)
                 step.cached = False
         else:
-            step.cached = self._values.put(step.node_id, key, value, cost)
+            step.cached = self._values.put(step.node_id, key, value, cost, content_inputs)
             if step.cached and grad_enabled:
                 for tensor in tensors:
                     if tensor.grad_fn is not None:
@@ -399,7 +398,7 @@ class LazyExecutor(nn.Module):
                  keys: dict) -> Any:
         """A frontier node's cached value (also put in env), or _MISS with its key put in keys."""
         i = step.index
-        sources, pairs, modules, _ = analysis.closure(plan, i, with_training)
+        sources, pairs, modules, _, n_inputs = analysis.closure(plan, i, with_training)
         key = [env[j] for j in sources]
         if pairs:
             key.extend([d[k] for d, k in pairs])
@@ -411,7 +410,13 @@ class LazyExecutor(nn.Module):
                 env[i] = value
                 step.streak = 0  # its module state is in the key: unchanged
                 return value
-        keys[i] = (key, len(sources))
+        # Not in memory: on disk (if keyable there: no grad, hashable inputs, the module's weights)?
+        on_disk = self.store and self.store.key(self.module, plan.graph_module, step.name, key, n_inputs, self.cache)
+        if on_disk and (value := self.store.get(*on_disk)) is not None:
+            self._values.put(step.node_id, key, value, 0.0, n_inputs)
+            env[i] = value
+            return value
+        keys[i] = (key, len(sources), n_inputs, on_disk)
         return _MISS
 
     @staticmethod
@@ -425,11 +430,9 @@ class LazyExecutor(nn.Module):
 
     # ---- inspection and control ----
     def stats(self) -> torch.ScriptObject:
-        """The NodeCache's CacheStats: its counters (hits, misses, tensors_recomputed, evictions,
-        invalidations, entries, cached_bytes, capacity_bytes) and this executor's (calls,
-        nodes_computed, nodes_reused: nodes not run, served by a lookup or inside a subgraph whose
-        frontier was; hit_rate). hits + misses counts lookups: one per frontier node of a reused
-        subgraph, not one per node. A forward hook may ask mid-call: calls are counted when they end."""
+        """The NodeCache's CacheStats (see docs/cache.md): its counters and this executor's (calls,
+        nodes_computed, nodes_reused, hit_rate; counted when a call ends). hits + misses counts
+        lookups: one per frontier node of a reused subgraph. The store's: store.stats()."""
         return self.cache.stats()
 
     def reset_stats(self) -> None:
@@ -487,7 +490,3 @@ class LazyExecutor(nn.Module):
         with self._lock:
             return [] if self._exports is None else [entry.program for entry in self._exports.entries]
 
-
-def lazy(module, never_cache: Iterable[Any] = (), **options: Any) -> LazyExecutor:
-    """Shorthand for LazyExecutor(module, never_cache, **options)."""
-    return LazyExecutor(module, never_cache=never_cache, **options)

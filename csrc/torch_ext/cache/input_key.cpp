@@ -1,11 +1,17 @@
 #include "torch_ext/cache/input_key.h"
 
+#include <atomic>
+#include <algorithm>
 #include <cstring>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
 
 namespace torch_ext::cache {
@@ -50,6 +56,10 @@ bool same_plain_value(const c10::IValue& a, const c10::IValue& b) {
   return std::memcmp(&x, &y, sizeof(x)) == 0;
 }
 
+std::atomic<int> digest_bits_{128};
+
+int64_t nbytes_of(const at::Tensor& tensor) { return static_cast<int64_t>(tensor.numel() * tensor.element_size()); }
+
 bool same_object(const c10::IValue& a, const c10::IValue& b) {
   if (a.isPyObject() && b.isPyObject()) {
     return a.toPyObject() == b.toPyObject();
@@ -58,6 +68,24 @@ bool same_object(const c10::IValue& a, const c10::IValue& b) {
 }
 
 }  // namespace
+
+Digest digest_of(const at::Tensor& tensor) {
+  const XXH128_hash_t hash = XXH3_128bits(tensor.const_data_ptr(), static_cast<size_t>(nbytes_of(tensor)));
+  Digest digest{hash.low64, hash.high64};
+  const int bits = digest_bits_.load(std::memory_order_relaxed);
+  if (bits < 128) {
+    digest[1] = bits <= 64 ? 0 : digest[1] & ~(~uint64_t{0} >> (bits - 64));
+    digest[0] = bits >= 64 ? digest[0] : (bits == 0 ? 0 : digest[0] & ~(~uint64_t{0} >> bits));
+  }
+  return digest;
+}
+
+void set_digest_bits_for_testing(int bits) {
+  TORCH_CHECK_VALUE(bits >= 0 && bits <= 128, "NodeCache: digest bits must be in [0, 128], got ", bits);
+  digest_bits_.store(bits, std::memory_order_relaxed);
+}
+
+int digest_bits() { return digest_bits_.load(std::memory_order_relaxed); }
 
 ModeKey ModeKey::current() {
   ModeKey key;
@@ -86,7 +114,16 @@ bool ModeKey::operator==(const ModeKey& other) const {
   return true;
 }
 
-std::optional<TensorKey> TensorKey::make(const at::Tensor& tensor) {
+bool TensorKey::content_eligible(const at::Tensor& tensor) {
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  // Bytes alone must determine the values, and a new object must not need its own autograd
+  // history: plain contiguous CPU data that does not require grad.
+  return impl->device_type() == c10::kCPU && impl->layout() == c10::kStrided && impl->has_storage() &&
+         !impl->is_python_dispatch() && !impl->has_symbolic_sizes_strides() && !impl->requires_grad() &&
+         !impl->is_conj() && !impl->is_neg() && !tensor.is_quantized() && impl->is_contiguous();
+}
+
+std::optional<TensorKey> TensorKey::make(const at::Tensor& tensor, std::optional<ContentBytes> by_content) {
   c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
   // Inference tensors have no version counter; tensors without a plain strided storage
   // (sparse, nested, functorch wrappers, __torch_dispatch__ subclasses) cannot be identified.
@@ -107,7 +144,50 @@ std::optional<TensorKey> TensorKey::make(const at::Tensor& tensor) {
   key.dtype = c10::typeMetaToScalarType(impl->dtype());
   key.device = impl->device();
   key.requires_grad = impl->requires_grad();
+  if (by_content && content_eligible(tensor)) {
+    Content content;
+    content.digest = digest_of(tensor);
+    if (*by_content == ContentBytes::kCopy) {
+      content.bytes = at::empty({nbytes_of(tensor)}, at::TensorOptions().dtype(at::kByte));
+      if (content.bytes.numel() > 0) {
+        std::memcpy(content.bytes.mutable_data_ptr(), tensor.const_data_ptr(), content.bytes.numel());
+      }
+    } else {
+      content.bytes = tensor;
+      content.version = key.version;
+    }
+    key.content = std::move(content);
+  }
   return key;
+}
+
+bool TensorKey::matches_content(const at::Tensor& tensor) const {
+  const c10::TensorImpl* current = tensor.unsafeGetTensorImpl();
+  if (c10::typeMetaToScalarType(current->dtype()) != dtype || current->device() != device ||
+      !content_eligible(tensor)) {
+    return false;
+  }
+  const auto sizes = current->sizes();
+  const auto strides = current->strides();
+  const size_t dim = sizes.size();
+  if (sizes_and_strides.size() != 2 * dim) {
+    return false;
+  }
+  for (size_t i = 0; i < dim; ++i) {
+    if (sizes[i] != sizes_and_strides[i] || strides[i] != sizes_and_strides[dim + i]) {
+      return false;
+    }
+  }
+  if (digest_of(tensor) != content->digest) {
+    return false;
+  }
+  // A digest match is a candidate only: compare the bytes (a changed reference cannot confirm).
+  const at::Tensor& bytes = content->bytes;
+  if (content->version && bytes.unsafeGetTensorImpl()->version_counter().current_version() != *content->version) {
+    return false;
+  }
+  const int64_t n = nbytes_of(tensor);
+  return nbytes_of(bytes) == n && (n == 0 || std::memcmp(bytes.const_data_ptr(), tensor.const_data_ptr(), n) == 0);
 }
 
 bool TensorKey::matches(const at::Tensor& tensor) const {
@@ -115,7 +195,10 @@ bool TensorKey::matches(const at::Tensor& tensor) const {
   // The weak reference keeps the TensorImpl's memory: a live tensor at this address is the
   // keyed one, never a newer tensor that reused a freed address.
   if (impl._unsafe_get_target() != current) {
-    return false;
+    return content && matches_content(tensor);
+  }
+  if (content && current->version_counter().current_version() != version) {
+    return matches_content(tensor);  // changed in place: the same values still match
   }
   if (current->version_counter().current_version() != version || current->storage_offset() != storage_offset ||
       c10::typeMetaToScalarType(current->dtype()) != dtype || current->device() != device || current->requires_grad() != requires_grad) {
@@ -140,25 +223,68 @@ bool TensorKey::matches(const at::Tensor& tensor) const {
   return true;
 }
 
-std::optional<InputKey> InputKey::make(c10::ArrayRef<c10::IValue> inputs) {
+std::optional<InputKey> InputKey::make(c10::ArrayRef<c10::IValue> inputs, size_t content_inputs, ContentBytes bytes) {
   InputKey key;
   key.items_.reserve(inputs.size());
-  for (const auto& input : inputs) {
-    if (!key.add(input)) {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!key.add(inputs[i], i < content_inputs ? std::optional<ContentBytes>(bytes) : std::nullopt)) {
       return std::nullopt;
     }
   }
   return key;
 }
 
-bool InputKey::add(const c10::IValue& value) {
+namespace {
+
+void count_bytes(const c10::IValue& value, InputKey::Bytes& bytes) {
+  if (value.isTensor()) {
+    const at::Tensor& tensor = value.toTensor();
+    if (tensor.defined()) {
+      (TensorKey::content_eligible(tensor) ? bytes.hashable : bytes.other) += nbytes_of(tensor);
+    }
+  } else if (value.isTuple()) {
+    for (const auto& element : value.toTupleRef().elements()) {
+      count_bytes(element, bytes);
+    }
+  } else if (value.isList()) {
+    for (const auto& element : value.toListRef()) {
+      count_bytes(element, bytes);
+    }
+  } else if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) {
+      count_bytes(entry.value(), bytes);
+    }
+  }
+}
+
+}  // namespace
+
+InputKey::Bytes InputKey::tensor_bytes(c10::ArrayRef<c10::IValue> inputs, size_t begin, size_t end) {
+  Bytes bytes;
+  for (size_t i = begin; i < std::min(end, inputs.size()); ++i) {
+    count_bytes(inputs[i], bytes);
+  }
+  return bytes;
+}
+
+std::vector<at::Tensor> InputKey::content_copies() const {
+  std::vector<at::Tensor> copies;
+  for (const auto& tensor : tensors_) {
+    if (tensor.content && !tensor.content->version) {
+      copies.push_back(tensor.content->bytes);
+    }
+  }
+  return copies;
+}
+
+bool InputKey::add(const c10::IValue& value, std::optional<ContentBytes> by_content) {
   if (value.isTensor()) {
     const at::Tensor& tensor = value.toTensor();
     if (!tensor.defined()) {
       items_.push_back({Kind::kUndefinedTensor, 0, c10::IValue()});
       return true;
     }
-    auto tensor_key = TensorKey::make(tensor);
+    auto tensor_key = TensorKey::make(tensor, by_content);
     if (!tensor_key) {
       return false;
     }
@@ -170,7 +296,7 @@ bool InputKey::add(const c10::IValue& value) {
     const auto& elements = value.toTupleRef().elements();
     items_.push_back({Kind::kTuple, static_cast<int64_t>(elements.size()), c10::IValue()});
     for (const auto& element : elements) {
-      if (!add(element)) {
+      if (!add(element, by_content)) {
         return false;
       }
     }
@@ -180,7 +306,7 @@ bool InputKey::add(const c10::IValue& value) {
     const auto list = value.toListRef();
     items_.push_back({Kind::kList, static_cast<int64_t>(list.size()), c10::IValue()});
     for (const auto& element : list) {
-      if (!add(element)) {
+      if (!add(element, by_content)) {
         return false;
       }
     }
@@ -194,7 +320,7 @@ bool InputKey::add(const c10::IValue& value) {
         return false;
       }
       items_.push_back({Kind::kValue, 0, entry.key()});
-      if (!add(entry.value())) {
+      if (!add(entry.value(), by_content)) {
         return false;
       }
     }

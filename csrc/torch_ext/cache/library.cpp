@@ -62,17 +62,31 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
           "(True, output) when cached for these inputs, else (False, None)")
       .def(
           "put",
-          [](const Self& self, int64_t node_id, c10::IValue inputs, c10::IValue value, double cost_seconds) {
-            return self->put(node_id, as_inputs(inputs), std::move(value), cost_seconds);
+          [](const Self& self, int64_t node_id, c10::IValue inputs, c10::IValue value, double cost_seconds,
+             int64_t content_inputs) {
+            TORCH_CHECK_VALUE(content_inputs >= 0, "NodeCache.put: content_inputs must be >= 0, got ", content_inputs);
+            return self->put(node_id, as_inputs(inputs), std::move(value), cost_seconds, std::nullopt,
+                             static_cast<size_t>(content_inputs));
           },
-          "Cache value for these inputs; False when not stored",
-          {torch::arg("node_id"), torch::arg("inputs"), torch::arg("value"), torch::arg("cost_seconds") = 0.0})
+          "Cache value for these inputs (the first content_inputs of them keyed by content where that pays); "
+          "False when not stored",
+          {torch::arg("node_id"), torch::arg("inputs"), torch::arg("value"), torch::arg("cost_seconds") = 0.0,
+           torch::arg("content_inputs") = 0})
       .def(
           "observe",
-          [](const Self& self, int64_t source_id, c10::IValue inputs) {
-            return self->observe(source_id, as_inputs(inputs));
+          [](const Self& self, int64_t source_id, c10::IValue inputs, int64_t work_bytes) {
+            return self->observe(source_id, as_inputs(inputs), work_bytes);
           },
-          "Whether inputs differ from those last observed under source_id")
+          "Whether inputs differ from those last observed under source_id (by content where that pays for "
+          "work_bytes of weights)",
+          {torch::arg("source_id"), torch::arg("inputs"), torch::arg("work_bytes") = 0})
+      .def(
+          "keys_by_content",
+          [](const Self& self, int64_t hashed_bytes, int64_t work_bytes) {
+            return self->options().keys_by_content(hashed_bytes, work_bytes);
+          },
+          "The content-key rule (NodeCacheOptions::keys_by_content): whether hashing hashed_bytes of inputs pays "
+          "for work that reads work_bytes of weights")
       .def("invalidate_node", &NodeCache::invalidate_node)
       .def("invalidate_nodes", [](const Self& self, std::vector<int64_t> node_ids) { self->invalidate_nodes(node_ids); })
       .def("invalidate", &NodeCache::invalidate)
@@ -90,9 +104,18 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
       .def("record_call", &NodeCache::record_call, "Count an executor call in stats()")
       .def("stats", [](const Self& self) { return torch_ext::box(self->stats()); })
       .def("reset_stats", &NodeCache::reset_stats)
-      // A saved module keeps the capacity; cached outputs are not saved.
-      .def_pickle([](const Self& self) { return self->capacity_bytes(); },
-                  [](std::optional<int64_t> capacity_bytes) {
-                    return c10::make_intrusive<NodeCache>(NodeCacheOptions{capacity_bytes});
-                  });
+      // Test hook (process-wide): truncate content digests to `bits` bits to force collisions.
+      .def_static("_set_digest_bits_for_testing", [](int64_t bits) {
+        torch_ext::cache::set_digest_bits_for_testing(static_cast<int>(bits));
+      })
+      // A saved module keeps the options; cached outputs are not saved.
+      .def_pickle(
+          [](const Self& self) {
+            const NodeCacheOptions options = self->options();
+            return std::make_tuple(options.capacity_bytes, options.content_keys, options.content_key_fraction);
+          },
+          [](std::tuple<std::optional<int64_t>, bool, double> state) {
+            auto [capacity_bytes, content_keys, content_key_fraction] = std::move(state);
+            return c10::make_intrusive<NodeCache>(NodeCacheOptions{capacity_bytes, content_keys, content_key_fraction});
+          });
 }

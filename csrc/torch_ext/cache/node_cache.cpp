@@ -36,15 +36,29 @@ void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out) {
   }
 }
 
+// content_inputs where the rule says hashing their tensors pays for the rest (the weights), else 0.
+size_t paying_content_inputs(const NodeCacheOptions& options, c10::ArrayRef<c10::IValue> inputs,
+                             size_t content_inputs) {
+  if (content_inputs == 0) {
+    return 0;
+  }
+  const auto work = InputKey::tensor_bytes(inputs, content_inputs, inputs.size());
+  const auto hashed = InputKey::tensor_bytes(inputs, 0, content_inputs);
+  return options.keys_by_content(hashed.hashable, work.hashable + work.other) ? content_inputs : 0;
+}
+
 }  // namespace
 
 void NodeCacheOptions::validate() const {
   TORCH_CHECK_VALUE(!capacity_bytes || *capacity_bytes >= 0, "NodeCache: capacity_bytes must be None or >= 0, got ",
                     *capacity_bytes);
+  TORCH_CHECK_VALUE(content_key_fraction >= 0 && !std::isnan(content_key_fraction),
+                    "NodeCache: content_key_fraction must be a number >= 0 (inf: always hash), got ",
+                    content_key_fraction);
 }
 
-NodeCache::NodeCache(NodeCacheOptions options) : capacity_bytes_(options.capacity_bytes.value_or(kUnlimited)) {
-  options.validate();
+NodeCache::NodeCache(NodeCacheOptions options)
+    : content_options_((options.validate(), options)), capacity_bytes_(options.capacity_bytes.value_or(kUnlimited)) {
   register_fork_participant(this);
 }
 
@@ -153,10 +167,12 @@ bool NodeCache::make_room_locked(int64_t limit, double incoming_score, const std
 }
 
 bool NodeCache::put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IValue value, double cost_seconds,
-                    const std::optional<std::vector<at::Tensor>>& held_tensors) {
+                    const std::optional<std::vector<at::Tensor>>& held_tensors, size_t content_inputs) {
   TORCH_CHECK(std::isfinite(cost_seconds) && cost_seconds >= 0, "NodeCache.put: node ", node_id,
               ": cost_seconds must be a finite number >= 0, got ", cost_seconds);
-  auto key = InputKey::make(inputs);
+  TORCH_CHECK(content_inputs <= inputs.size(), "NodeCache.put: node ", node_id, ": content_inputs (", content_inputs,
+              ") exceeds the number of inputs (", inputs.size(), ")");
+  auto key = InputKey::make(inputs, paying_content_inputs(content_options_, inputs, content_inputs), ContentBytes::kCopy);
   if (!key) {
     return false;
   }
@@ -166,6 +182,7 @@ bool NodeCache::put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IVa
   } else {
     collect_tensors(value, tensors);
   }
+  const std::vector<at::Tensor> key_copies = key->content_copies();
   Entry entry;
   entry.inputs = std::move(*key);
   entry.mode = ModeKey::current();
@@ -188,6 +205,11 @@ bool NodeCache::put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IVa
       storage_nbytes.push_back(static_cast<int64_t>(storage.nbytes()));
       entry.bytes += storage_nbytes.back();
     }
+  }
+  for (const auto& copy : key_copies) {
+    entry.storages.push_back(copy.storage().unsafeGetStorageImpl());
+    storage_nbytes.push_back(static_cast<int64_t>(copy.storage().nbytes()));
+    entry.bytes += storage_nbytes.back();
   }
   entry.tensor_count = static_cast<int64_t>(entry.outputs.size());
   entry.value = std::move(value);
@@ -220,8 +242,11 @@ bool NodeCache::put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IVa
   return true;
 }
 
-bool NodeCache::observe(int64_t source_id, c10::ArrayRef<c10::IValue> inputs) {
-  auto key = InputKey::make(inputs);
+bool NodeCache::observe(int64_t source_id, c10::ArrayRef<c10::IValue> inputs, int64_t work_bytes) {
+  const bool by_content =
+      work_bytes > 0 &&
+      content_options_.keys_by_content(InputKey::tensor_bytes(inputs, 0, inputs.size()).hashable, work_bytes);
+  auto key = InputKey::make(inputs, by_content ? inputs.size() : 0, ContentBytes::kReference);
   std::optional<InputKey> previous;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(mutex_);
   auto& slot = observed_[source_id];
@@ -276,6 +301,12 @@ std::vector<int64_t> NodeCache::cached_node_ids() const {
   }
   std::sort(ids.begin(), ids.end());
   return ids;
+}
+
+NodeCacheOptions NodeCache::options() const {
+  NodeCacheOptions options = content_options_;
+  options.capacity_bytes = capacity_bytes();
+  return options;
 }
 
 std::optional<int64_t> NodeCache::capacity_bytes() const {

@@ -7,7 +7,9 @@
 // is in the same grad / inference / autocast mode, and the output tensors themselves have not
 // been changed in place since put(). A failed check drops the entry.
 //
-// Bytes held: every storage referenced by a cached output, counted once however many
+// Inputs are keyed as input_key.h describes, by content where NodeCacheOptions::keys_by_content
+// says hashing pays. Bytes held: every storage referenced by a cached output (and the copies of
+// content-keyed inputs), counted once however many
 // outputs share it (a view of a parameter counts the parameter's storage: it is what the
 // cache keeps alive). Tensors saved by a cached output's autograd graph are not counted.
 // Over capacity, put() evicts entries whose inputs have been freed, then entries in order of
@@ -15,11 +17,13 @@
 // least recently used first among equals, and only entries cheaper per byte than the new
 // one; if that cannot make room the new entry is not stored.
 //
-// Thread safety: every method may be called from any thread; one mutex guards all state.
+// Thread safety: every method may be called from any thread; one mutex guards all state (get()
+// and observe() hash and compare content-keyed inputs under it: bytes the content-key rule bounds).
 // Values are released after the mutex is let go, so a value whose destructor takes another
 // lock (a Python object and the GIL) cannot deadlock against the cache. Fork-safe: pthread_atfork
 // handlers (torch_ext/common/fork.h) hold the mutex across fork(), so a child inherits whole state and a
 // free mutex even when another thread was using the cache.
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <mutex>
@@ -71,12 +75,29 @@ struct CacheStats {
 
 struct NodeCacheOptions {
   std::optional<int64_t> capacity_bytes;
+  bool content_keys = true;
+  double content_key_fraction = 0.01;
 
   static constexpr auto fields() {
-    return std::make_tuple(field("capacity_bytes", &NodeCacheOptions::capacity_bytes,
-                                 "the most bytes of cached outputs to hold (None: no limit)"));
+    return std::make_tuple(
+        field("capacity_bytes", &NodeCacheOptions::capacity_bytes,
+              "the most bytes of cached outputs to hold (None: no limit)"),
+        field("content_keys", &NodeCacheOptions::content_keys,
+              "key graph inputs by their bytes where that pays (content_key_fraction), so that an equal tensor "
+              "in a new object hits; False: by identity only"),
+        field("content_key_fraction", &NodeCacheOptions::content_key_fraction,
+              "inputs are hashed only when their bytes are at most this fraction of the bytes of the weights "
+              "(tensors keyed by identity: parameters, buffers) that the cached work reads (0: never; inf: always)"));
   }
   void validate() const;
+  // The rule for content keys: hashing `hashed_bytes` of inputs pays for a cached subgraph that
+  // reads `work_bytes` of weights. Deterministic: the hash reads each input byte once, the
+  // subgraph each weight byte at least once, so hashing costs at most about this fraction of it.
+  bool keys_by_content(int64_t hashed_bytes, int64_t work_bytes) const {
+    return content_keys && hashed_bytes > 0 &&
+           (std::isinf(content_key_fraction) ||
+            static_cast<double>(hashed_bytes) <= content_key_fraction * static_cast<double>(work_bytes));
+  }
 };
 
 class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
@@ -95,14 +116,19 @@ class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
   // value is opaque to C++ (a Python object); otherwise they are found inside value.
   // Returns false, storing nothing, when an input or output tensor cannot be keyed (see
   // input_key.h) or no room can be made within capacity_bytes.
+  // content_inputs: the leading inputs that are the cached work's inputs (the rest: its
+  // weights); their tensors are keyed by content when options().keys_by_content(their bytes,
+  // the other tensors' bytes) holds, with a private copy of their bytes held by the entry.
   bool put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IValue value, double cost_seconds,
-           const std::optional<std::vector<at::Tensor>>& held_tensors = std::nullopt);
+           const std::optional<std::vector<at::Tensor>>& held_tensors = std::nullopt, size_t content_inputs = 0);
 
   // Records the key of inputs under source_id (a namespace apart from node ids, no entry is
   // created) and returns whether it differs from the key recorded there before; true the first
   // time or when the inputs cannot be keyed. Lets a caller tell inputs that vary from
-  // inputs that stay.
-  bool observe(int64_t source_id, c10::ArrayRef<c10::IValue> inputs);
+  // inputs that stay. work_bytes: the bytes of weights the work depending on these inputs
+  // reads; where options().keys_by_content(their bytes, work_bytes) holds, an equal tensor in a
+  // new object counts as unchanged (the observed tensor is held to confirm the bytes).
+  bool observe(int64_t source_id, c10::ArrayRef<c10::IValue> inputs, int64_t work_bytes = 0);
 
   // Drops node_id's entry: the next get() misses and the next put() counts as a recompute.
   void invalidate_node(int64_t node_id);
@@ -114,7 +140,7 @@ class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
   int64_t cached_bytes() const;
   std::vector<int64_t> cached_node_ids() const;
   std::optional<int64_t> capacity_bytes() const;
-  NodeCacheOptions options() const { return {capacity_bytes()}; }
+  NodeCacheOptions options() const;
   // Evicts (cheapest per byte first) until the cache fits the new capacity (nullopt: unlimited).
   void set_capacity_bytes(std::optional<int64_t> capacity_bytes);
 
@@ -142,7 +168,7 @@ class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
     ModeKey mode;
     c10::IValue value;
     std::vector<HeldTensor> outputs;
-    std::vector<const void*> storages;  // distinct StorageImpls of outputs
+    std::vector<const void*> storages;  // distinct StorageImpls of outputs and of content-key copies
     int64_t bytes = 0;                  // their nbytes
     double cost_seconds = 0;
     uint64_t last_use = 0;
@@ -172,6 +198,7 @@ class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
 
   static constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
 
+  const NodeCacheOptions content_options_;  // content_keys and content_key_fraction (immutable)
   mutable std::mutex mutex_;
   int64_t capacity_bytes_;  // kUnlimited: no limit
   int64_t cached_bytes_ = 0;
