@@ -117,7 +117,8 @@ def test_the_store_stays_within_its_budget(tmp_path):
 def test_processes_writing_to_one_store_at_once_leave_it_consistent(tmp_path):
     writers = [run(tmp_path, seed=0, prompts=6, budget=60_000) for _ in range(3)]
     stats = [result(process) for process in writers]
-    assert all(s["writes"] > 0 for s in stats)
+    # (a writer may find every entry already written by the others: which one writes is a race)
+    assert sum(s["writes"] for s in stats) > 0
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     store = NodeStore(tmp_path)
     assert sum(entry["bytes"] for entry in manifest["entries"].values()) <= 60_000
