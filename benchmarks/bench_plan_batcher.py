@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Report, format_seconds  # noqa: E402
+from harness import Report, format_seconds, run_threads  # noqa: E402
 
 CLIENTS = 8
 MAX_DELAY_MS = 2.0
@@ -67,13 +66,7 @@ def run_batcher(cache, requests: list) -> dict:
                     batcher(requests[i])
                     latencies[i] = time.perf_counter() - t
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
+        wall = run_threads(client, CLIENTS)
         s = batcher.stats()
     return dict(wall=wall, latencies=latencies, batches=s.batches, client_batches=s.client_batches,
                 mean_rows=s.rows / s.batches, mean_batch_seconds=s.batch_seconds / s.batches)

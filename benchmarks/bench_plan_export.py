@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Report, format_seconds  # noqa: E402
+from harness import Report, format_seconds, run_threads  # noqa: E402
 
 MAX_BATCH = 64
 SEQ = (8, 128)
@@ -235,13 +234,7 @@ def run_batcher(cache, inputs_of: list, max_delay_ms: float) -> dict:
                     batcher(*inputs)
                     latencies[i] = time.perf_counter() - t
 
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
+        wall = run_threads(client, CLIENTS)
         s = batcher.stats()
     return dict(latencies=latencies, wall=wall, batches=s.batches, mean_batch_seconds=s.batch_seconds / s.batches,
                 mean_rows=s.rows / s.batches)

@@ -153,6 +153,20 @@ def measure_interleaved(variants: dict[str, Callable[[], Any]], *, warmup: int =
     return {name: timing_of(values) for name, values in samples.items()}
 
 
+def run_threads(target: Callable[[int], Any], count: int) -> float:
+    """target(k) for k in range(count), each on its own thread, all at once; the wall seconds
+    from the first start to the last end."""
+    import threading
+
+    threads = [threading.Thread(target=target, args=(k,)) for k in range(count)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
 def peak_memory(fn: Callable[[], Any], device=None) -> int:
     """Peak bytes of live tensor memory above the start while fn runs (torch_ext.memory; no
     saved-tensor hooks, which would change what torch.compile traces)."""

@@ -161,12 +161,7 @@ std::optional<TensorKey> TensorKey::make(const at::Tensor& tensor, std::optional
   return key;
 }
 
-bool TensorKey::matches_content(const at::Tensor& tensor) const {
-  const c10::TensorImpl* current = tensor.unsafeGetTensorImpl();
-  if (c10::typeMetaToScalarType(current->dtype()) != dtype || current->device() != device ||
-      !content_eligible(tensor)) {
-    return false;
-  }
+bool TensorKey::same_sizes_and_strides(const c10::TensorImpl* current) const {
   const auto sizes = current->sizes();
   const auto strides = current->strides();
   const size_t dim = sizes.size();
@@ -177,6 +172,18 @@ bool TensorKey::matches_content(const at::Tensor& tensor) const {
     if (sizes[i] != sizes_and_strides[i] || strides[i] != sizes_and_strides[dim + i]) {
       return false;
     }
+  }
+  return true;
+}
+
+bool TensorKey::matches_content(const at::Tensor& tensor) const {
+  const c10::TensorImpl* current = tensor.unsafeGetTensorImpl();
+  if (c10::typeMetaToScalarType(current->dtype()) != dtype || current->device() != device ||
+      !content_eligible(tensor)) {
+    return false;
+  }
+  if (!same_sizes_and_strides(current)) {
+    return false;
   }
   if (digest_of(tensor) != content->digest) {
     return false;
@@ -209,18 +216,7 @@ bool TensorKey::matches(const at::Tensor& tensor) const {
   if (storage.unsafeGetStorageImpl() != this->storage || storage.data() != data) {
     return false;
   }
-  const auto sizes = current->sizes();
-  const auto strides = current->strides();
-  const size_t dim = sizes.size();
-  if (sizes_and_strides.size() != 2 * dim) {
-    return false;
-  }
-  for (size_t i = 0; i < dim; ++i) {
-    if (sizes[i] != sizes_and_strides[i] || strides[i] != sizes_and_strides[dim + i]) {
-      return false;
-    }
-  }
-  return true;
+  return same_sizes_and_strides(current);
 }
 
 std::optional<InputKey> InputKey::make(c10::ArrayRef<c10::IValue> inputs, size_t content_inputs, ContentBytes bytes) {

@@ -95,6 +95,7 @@ struct TensorKey {
 
  private:
   bool matches_content(const at::Tensor& tensor) const;
+  bool same_sizes_and_strides(const c10::TensorImpl* current) const;
 };
 
 class InputKey {
