@@ -2,6 +2,7 @@
 byte budget, plans applied as torch's selective checkpointing through torch_ext.checkpoint,
 monotonic in the budget, saved and loaded as JSON; gradients equal the unwrapped chain's."""
 import copy
+import dataclasses
 import math
 from collections import Counter
 
@@ -12,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_ext
 from torch_ext import memory
+from torch_ext.checkpointing.api import _CheckpointedForward
 from torch_ext.checkpointing.op_planner import OpPlan, _choose, _peak
 
 
@@ -88,18 +90,23 @@ def test_lower_budget_never_gives_a_higher_measured_peak(chain):
     assert all(low <= high for low, high in zip(saved_sets, saved_sets[1:]))  # nested: prefixes of one order
 
 
-def test_saved_ops_do_not_run_again_in_backward(chain):
-    layers, x, loose = chain
-    budget = (loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 2
-    plan = torch_ext.plan_ops(layers, x, budget_bytes=budget, repeat=1)
-    saved = Counter(name for block in plan.saved for name, _ in block)
-    assert 0 < sum(saved.values()) < 48
+def backward_counts(plan, layers, x):
     model = nn.Sequential(*plan.apply(copy.deepcopy(layers)))
     loss = model(x.detach().requires_grad_()).sum()
     with OpCounter() as counter:
         loss.backward()
-    assert counter.counts["aten.addmm.default"] == 32 - saved["aten.addmm.default"]
-    assert counter.counts["aten.gelu.default"] == 16 - saved["aten.gelu.default"]
+    return counter.counts
+
+
+def test_saved_ops_do_not_run_again_in_backward(chain):
+    layers, x, loose = chain
+    nothing = dataclasses.replace(loose, saved=[[] for _ in range(16)])
+    first_mm = dataclasses.replace(loose, saved=[[["aten.addmm.default", 0]] for _ in range(16)])
+    gelu = dataclasses.replace(loose, saved=[[["aten.gelu.default", 0]] if k % 2 else [] for k in range(16)])
+    counts = backward_counts(nothing, layers, x)
+    assert counts["aten.addmm.default"] >= 16 and counts["aten.gelu.default"] == 16
+    assert backward_counts(first_mm, layers, x)["aten.addmm.default"] == counts["aten.addmm.default"] - 16
+    assert backward_counts(gelu, layers, x)["aten.gelu.default"] == 8
 
 
 def test_plan_round_trips_through_json(chain, tmp_path):
@@ -164,3 +171,29 @@ def test_choice_takes_n_log_n_steps_and_prefixes_of_one_order():
             per = [sum(nbytes[b][j] for j in range(per_block) if (b, j) in chosen) for b in range(blocks)]
             per[k] += nbytes[k][i]
             assert _peak(per, inputs, outputs, activations, workspace, params) > budget
+
+
+def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
+    transformers = pytest.importorskip("transformers")
+    from torch_ext.checkpointing import hf
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    model = copy.deepcopy(reference)
+    loose = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, ops=True, repeat=1)
+    assert all(block for block in loose.ops) and loose.saved == [[op[:2] for op in b] for b in loose.ops]
+    plan = hf.checkpoint_layers(model, budget_bytes=(loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 2,
+                                inputs=inputs, ops=True, repeat=1)
+    assert isinstance(plan, OpPlan) and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert all(isinstance(layer.__dict__.get("forward"), _CheckpointedForward) for layer in hf.decoder_layers(model))
+    for m in (model, reference):
+        torch.manual_seed(1)
+        m(**inputs, labels=ids).loss.backward()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    with pytest.raises(ValueError, match="ops=True plans under a budget"):
+        hf.checkpoint_layers(copy.deepcopy(reference), every=1, ops=True)

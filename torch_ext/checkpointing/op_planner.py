@@ -169,13 +169,13 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
-def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int) -> list[list]:
+def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool) -> list[list]:
     """The candidate ops of one forward of layer (with grad, as in training); seconds are the
     median of `repeat` forwards."""
     runs = []
     for _ in range(repeat):
         with torch.enable_grad(), _OpRecorder() as recorder:
-            _call(layer, _detach_like(value), kwargs, first)
+            _call(layer, _detach_like(value, recorded), kwargs, first)
         runs.append(recorder.ops)
     if any([op[:3] for op in run] != [op[:3] for op in runs[0]] for run in runs):
         raise ValueError("plan_ops: a block ran different ops on the same input in repeated forwards; "
@@ -259,7 +259,7 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     if not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"plan_ops: repeat must be an int >= 1, got {repeat!r}")
     progress = progress or (lambda iterable, desc: iterable)
-    measured = _measure_blocks(layers, sample_inputs, kwargs, repeat, progress)
+    measured = _measure_blocks(layers, repeat, progress, sample_inputs, kwargs)
     return _op_plan(measured, budget_bytes)
 
 
@@ -268,8 +268,13 @@ def _check_budget(budget_bytes: Any) -> None:
         raise ValueError(f"plan_ops: budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
 
 
-def _measure_blocks(layers: list, inputs: tuple, kwargs: dict, repeat: int, progress) -> dict:
-    leaves = _tensor_leaves(inputs)
+def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwargs: Optional[dict] = None,
+                    recorded: Optional[Sequence[tuple[tuple, dict]]] = None) -> dict:
+    """Per block: its candidate ops, input / output / activation / workspace / parameter bytes
+    and seconds. A chain (inputs, kwargs for the first block; each block runs on the previous
+    one's output) or, with recorded, the (args, kwargs) each block received in a real forward
+    (its boundary is its first argument, as plan_recorded_layers counts it)."""
+    leaves = _tensor_leaves(recorded[0] if recorded is not None else inputs)
     device = leaves[0].device if leaves else torch.device("cpu")
     devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
     m: dict = {key: [] for key in ("ops", "inputs", "outputs", "activations", "workspace", "params", "seconds")}
@@ -278,17 +283,22 @@ def _measure_blocks(layers: list, inputs: tuple, kwargs: dict, repeat: int, prog
     with torch.random.fork_rng(devices=devices):
         try:
             for index in progress(range(len(layers)), desc="measuring ops"):
-                first = index == 0
-                m["inputs"].append(_bytes(_tensor_leaves(value)))
-                m["ops"].append(_record_ops(layers[index], value, kwargs, first, repeat))
-                samples = [_measure_once(layers[index], value, kwargs, first, device) for _ in range(repeat)]
+                first, layer = recorded is not None or index == 0, layers[index]
+                if recorded is not None:
+                    value, kwargs = recorded[index]
+                boundary = _tensor_leaves(value)[:1] if recorded is not None else _tensor_leaves(value)
+                m["inputs"].append(_bytes(boundary))
+                m["ops"].append(_record_ops(layer, value, kwargs, first, repeat, recorded is not None))
+                samples = [_measure_once(layer, value, kwargs, first, device, recorded is not None)
+                           for _ in range(repeat)]
                 m["seconds"].append(statistics.median(s[0] + s[1] for s in samples))
                 m["activations"].append(samples[-1][2])
                 m["workspace"].append(samples[-1][3])
+                out = _tensor_leaves(samples[-1][4])
+                m["outputs"].append(_bytes(out[:1] if recorded is not None else out))
+                m["params"].append(sum(p.nbytes for p in _trainable_parameters(layer))
+                                   if isinstance(layer, nn.Module) else 0)
                 value = samples[-1][4]
-                m["outputs"].append(_bytes(_tensor_leaves(value)))
-                m["params"].append(sum(p.nbytes for p in _trainable_parameters(layers[index]))
-                                   if isinstance(layers[index], nn.Module) else 0)
         finally:
             with torch.no_grad():
                 for buffer, saved in buffers:
@@ -298,6 +308,15 @@ def _measure_blocks(layers: list, inputs: tuple, kwargs: dict, repeat: int, prog
 
 def _bytes(tensors: list[torch.Tensor]) -> int:
     return sum({(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tuple, dict]], budget_bytes: int,
+                      repeat: int, progress: Optional[Callable] = None) -> OpPlan:
+    """plan_ops over layers that a model calls one by one, each measured on the (args, kwargs)
+    it received in a real forward (hf.checkpoint_layers(..., ops=True))."""
+    _check_budget(budget_bytes)
+    progress = progress or (lambda iterable, desc: iterable)
+    return _op_plan(_measure_blocks(list(layers), repeat, progress, recorded=recorded), budget_bytes)
 
 
 def _op_plan(m: dict, budget_bytes: float) -> OpPlan:
