@@ -197,3 +197,21 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
         assert torch.equal(a.grad, b.grad), name
     with pytest.raises(ValueError, match="ops=True plans under a budget"):
         hf.checkpoint_layers(copy.deepcopy(reference), every=1, ops=True)
+
+
+def test_random_ops_are_never_saved_so_replays_draw_the_forwards_numbers():
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(64, 128), nn.Dropout(0.3), nn.GELU(), nn.Dropout(0.3), nn.Linear(128, 64))
+              for _ in range(4)]
+    x = torch.randn(32, 64)
+    loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)
+    names = {name for block in loose.ops for name, *_ in block}
+    assert "aten.addmm.default" in names and not any("dropout" in name or "bernoulli" in name for name in names)
+    torch.manual_seed(3)
+    _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
+    for fraction in (0.0, 0.5, 1.0):
+        plan = loose.with_budget(loose.min_budget_bytes + fraction * (loose.no_checkpoint_peak_bytes
+                                                                      - loose.min_budget_bytes))
+        torch.manual_seed(3)
+        _, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))

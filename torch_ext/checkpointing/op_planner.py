@@ -143,7 +143,9 @@ def _plan_contexts(saved: frozenset) -> tuple:
 class _OpRecorder(TorchDispatchMode):
     """Records each op of a forward as torch's selective checkpointing sees it (SAC_IGNORED_OPS
     skipped): name, occurrence, the bytes of its outputs' new storages, its seconds. Ops whose
-    outputs alias an input (views, in-place) or that return no tensor are not candidates."""
+    outputs alias an input (views, in-place) or that return no tensor are not candidates, nor are
+    random ops: a replay restores the forward's RNG state and draws every random op again in
+    order, which gives the forward's numbers only if none before them was skipped."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -164,7 +166,7 @@ class _OpRecorder(TorchDispatchMode):
         outputs, nbytes = _tensor_leaves(out), 0
         if outputs and not any(t.untyped_storage().data_ptr() in inputs for t in outputs):
             nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs}.values())
-        if nbytes > 0:
+        if nbytes > 0 and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
             self.ops.append([name, index, int(nbytes), seconds])
         return out
 
