@@ -143,14 +143,21 @@ def _plan_contexts(saved: frozenset) -> tuple:
 class _OpRecorder(TorchDispatchMode):
     """Records each op of a forward as torch's selective checkpointing sees it (SAC_IGNORED_OPS
     skipped): name, occurrence, the bytes of its outputs' new storages, its seconds. Ops whose
-    outputs alias an input (views, in-place) or that return no tensor are not candidates, nor are
-    random ops: a replay restores the forward's RNG state and draws every random op again in
+    outputs alias an input (views, in-place), that return no tensor, or whose outputs a later op
+    of the forward mutates are not candidates, nor are random ops: a replay restores the forward's RNG state and draws every random op again in
     order, which gives the forward's numbers only if none before them was skipped."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[list] = []
+        self.records: list[list] = []
+        self.mutated: set[int] = set()
+        self.by_storage: dict[int, list[int]] = {}
         self.seen: Counter = Counter()
+        self.alive: list = []  # the candidates' outputs, so that no storage address is reused in the forward
+
+    @property
+    def ops(self) -> list[list]:
+        return [record for i, record in enumerate(self.records) if i not in self.mutated]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -163,11 +170,17 @@ class _OpRecorder(TorchDispatchMode):
         index = self.seen[name]
         self.seen[name] += 1
         inputs = {t.untyped_storage().data_ptr() for t in _tensor_leaves((args, kwargs))}
+        if func._schema.is_mutable:  # an output mutated later cannot be saved (torch's SAC raises)
+            for ptr in inputs:
+                self.mutated.update(self.by_storage.get(ptr, ()))
         outputs, nbytes = _tensor_leaves(out), 0
         if outputs and not any(t.untyped_storage().data_ptr() in inputs for t in outputs):
             nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs}.values())
         if nbytes > 0 and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
-            self.ops.append([name, index, int(nbytes), seconds])
+            for t in outputs:
+                self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(len(self.records))
+            self.records.append([name, index, int(nbytes), seconds])
+            self.alive.append(outputs)
         return out
 
 
