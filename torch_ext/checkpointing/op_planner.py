@@ -1,7 +1,7 @@
 """The op-level planner: measure every op inside each block of a chain on real inputs (a
 TorchDispatchMode over one forward: the bytes of its output, the time it takes), then choose which
-ops' outputs to save, per block, so that the predicted peak fits a byte budget at the least
-recompute time. Every block is checkpointed; the ops a plan saves are kept by torch's selective
+ops' outputs to save, per block, so that the predicted peak fits a byte budget, saving first the
+ops of most recompute time per byte (greedy: the least-recompute choice is a knapsack problem). Every block is checkpointed; the ops a plan saves are kept by torch's selective
 checkpointing (create_selective_checkpoint_contexts) through torch_ext.checkpoint, the others are
 recomputed in backward.
 
@@ -239,9 +239,7 @@ def _choose(ops: Sequence[Sequence[list]], inputs, outputs, activations, workspa
         steps[0] += m + blocks
         return _peak(per_block, inputs, outputs, activations, workspace, params)
 
-    low, high = 0, len(order)  # peak_of(low) fits; find the largest m that does
-    if peak_of(high) <= budget:
-        low = high
+    low, high = 0, len(order)  # peak_of(low) fits (the caller checked the minimum); find the largest m that does
     while low < high:
         mid = (low + high + 1) // 2
         if peak_of(mid) <= budget:
@@ -257,8 +255,8 @@ def _choose(ops: Sequence[Sequence[list]], inputs, outputs, activations, workspa
 def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, repeat: int = 3,
              progress: Optional[Callable] = None, **kwargs: Any) -> OpPlan:
     """Measure a chain of blocks on sample inputs, op by op, and choose the ops each checkpointed
-    block saves so that the predicted peak activation memory stays within budget_bytes at the
-    least recompute time. Each block runs on the previous one's output (RNG state and buffers
+    block saves so that the predicted peak activation memory stays within budget_bytes, saving
+    first the ops of most recompute seconds per byte. Each block runs on the previous one's output (RNG state and buffers
     restored afterwards): forward and backward `repeat` times (its saved and workspace bytes, as
     plan_checkpoints measures them) and `repeat` forwards under a dispatch mode that times every
     op and counts its output bytes. Raises ValueError, stating the minimum, when no plan fits.
