@@ -35,7 +35,9 @@ class OpPlan:
     saved[k]: the ops block k saves, as [op name, occurrence] (the occurrence-th call of that
     aten overload in the block's forward, from 0). ops[k]: every candidate op measured in block
     k, as [op name, occurrence, output bytes, seconds]. Bytes are activation bytes as
-    plan_checkpoints counts them (parameters and their gradients excluded)."""
+    plan_checkpoints counts them (parameters and their gradients excluded). Thread safety: a
+    plan is not changed by its methods (with_budget returns a new one), and context_fn gives
+    each checkpointed call a policy of its own, so planned layers may run in several threads."""
 
     saved: list[list[list]]
     budget_bytes: int
