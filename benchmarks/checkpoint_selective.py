@@ -8,6 +8,9 @@ use_cache), eager, CPU:
       policy (attention saved, and every second matmul of each layer's forward)
   (d) torch_ext per layer: hf.gradient_checkpointing_enable(model)
   (e) torch_ext with the same policy: hf.gradient_checkpointing_enable(model, context_fn=...)
+  (f) torch_ext's op-level planner at 25%, 50% and 75% of (a)'s layer activation memory
+      (hf.checkpoint_layers(model, budget_bytes=..., inputs=batch, ops=True); eager only: the
+      plan's budget does not hold compiled, docs/checkpoint.md)
   compiled (torch.compile(model), inductor): (a), (c) and (e)
 
 Step: model(**batch).loss.backward(), gradients preallocated; compiled rows run with
@@ -23,19 +26,22 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import harness
-from checkpoint_hf import models, padded_batch
+from checkpoint_hf import layers_peak, models, padded_batch
+import torch_ext
 from torch_ext.checkpointing import hf
 
 NONE, HF, TORCH_SAC, OURS, OURS_SAC = (
     "(a) no checkpointing", "(b) Hugging Face gradient checkpointing", "(c) torch SAC, torchtitan-style policy",
     "(d) torch_ext per layer", "(e) torch_ext + the same policy")
 COMPILED = (NONE, TORCH_SAC, OURS_SAC)
+PLANNED = {fraction: f"(f) torch_ext op-level plan, {fraction:.0%} budget" for fraction in (0.25, 0.5, 0.75)}
 PLOT = Path(__file__).resolve().parent.parent / "docs" / "checkpoint_selective.png"
 
 _MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
@@ -69,6 +75,24 @@ def variants(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return built
 
 
+def planned(base: torch.nn.Module, batch: dict, device, built: dict) -> tuple[dict, dict, list]:
+    """Adds the op-level plans to built: (budgets, plans, the layers' recorded inputs); the
+    budgets are fractions of (a)'s layer activation memory (checkpoint_hf.layers_peak)."""
+    recorded = hf._record_layer_inputs(base, hf.decoder_layers(base), batch)
+    activation = layers_peak(built[NONE], recorded, device)
+    budgets, plans = {}, {}
+    for fraction, name in PLANNED.items():
+        model = copy.deepcopy(base)
+        budgets[name] = int(activation * fraction)
+        try:
+            plans[name] = hf.checkpoint_layers(model, budget_bytes=budgets[name], inputs=batch, ops=True, repeat=2)
+        except ValueError as error:  # below the minimum: reported, not timed
+            plans[name] = error
+            continue
+        built[name] = model
+    return budgets, plans, recorded
+
+
 def compiled_steps(built: dict, batch: dict) -> dict:
     """The compiled rows: name -> (model, step)."""
     return {f"{name}, compiled": (built[name], functools.partial(lambda c: c(**batch).loss.backward(),
@@ -81,6 +105,7 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
     config = base.config
     batch = padded_batch(config.vocab_size, 2 if quick else 4, config.max_position_embeddings, device)
     built = variants(base)
+    budgets, plans, recorded = planned(base, batch, device, built)
     for model in built.values():
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -125,9 +150,34 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
                    peaks[OURS_SAC] <= peaks[TORCH_SAC] * 1.02 and low <= 0))
     same = grad_diffs[OURS_SAC] == grad_diffs[TORCH_SAC] == 0
     checks.append((f"{label}: (c) and (e) give (a)'s gradients exactly (dropout on): {'yes' if same else 'no'}", same))
+    for name, budget in budgets.items():
+        if isinstance(plans[name], ValueError):
+            checks.append((f"{label}: {name}: {plans[name]}", False))
+            continue
+        peak = layers_peak(built[name], recorded, device)
+        checks.append((f"{label}: {name} within its budget: layers peak {harness.format_bytes(peak)} <= "
+                       f"{harness.format_bytes(budget)} (predicted {harness.format_bytes(plans[name].predicted_peak_bytes)}"
+                       f", {sum(map(len, plans[name].saved))} of {sum(map(len, plans[name].ops))} ops saved); "
+                       f"step {timings[name].median_seconds / base_time:.2f}x (a)'s", peak <= budget))
     compiled_c, compiled_e = f"{TORCH_SAC}, compiled", f"{OURS_SAC}, compiled"
     checks.append((f"{label}, compiled: (e) at (c)'s step peak memory ({harness.format_bytes(peaks[compiled_e])} vs "
                    f"{harness.format_bytes(peaks[compiled_c])})", peaks[compiled_e] <= peaks[compiled_c] * 1.02))
+
+
+def scaling_check() -> tuple[str, bool]:
+    """plan_ops over 256 Linear+GELU layers (width 256, batch 64): measuring and choosing, < 2 s."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(256)]
+    x = torch.randn(64, 256)
+    start = time.perf_counter()
+    plan = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40)
+    seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    plan.with_budget((plan.min_budget_bytes + plan.no_checkpoint_peak_bytes) // 2)
+    choice = time.perf_counter() - start
+    return (f"plan_ops over 256 Linear+GELU layers ({sum(map(len, plan.ops))} ops; width 256, batch 64, repeat=3): "
+            f"{seconds:.2f} s measuring and choosing (target < 2 s); the choice alone {choice * 1e3:.1f} ms",
+            seconds < 2.0)
 
 
 def plot(points: dict) -> None:
@@ -141,14 +191,15 @@ def plot(points: dict) -> None:
         for name, (time_ratio, peak_ratio) in by_variant.items():
             compiled = name.endswith("compiled")
             ax.scatter(time_ratio, peak_ratio, s=40, marker="s" if compiled else "o")
-            ax.annotate(name.split(")")[0] + ")" + (" compiled" if compiled else ""), (time_ratio, peak_ratio),
+            short = name.split(")")[0] + ")" + (" " + name.split(", ")[-1].split()[0] if name in PLANNED.values() else "")
+            ax.annotate(short + (" compiled" if compiled else ""), (time_ratio, peak_ratio),
                         textcoords="offset points", xytext=(5, 4), fontsize=8)
         ax.set_title(label)
         ax.set_xlabel("step time / (a) eager")
         ax.set_ylabel("step peak memory / (a) eager")
         ax.grid(alpha=0.3)
     fig.suptitle("Selective checkpointing, CPU (squares: compiled): " + "; ".join(
-        name for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC)), fontsize=7)
+        name for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC, "(f) torch_ext op-level plans")), fontsize=7)
     fig.tight_layout()
     fig.savefig(PLOT, dpi=110)
     plt.close(fig)
@@ -172,6 +223,7 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     report.notes.append(f"transformers {transformers.__version__}; {torch.get_num_threads()} torch thread(s). "
                         f"Policy of (c) and (e): torchtitan's (attention saved, every second matmul of a layer's "
                         f"forward saved). Plot: docs/{PLOT.name}.")
+    checks.append(scaling_check())
     report.add_checks(checks)
     report.write()
     if not quick and device.type == "cpu":

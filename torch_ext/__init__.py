@@ -27,7 +27,8 @@ from . import _C  # noqa: E402, F401  (needs the core library loaded first)
 from . import cache, checkpointing, memory, paging, plan  # noqa: E402
 from .cache import LazyExecutor, NodeCache, lazy  # noqa: E402
 from .checkpointing import (  # noqa: E402
-    CheckpointedSequential, CheckpointPlan, checkpoint, checkpoint_call, checkpoint_sequential, plan_checkpoints)
+    CheckpointedSequential, CheckpointPlan, OpPlan, checkpoint, checkpoint_call, checkpoint_sequential, plan_checkpoints,
+    plan_ops)
 from .paging import LayerPager, SafetensorsSource, load_paged, page_weights, pager_of, save_pageable, unpage  # noqa: E402
 from .plan import Batcher, PlanCache  # noqa: E402
 
@@ -35,6 +36,7 @@ __all__ = [
     "__version__", "library_path", "memory",
     # segment checkpointing
     "checkpointing", "checkpoint", "checkpoint_call", "CheckpointedSequential", "CheckpointPlan", "checkpoint_sequential", "plan_checkpoints",
+    "plan_ops", "OpPlan",
     # weight paging
     "paging", "LayerPager", "SafetensorsSource", "page_weights", "unpage", "save_pageable", "load_paged", "pager_of",
     # lazy node cache

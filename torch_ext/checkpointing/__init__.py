@@ -5,6 +5,7 @@
     torch_ext.CheckpointedSequential a chain with checkpointed boundaries and memory accounting
     torch_ext.checkpoint_sequential  drop-in for torch.utils.checkpoint.checkpoint_sequential
     torch_ext.plan_checkpoints       measured, budgeted boundary placement (dynamic programming)
+    torch_ext.plan_ops               measured, budgeted op-level plan: which ops each checkpointed block saves
     torch_ext.checkpointing.hf       Hugging Face models: their gradient checkpointing with
                                      torch_ext's function, per-layer checkpointing by every=k or a budget
 
@@ -31,7 +32,8 @@ op), as torch's own checkpoint is; storage policies other than "keep" do not app
 from . import hf
 from .api import CheckpointError, checkpoint, checkpoint_call
 from .chains import CheckpointedSequential, checkpoint_sequential
+from .op_planner import OpPlan, plan_ops
 from .planner import CheckpointPlan, plan_checkpoints
 
 __all__ = ["checkpoint", "checkpoint_call", "CheckpointError", "CheckpointedSequential", "checkpoint_sequential",
-           "plan_checkpoints", "CheckpointPlan", "hf"]
+           "plan_checkpoints", "CheckpointPlan", "plan_ops", "OpPlan", "hf"]

@@ -23,6 +23,7 @@ from torch import nn
 
 from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options
 from .chains import _PLANNED_POLICY
+from .op_planner import OpPlan, plan_recorded_ops
 from .planner import CheckpointPlan, plan_recorded_layers
 
 __all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "decoder_layers"]
@@ -76,17 +77,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_bytes: Optional[int] = None,
-                      inputs: Optional[dict] = None, repeat: int = 2, progress: Optional[Callable] = None,
-                      **options: Any) -> list[int] | CheckpointPlan:
+                      inputs: Optional[dict] = None, ops: bool = False, repeat: int = 2,
+                      progress: Optional[Callable] = None, **options: Any) -> list[int] | CheckpointPlan | OpPlan:
     """Checkpoint the model's decoder layers with torch_ext.checkpoint (options: its options).
 
     every=k: layers 0, k, 2k, ...; returns their indices. budget_bytes=B: runs
     model(**inputs) once (in the model's current mode, without grad) recording what each layer
     receives, measures each layer's forward and backward on it, and checkpoints the layers a plan
     of least recompute within B bytes of layer activations chooses; returns the CheckpointPlan.
+    budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured on what
+    each layer receives): every layer is checkpointed, saving the ops the plan chooses (through
+    context_fn); returns the OpPlan.
     Hugging Face's own gradient checkpointing must be off (the layers would be checkpointed twice)."""
     if (every is None) == (budget_bytes is None):
         raise ValueError("checkpoint_layers: give exactly one of every or budget_bytes")
+    if ops and budget_bytes is None:
+        raise ValueError("checkpoint_layers: ops=True plans under a budget; give budget_bytes, not every")
     if _uses_hugging_faces_checkpointing(model):
         raise ValueError(f"checkpoint_layers: {type(model).__name__} already uses Hugging Face's gradient "
                          f"checkpointing; call model.gradient_checkpointing_disable() first")
@@ -105,6 +111,14 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     resolved = checkpoint_options("checkpoint_layers", **options)
     if resolved.context_fn is not None:
         raise ValueError(f"checkpoint_layers: {_PLANNED_POLICY}")
+    if ops:
+        if options:
+            raise ValueError(f"checkpoint_layers: ops=True takes no options (the plan sets each layer's context_fn "
+                             f"and measures with keep storage), got {sorted(options)}")
+        op_plan = plan_recorded_ops(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, repeat,
+                                    progress)
+        op_plan.apply(layers)
+        return op_plan
     storage = resolved.script.storage
     plan = plan_recorded_layers(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, storage,
                                 repeat, progress)

@@ -1,0 +1,219 @@
+"""The op-level planner (torch_ext.plan_ops): per-op measurement, the O(N log N) choice under a
+byte budget, plans applied as torch's selective checkpointing through torch_ext.checkpoint,
+monotonic in the budget, saved and loaded as JSON; gradients equal the unwrapped chain's."""
+import copy
+import dataclasses
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_ext
+from torch_ext import memory
+from torch_ext.checkpointing.api import _CheckpointedForward
+from torch_ext.checkpointing.op_planner import OpPlan, _choose, _peak
+
+
+def mlp_chain(n=16, width=128):
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)]
+
+
+def peak_and_grads(layers, x):
+    model = nn.Sequential(*layers)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # gradients accumulate in place: only activations count
+    x = x.detach().requires_grad_()
+    with memory.track() as tracked:
+        model(x).sum().backward()
+    return tracked.peak_delta_bytes, [p.grad for p in model.parameters()] + [x.grad]
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def chain():
+    layers = mlp_chain()
+    x = torch.randn(128, 128)
+    loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)
+    return layers, x, loose
+
+
+def test_measures_every_op_of_every_block(chain):
+    layers, x, loose = chain
+    assert len(loose.ops) == 16
+    for block in loose.ops:
+        assert [(name, index, nbytes) for name, index, nbytes, _ in block] == [
+            ("aten.addmm.default", 0, 128 * 256 * 4), ("aten.gelu.default", 0, 128 * 256 * 4),
+            ("aten.addmm.default", 1, 128 * 128 * 4)]
+        assert all(seconds > 0 for *_, seconds in block)
+    assert loose.saved == [[op[:2] for op in block] for block in loose.ops]  # room for everything
+    assert loose.predicted_recompute_seconds == 0 and loose.step_seconds > 0
+
+
+def test_minimum_is_below_40_percent_of_the_plain_peak_with_equal_gradients(chain):
+    layers, x, loose = chain
+    plan = torch_ext.plan_ops(layers, x, budget_bytes=loose.min_budget_bytes, repeat=1)
+    # Nothing saved but, when it ranks first, an op of the last block (its saved outputs are part
+    # of the activations its own backward holds anyway, so they cost no peak).
+    assert plan.saved[:15] == [[]] * 15 and plan.predicted_peak_bytes == loose.min_budget_bytes
+    plain_peak, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
+    peak, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
+    assert peak <= 0.40 * plain_peak
+    assert peak <= plan.budget_bytes
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+def test_lower_budget_never_gives_a_higher_measured_peak(chain):
+    layers, x, loose = chain
+    _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
+    span = loose.no_checkpoint_peak_bytes - loose.min_budget_bytes
+    peaks, saved_sets = [], []
+    for fraction in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0):
+        budget = int(loose.min_budget_bytes + fraction * span)
+        plan = loose.with_budget(budget)  # one measurement, several budgets
+        peak, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
+        assert plan.predicted_peak_bytes <= budget and peak <= budget
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+        peaks.append(peak)
+        saved_sets.append({(k, tuple(op)) for k, block in enumerate(plan.saved) for op in block})
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    assert all(low <= high for low, high in zip(saved_sets, saved_sets[1:]))  # nested: prefixes of one order
+
+
+def backward_counts(plan, layers, x):
+    model = nn.Sequential(*plan.apply(copy.deepcopy(layers)))
+    loss = model(x.detach().requires_grad_()).sum()
+    with OpCounter() as counter:
+        loss.backward()
+    return counter.counts
+
+
+def test_saved_ops_do_not_run_again_in_backward(chain):
+    layers, x, loose = chain
+    nothing = dataclasses.replace(loose, saved=[[] for _ in range(16)])
+    first_mm = dataclasses.replace(loose, saved=[[["aten.addmm.default", 0]] for _ in range(16)])
+    gelu = dataclasses.replace(loose, saved=[[["aten.gelu.default", 0]] if k % 2 else [] for k in range(16)])
+    counts = backward_counts(nothing, layers, x)
+    assert counts["aten.addmm.default"] >= 16 and counts["aten.gelu.default"] == 16
+    assert backward_counts(first_mm, layers, x)["aten.addmm.default"] == counts["aten.addmm.default"] - 16
+    assert backward_counts(gelu, layers, x)["aten.gelu.default"] == 8
+
+
+def test_plan_round_trips_through_json(chain, tmp_path):
+    layers, x, loose = chain
+    plan = torch_ext.plan_ops(layers, x, budget_bytes=(loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 3,
+                              repeat=1)
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    loaded = OpPlan.load(path)
+    assert loaded == plan and loaded.predicted_overhead == plan.predicted_overhead
+    assert loaded.saved_ops(3) == plan.saved_ops(3)
+    _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
+    _, grads = peak_and_grads(loaded.apply(copy.deepcopy(layers)), x)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    with pytest.raises(ValueError, match="not an OpPlan"):
+        OpPlan.from_json('{"segments": []}')
+
+
+def test_errors_name_the_problem(chain):
+    layers, x, loose = chain
+    with pytest.raises(ValueError, match=f"minimum any op-level plan of these 16 blocks can meet: "
+                                         f"{loose.min_budget_bytes} bytes"):
+        torch_ext.plan_ops(layers, x, budget_bytes=loose.min_budget_bytes - 1, repeat=1)
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        torch_ext.plan_ops(layers, x, budget_bytes=0)
+    with pytest.raises(ValueError, match="minimum any op-level plan"):
+        loose.with_budget(loose.min_budget_bytes - 1)
+    with pytest.raises(ValueError, match="the plan has 16 blocks, got 2 layers"):
+        loose.apply(copy.deepcopy(layers[:2]))
+    checkpointed = copy.deepcopy(layers)
+    torch_ext.checkpoint(checkpointed[5])
+    with pytest.raises(ValueError, match=r"layer 5 \(Sequential\) is already checkpointed"):
+        loose.apply(checkpointed)
+    with pytest.raises(IndexError, match="block 16"):
+        loose.context_fn(16)
+
+
+def test_choice_takes_n_log_n_steps_and_prefixes_of_one_order():
+    torch.manual_seed(0)
+    blocks, per_block = 256, 16
+    n = blocks * per_block
+    nbytes = torch.randint(1, 1000, (blocks, per_block)).tolist()
+    seconds = torch.rand(blocks, per_block).tolist()
+    ops = [[["op", i, nbytes[k][i], seconds[k][i]] for i in range(per_block)] for k in range(blocks)]
+    inputs = outputs = workspace = params = [10] * blocks
+    activations = [sum(row) for row in nbytes]
+    low = _peak([0] * blocks, inputs, outputs, activations, workspace, params)
+    high = _peak(activations, inputs, outputs, activations, workspace, params)
+    previous = set()
+    for fraction in (0.0, 0.1, 0.5, 0.9, 1.0):
+        budget = low + fraction * (high - low)
+        saved, peak, steps = _choose(ops, inputs, outputs, activations, workspace, params, budget)
+        assert peak <= budget
+        assert steps <= 4 * n * math.log2(n)
+        chosen = {(k, i) for k, block in enumerate(saved) for _, i in block}
+        assert previous <= chosen
+        previous = chosen
+        # The prefix is the longest: the next op in the order would not fit.
+        order = sorted(((-seconds[k][i] / nbytes[k][i], (k, i)) for k in range(blocks) for i in range(per_block)))
+        if len(chosen) < n:
+            k, i = order[len(chosen)][1]
+            per = [sum(nbytes[b][j] for j in range(per_block) if (b, j) in chosen) for b in range(blocks)]
+            per[k] += nbytes[k][i]
+            assert _peak(per, inputs, outputs, activations, workspace, params) > budget
+
+
+def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
+    transformers = pytest.importorskip("transformers")
+    from torch_ext.checkpointing import hf
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    model = copy.deepcopy(reference)
+    loose = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, ops=True, repeat=1)
+    assert all(block for block in loose.ops) and loose.saved == [[op[:2] for op in b] for b in loose.ops]
+    plan = hf.checkpoint_layers(model, budget_bytes=(loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 2,
+                                inputs=inputs, ops=True, repeat=1)
+    assert isinstance(plan, OpPlan) and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert all(isinstance(layer.__dict__.get("forward"), _CheckpointedForward) for layer in hf.decoder_layers(model))
+    for m in (model, reference):
+        torch.manual_seed(1)
+        m(**inputs, labels=ids).loss.backward()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    with pytest.raises(ValueError, match="ops=True plans under a budget"):
+        hf.checkpoint_layers(copy.deepcopy(reference), every=1, ops=True)
+
+
+def test_random_ops_are_never_saved_so_replays_draw_the_forwards_numbers():
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(64, 128), nn.Dropout(0.3), nn.GELU(), nn.Dropout(0.3), nn.Linear(128, 64))
+              for _ in range(4)]
+    x = torch.randn(32, 64)
+    loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)
+    names = {name for block in loose.ops for name, *_ in block}
+    assert "aten.addmm.default" in names and not any("dropout" in name or "bernoulli" in name for name in names)
+    torch.manual_seed(3)
+    _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
+    for fraction in (0.0, 0.5, 1.0):
+        plan = loose.with_budget(loose.min_budget_bytes + fraction * (loose.no_checkpoint_peak_bytes
+                                                                      - loose.min_budget_bytes))
+        torch.manual_seed(3)
+        _, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))

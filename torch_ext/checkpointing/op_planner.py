@@ -1,0 +1,355 @@
+"""The op-level planner: measure every op inside each block of a chain on real inputs (a
+TorchDispatchMode over one forward: the bytes of its output, the time it takes), then choose which
+ops' outputs to save, per block, so that the predicted peak fits a byte budget, saving first the
+ops of most recompute time per byte (greedy: the least-recompute choice is a knapsack problem). Every block is checkpointed; the ops a plan saves are kept by torch's selective
+checkpointing (create_selective_checkpoint_contexts) through torch_ext.checkpoint, the others are
+recomputed in backward.
+
+The choice is O(N log N) in the number N of candidate ops: one sort by recompute seconds per byte
+saved, then a binary search for the longest prefix of that order whose predicted peak fits the
+budget (each evaluation O(N)). Because plans for different budgets are prefixes of one order, a
+lower budget saves a subset of what a higher one saves (the plans are monotonic)."""
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import time
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+
+from .api import _CheckpointedForward, checkpoint
+from .planner import _call, _detach_like, _evaluate, _measure_once, _tensor_leaves, _trainable_parameters
+
+
+@dataclass
+class OpPlan:
+    """Which ops each checkpointed block saves, with what the plan measured and predicts.
+
+    saved[k]: the ops block k saves, as [op name, occurrence] (the occurrence-th call of that
+    aten overload in the block's forward, from 0). ops[k]: every candidate op measured in block
+    k, as [op name, occurrence, output bytes, seconds]. Bytes are activation bytes as
+    plan_checkpoints counts them (parameters and their gradients excluded). Thread safety: a
+    plan is not changed by its methods (with_budget returns a new one), and context_fn gives
+    each checkpointed call a policy of its own, so planned layers may run in several threads."""
+
+    saved: list[list[list]]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    min_budget_bytes: int
+    no_checkpoint_peak_bytes: int
+    predicted_recompute_seconds: float
+    step_seconds: float
+    ops: list[list[list]] = field(default_factory=list)
+    block_input_bytes: list[int] = field(default_factory=list)
+    block_output_bytes: list[int] = field(default_factory=list)
+    block_activation_bytes: list[int] = field(default_factory=list)
+    block_workspace_bytes: list[int] = field(default_factory=list)
+    block_parameter_bytes: list[int] = field(default_factory=list)
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted recompute time as a fraction of the measured step (forward + backward)."""
+        return self.predicted_recompute_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    def saved_ops(self, block: int) -> list[tuple[str, int]]:
+        """The (op name, occurrence) pairs block saves."""
+        return [(name, index) for name, index in self.saved[block]]
+
+    def context_fn(self, block: int) -> Callable:
+        """torch's context_fn for block: create_selective_checkpoint_contexts with a policy that
+        saves the plan's ops of that block (MUST_SAVE) and recomputes the others."""
+        if not 0 <= block < len(self.saved):
+            raise IndexError(f"OpPlan.context_fn: block {block} is outside 0..{len(self.saved) - 1}")
+        return functools.partial(_plan_contexts, frozenset(self.saved_ops(block)))
+
+    def with_budget(self, budget_bytes: int) -> "OpPlan":
+        """The plan for another budget from this plan's measurements (nothing is measured again).
+        Plans from one measurement are nested: a lower budget saves a subset of the ops a higher
+        one saves, so its peak is never higher."""
+        _check_budget(budget_bytes)
+        return _op_plan({"ops": self.ops, "inputs": self.block_input_bytes, "outputs": self.block_output_bytes,
+                         "activations": self.block_activation_bytes, "workspace": self.block_workspace_bytes,
+                         "params": self.block_parameter_bytes, "seconds": [self.step_seconds]}, budget_bytes)
+
+    def apply(self, layers: Iterable[nn.Module]) -> list[nn.Module]:
+        """Checkpoint each layer in place with torch_ext.checkpoint(layer, context_fn=...) (the
+        plan's block of the same index); returns the layers. They must be the plan's blocks, not
+        checkpointed already."""
+        layers = list(layers.values() if isinstance(layers, (dict, OrderedDict)) else layers)
+        if len(layers) != len(self.saved):
+            raise ValueError(f"OpPlan.apply: the plan has {len(self.saved)} blocks, got {len(layers)} layers")
+        for index, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"OpPlan.apply: layer {index} is a {type(layer).__name__}, expected an nn.Module")
+            if isinstance(layer.__dict__.get("forward"), _CheckpointedForward) or getattr(
+                    type(layer).forward, "_torch_ext_checkpoint", None) is not None:
+                raise ValueError(f"OpPlan.apply: layer {index} ({type(layer).__name__}) is already checkpointed")
+        for index, layer in enumerate(layers):
+            checkpoint(layer, context_fn=self.context_fn(index))
+        return layers
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "predicted_overhead": self.predicted_overhead}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "OpPlan":
+        data = json.loads(text)
+        names = set(cls.__dataclass_fields__)
+        unknown, missing = set(data) - names, {"saved", "budget_bytes"} - set(data)
+        if unknown or missing:
+            raise ValueError(f"OpPlan.from_json: not an OpPlan (unknown fields {sorted(unknown)}, "
+                             f"missing {sorted(missing)})")
+        return cls(**data)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "OpPlan":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def __str__(self) -> str:
+        mib = 2.0 ** 20
+        return (f"OpPlan(blocks={len(self.saved)}, saved_ops={sum(map(len, self.saved))} of "
+                f"{sum(map(len, self.ops))}, predicted_peak={self.predicted_peak_bytes / mib:.1f} MiB of budget "
+                f"{self.budget_bytes / mib:.1f} MiB, predicted_overhead={self.predicted_overhead:.1%}, "
+                f"min_budget={self.min_budget_bytes / mib:.1f} MiB)")
+
+
+def _plan_contexts(saved: frozenset) -> tuple:
+    """A fresh policy per checkpointed call: it counts each op's occurrences in the forward."""
+    seen: Counter = Counter()
+
+    def policy(ctx, op, *args, **kwargs):
+        if ctx.is_recompute:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        name = str(op)
+        index = seen[name]
+        seen[name] += 1
+        return CheckpointPolicy.MUST_SAVE if (name, index) in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records each op of a forward as torch's selective checkpointing sees it (SAC_IGNORED_OPS
+    skipped): name, occurrence, the bytes of its outputs' new storages, its seconds. Ops whose
+    outputs alias an input (views, in-place), that return no tensor, or whose outputs a later op
+    of the forward mutates are not candidates, nor are random ops: a replay restores the forward's RNG state and draws every random op again in
+    order, which gives the forward's numbers only if none before them was skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[list] = []
+        self.mutated: set[int] = set()
+        self.by_storage: dict[int, list[int]] = {}
+        self.seen: Counter = Counter()
+        self.alive: list = []  # the candidates' outputs, so that no storage address is reused in the forward
+
+    @property
+    def ops(self) -> list[list]:
+        return [record for i, record in enumerate(self.records) if i not in self.mutated]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        name = str(func)
+        index = self.seen[name]
+        self.seen[name] += 1
+        inputs = {t.untyped_storage().data_ptr() for t in _tensor_leaves((args, kwargs))}
+        if func._schema.is_mutable:  # an output mutated later cannot be saved (torch's SAC raises)
+            for ptr in inputs:
+                self.mutated.update(self.by_storage.get(ptr, ()))
+        outputs, nbytes = _tensor_leaves(out), 0
+        if outputs and not any(t.untyped_storage().data_ptr() in inputs for t in outputs):
+            nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs}.values())
+        if nbytes > 0 and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+            for t in outputs:
+                self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(len(self.records))
+            self.records.append([name, index, int(nbytes), seconds])
+            self.alive.append(outputs)
+        return out
+
+
+def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool) -> list[list]:
+    """The candidate ops of one forward of layer (with grad, as in training); seconds are the
+    median of `repeat` forwards."""
+    runs = []
+    for _ in range(repeat):
+        with torch.enable_grad(), _OpRecorder() as recorder:
+            _call(layer, _detach_like(value, recorded), kwargs, first)
+        runs.append(recorder.ops)
+    if any([op[:3] for op in run] != [op[:3] for op in runs[0]] for run in runs):
+        raise ValueError("plan_ops: a block ran different ops on the same input in repeated forwards; "
+                         "an op-level plan needs a block whose ops do not depend on data or state")
+    return [op[:3] + [statistics.median(run[i][3] for run in runs)] for i, op in enumerate(runs[0])]
+
+
+def _peak(saved_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], activations: Sequence[int],
+          workspace: Sequence[int], params: Sequence[int]) -> int:
+    """Predicted peak with every block checkpointed, block i saving saved_per_block[i] bytes:
+    while block k runs backward, the blocks before it hold their inputs and saved outputs, block
+    k its input, its activations (recomputed or saved), its backward workspace, the gradient of
+    its output and its parameters' gradients. O(number of blocks)."""
+    held, peak = 0, 0
+    for k in range(len(inputs)):
+        peak = max(peak, held + inputs[k] + activations[k] + workspace[k] + outputs[k] + params[k])
+        held += inputs[k] + saved_per_block[k]
+    return peak
+
+
+class _Counted:
+    """A sort key that counts its comparisons (the step count of the choice)."""
+    __slots__ = ("key", "counter")
+
+    def __init__(self, key, counter):
+        self.key, self.counter = key, counter
+
+    def __lt__(self, other):
+        self.counter[0] += 1
+        return self.key < other.key
+
+
+def _choose(ops: Sequence[Sequence[list]], inputs, outputs, activations, workspace, params, budget: float):
+    """The longest prefix, in order of recompute seconds per byte (highest first), of the
+    candidate ops whose predicted peak fits budget. Returns (saved per block, peak, steps):
+    steps counts the sort's comparisons and the peak evaluations' block visits, O(N log N)."""
+    steps = [0]
+    flat = [(k, i) for k, block in enumerate(ops) for i in range(len(block))]
+    order = sorted(flat, key=lambda ki: _Counted((-ops[ki[0]][ki[1]][3] / ops[ki[0]][ki[1]][2], ki), steps))
+    blocks = len(ops)
+
+    def peak_of(m: int) -> int:
+        per_block = [0] * blocks
+        for k, i in order[:m]:
+            per_block[k] += ops[k][i][2]
+        steps[0] += m + blocks
+        return _peak(per_block, inputs, outputs, activations, workspace, params)
+
+    low, high = 0, len(order)  # peak_of(low) fits (the caller checked the minimum); find the largest m that does
+    while low < high:
+        mid = (low + high + 1) // 2
+        if peak_of(mid) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    saved: list[list[list]] = [[] for _ in range(blocks)]
+    for k, i in sorted(order[:low]):
+        saved[k].append(ops[k][i][:2])
+    return saved, peak_of(low), steps[0]
+
+
+def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, repeat: int = 3,
+             progress: Optional[Callable] = None, **kwargs: Any) -> OpPlan:
+    """Measure a chain of blocks on sample inputs, op by op, and choose the ops each checkpointed
+    block saves so that the predicted peak activation memory stays within budget_bytes, saving
+    first the ops of most recompute seconds per byte. Each block runs on the previous one's output (RNG state and buffers
+    restored afterwards): forward and backward `repeat` times (its saved and workspace bytes, as
+    plan_checkpoints measures them) and `repeat` forwards under a dispatch mode that times every
+    op and counts its output bytes. Raises ValueError, stating the minimum, when no plan fits.
+    Apply the plan with plan.apply(layers); plan.with_budget(B) plans another budget from the same
+    measurements (plans of one measurement are monotonic in the budget; a new measurement may
+    time ops differently and so order them differently). kwargs go to the first block."""
+    layers = list(layers.values() if isinstance(layers, (dict, OrderedDict)) else layers)
+    if not layers:
+        raise ValueError("plan_ops: the chain has no layers")
+    if not sample_inputs:
+        raise ValueError("plan_ops: give sample inputs for the first layer")
+    _check_budget(budget_bytes)
+    if not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"plan_ops: repeat must be an int >= 1, got {repeat!r}")
+    progress = progress or (lambda iterable, desc: iterable)
+    measured = _measure_blocks(layers, repeat, progress, sample_inputs, kwargs)
+    return _op_plan(measured, budget_bytes)
+
+
+def _check_budget(budget_bytes: Any) -> None:
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or not budget_bytes > 0:
+        raise ValueError(f"plan_ops: budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
+
+
+def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwargs: Optional[dict] = None,
+                    recorded: Optional[Sequence[tuple[tuple, dict]]] = None) -> dict:
+    """Per block: its candidate ops, input / output / activation / workspace / parameter bytes
+    and seconds. A chain (inputs, kwargs for the first block; each block runs on the previous
+    one's output) or, with recorded, the (args, kwargs) each block received in a real forward
+    (its boundary is its first argument, as plan_recorded_layers counts it)."""
+    leaves = _tensor_leaves(recorded[0] if recorded is not None else inputs)
+    device = leaves[0].device if leaves else torch.device("cpu")
+    devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
+    m: dict = {key: [] for key in ("ops", "inputs", "outputs", "activations", "workspace", "params", "seconds")}
+    buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
+    value: Any = inputs
+    with torch.random.fork_rng(devices=devices):
+        try:
+            for index in progress(range(len(layers)), desc="measuring ops"):
+                first, layer = recorded is not None or index == 0, layers[index]
+                if recorded is not None:
+                    value, kwargs = recorded[index]
+                boundary = _tensor_leaves(value)[:1] if recorded is not None else _tensor_leaves(value)
+                m["inputs"].append(_bytes(boundary))
+                m["ops"].append(_record_ops(layer, value, kwargs, first, repeat, recorded is not None))
+                samples = [_measure_once(layer, value, kwargs, first, device, recorded is not None)
+                           for _ in range(repeat)]
+                m["seconds"].append(statistics.median(s[0] + s[1] for s in samples))
+                m["activations"].append(samples[-1][2])
+                m["workspace"].append(samples[-1][3])
+                out = _tensor_leaves(samples[-1][4])
+                m["outputs"].append(_bytes(out[:1] if recorded is not None else out))
+                m["params"].append(sum(p.nbytes for p in _trainable_parameters(layer))
+                                   if isinstance(layer, nn.Module) else 0)
+                value = samples[-1][4]
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+    return m
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum({(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tuple, dict]], budget_bytes: int,
+                      repeat: int, progress: Optional[Callable] = None) -> OpPlan:
+    """plan_ops over layers that a model calls one by one, each measured on the (args, kwargs)
+    it received in a real forward (hf.checkpoint_layers(..., ops=True))."""
+    _check_budget(budget_bytes)
+    progress = progress or (lambda iterable, desc: iterable)
+    return _op_plan(_measure_blocks(list(layers), repeat, progress, recorded=recorded), budget_bytes)
+
+
+def _op_plan(m: dict, budget_bytes: float) -> OpPlan:
+    shape = (m["inputs"], m["outputs"], m["activations"], m["workspace"], m["params"])
+    n = len(m["ops"])
+    min_budget = _peak([0] * n, *shape)
+    if budget_bytes < min_budget:
+        raise ValueError(f"plan_ops: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below the "
+                         f"minimum any op-level plan of these {n} blocks can meet: {min_budget} bytes "
+                         f"({min_budget / 2**20:.2f} MiB, every block checkpointed, nothing saved)")
+    saved, peak, _ = _choose(m["ops"], *shape, float(budget_bytes))
+    kept = [{tuple(op) for op in block} for block in saved]
+    recompute = sum(op[3] for k, block in enumerate(m["ops"]) for op in block if tuple(op[:2]) not in kept[k])
+    no_checkpoint = _evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], m["params"],
+                              m["inputs"][0])
+    return OpPlan(saved=saved, budget_bytes=int(budget_bytes), predicted_peak_bytes=int(peak),
+                  min_budget_bytes=int(min_budget), no_checkpoint_peak_bytes=int(no_checkpoint),
+                  predicted_recompute_seconds=recompute, step_seconds=sum(m["seconds"]), ops=m["ops"],
+                  block_input_bytes=m["inputs"], block_output_bytes=m["outputs"],
+                  block_activation_bytes=m["activations"], block_workspace_bytes=m["workspace"],
+                  block_parameter_bytes=m["params"])
