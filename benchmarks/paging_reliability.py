@@ -3,7 +3,7 @@
   --header    opening a safetensors header of 10k, 80k and 160k one-element tensors:
               torch_ext.SafetensorsSource against the safetensors package's safe_open
               (target: within 2x at every size).
-  --copy-rss  the default copy path's peak RSS against its budget: a GPT-2-sized model paged at
+  --copy-rss  the copy path's peak RSS against its budget: a GPT-2-sized model paged at
               30% of its weights, with the pager's own buffers (the default), with c10's CPU
               allocator (own_buffers=False), and with that allocator under MALLOC_MMAP_THRESHOLD_
               (the former workaround). Target: peak RSS above start <= budget + the largest tensor
@@ -101,7 +101,8 @@ def status(key):
             return int(line.split()[1]) * 1024
 with torch.device("meta"):
     model = GPT(GPTConfig(**config)).eval()
-pager = torch_ext.page_weights(model, path, budget, policy="scan_resistant", prefetch=12, own_buffers=own)
+pager = torch_ext.page_weights(model, path, budget, policy="scan_resistant", prefetch=12, own_buffers=own,
+                                 zero_copy=False)
 tokens = torch.zeros(1, 16, dtype=torch.long)
 open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM
 start = status("VmRSS:")
@@ -119,7 +120,7 @@ def copy_rss_benchmark(command: str) -> Report:
     import torch_ext
     from torch_ext.demos import GPT, GPTConfig
 
-    report = Report("paging_copy_rss", "Weight paging: the default copy path's peak RSS against its budget",
+    report = Report("paging_copy_rss", "Weight paging: the copy path's peak RSS against its budget",
                     ["variant", "budget", "largest tensor", "peak RSS above start", "RSS after",
                      "bound (budget + largest + constant)", "target"], command)
     with tempfile.TemporaryDirectory() as folder:
