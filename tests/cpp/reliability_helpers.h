@@ -1,5 +1,5 @@
 #pragma once
-// Test helpers for fork safety and stress tests (header-only, tests only).
+// Test helpers: errors, fork safety and stress tests (header-only, tests only).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -9,8 +9,25 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
 
 namespace torch_ext::testing {
+
+// Expects fn to raise a c10::Error whose message contains every needle.
+inline void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error mentioning " << needles.front();
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    for (const auto& needle : needles) {
+      EXPECT_NE(message.find(needle), std::string::npos) << "'" << needle << "' not in: " << message;
+    }
+  }
+}
 
 // Runs fn in a forked child and returns its exit code (fn's result; 2 if it threw), 128 + the
 // signal if it died of one, or -1 if it was still running after `seconds` (a hang: it is killed).

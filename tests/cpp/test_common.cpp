@@ -25,17 +25,7 @@
 
 namespace {
 
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an error mentioning " << needles.front();
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& needle : needles) {
-      EXPECT_NE(message.find(needle), std::string::npos) << "'" << needle << "' not in: " << message;
-    }
-  }
-}
+using torch_ext::testing::expect_error;
 
 enum class Colour { red, green, blue };
 

@@ -90,17 +90,7 @@ std::vector<std::pair<std::string, at::Tensor>> layers(int n, int64_t floats) {
   return out;
 }
 
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an error mentioning " << needles.front();
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& needle : needles) {
-      EXPECT_NE(message.find(needle), std::string::npos) << "'" << needle << "' not in: " << message;
-    }
-  }
-}
+using torch_ext::testing::expect_error;
 
 c10::intrusive_ptr<pg::SafetensorsSource> open(const std::string& path) {
   return c10::make_intrusive<pg::SafetensorsSource>(path);
