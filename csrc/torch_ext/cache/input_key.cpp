@@ -80,6 +80,17 @@ Digest digest_of(const at::Tensor& tensor) {
   return digest;
 }
 
+const Digest& DigestMemo::of(const at::Tensor& tensor) {
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  for (const auto& [known, digest] : known_) {
+    if (known == impl) {
+      return digest;
+    }
+  }
+  known_.emplace_back(impl, digest_of(tensor));
+  return known_.back().second;
+}
+
 void set_digest_bits_for_testing(int bits) {
   TORCH_CHECK_VALUE(bits >= 0 && bits <= 128, "NodeCache: digest bits must be in [0, 128], got ", bits);
   digest_bits_.store(bits, std::memory_order_relaxed);
@@ -123,7 +134,8 @@ bool TensorKey::content_eligible(const at::Tensor& tensor) {
          !impl->is_conj() && !impl->is_neg() && !tensor.is_quantized() && impl->is_contiguous();
 }
 
-std::optional<TensorKey> TensorKey::make(const at::Tensor& tensor, std::optional<ContentBytes> by_content) {
+std::optional<TensorKey> TensorKey::make(const at::Tensor& tensor, std::optional<ContentBytes> by_content,
+                                         DigestMemo* memo) {
   c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
   // Inference tensors have no version counter; tensors without a plain strided storage
   // (sparse, nested, functorch wrappers, __torch_dispatch__ subclasses) cannot be identified.
@@ -146,7 +158,7 @@ std::optional<TensorKey> TensorKey::make(const at::Tensor& tensor, std::optional
   key.requires_grad = impl->requires_grad();
   if (by_content && content_eligible(tensor)) {
     Content content;
-    content.digest = digest_of(tensor);
+    content.digest = memo ? memo->of(tensor) : digest_of(tensor);
     if (*by_content == ContentBytes::kCopy) {
       content.bytes = at::empty({nbytes_of(tensor)}, at::TensorOptions().dtype(at::kByte));
       if (content.bytes.numel() > 0) {
@@ -176,7 +188,7 @@ bool TensorKey::same_sizes_and_strides(const c10::TensorImpl* current) const {
   return true;
 }
 
-bool TensorKey::matches_content(const at::Tensor& tensor) const {
+bool TensorKey::matches_content(const at::Tensor& tensor, DigestMemo* memo) const {
   const c10::TensorImpl* current = tensor.unsafeGetTensorImpl();
   if (c10::typeMetaToScalarType(current->dtype()) != dtype || current->device() != device ||
       !content_eligible(tensor)) {
@@ -185,7 +197,7 @@ bool TensorKey::matches_content(const at::Tensor& tensor) const {
   if (!same_sizes_and_strides(current)) {
     return false;
   }
-  if (digest_of(tensor) != content->digest) {
+  if ((memo ? memo->of(tensor) : digest_of(tensor)) != content->digest) {
     return false;
   }
   // A digest match is a candidate only: compare the bytes (a changed reference cannot confirm).
@@ -197,15 +209,23 @@ bool TensorKey::matches_content(const at::Tensor& tensor) const {
   return nbytes_of(bytes) == n && (n == 0 || std::memcmp(bytes.const_data_ptr(), tensor.const_data_ptr(), n) == 0);
 }
 
-bool TensorKey::matches(const at::Tensor& tensor) const {
+bool TensorKey::stale() const {
+  if (content) {
+    return false;
+  }
+  const auto target = impl.lock();
+  return !target || target->version_counter().current_version() != version;
+}
+
+bool TensorKey::matches(const at::Tensor& tensor, DigestMemo* memo) const {
   c10::TensorImpl* current = tensor.unsafeGetTensorImpl();
   // The weak reference keeps the TensorImpl's memory: a live tensor at this address is the
   // keyed one, never a newer tensor that reused a freed address.
   if (impl._unsafe_get_target() != current) {
-    return content && matches_content(tensor);
+    return content && matches_content(tensor, memo);
   }
   if (content && current->version_counter().current_version() != version) {
-    return matches_content(tensor);  // changed in place: the same values still match
+    return matches_content(tensor, memo);  // changed in place: the same values still match
   }
   if (current->version_counter().current_version() != version || current->storage_offset() != storage_offset ||
       c10::typeMetaToScalarType(current->dtype()) != dtype || current->device() != device || current->requires_grad() != requires_grad) {
@@ -219,11 +239,12 @@ bool TensorKey::matches(const at::Tensor& tensor) const {
   return same_sizes_and_strides(current);
 }
 
-std::optional<InputKey> InputKey::make(c10::ArrayRef<c10::IValue> inputs, size_t content_inputs, ContentBytes bytes) {
+std::optional<InputKey> InputKey::make(c10::ArrayRef<c10::IValue> inputs, size_t content_inputs, ContentBytes bytes,
+                                       DigestMemo* memo) {
   InputKey key;
   key.items_.reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!key.add(inputs[i], i < content_inputs ? std::optional<ContentBytes>(bytes) : std::nullopt)) {
+    if (!key.add(inputs[i], i < content_inputs ? std::optional<ContentBytes>(bytes) : std::nullopt, memo)) {
       return std::nullopt;
     }
   }
@@ -273,14 +294,14 @@ std::vector<at::Tensor> InputKey::content_copies() const {
   return copies;
 }
 
-bool InputKey::add(const c10::IValue& value, std::optional<ContentBytes> by_content) {
+bool InputKey::add(const c10::IValue& value, std::optional<ContentBytes> by_content, DigestMemo* memo) {
   if (value.isTensor()) {
     const at::Tensor& tensor = value.toTensor();
     if (!tensor.defined()) {
       items_.push_back({Kind::kUndefinedTensor, 0, c10::IValue()});
       return true;
     }
-    auto tensor_key = TensorKey::make(tensor, by_content);
+    auto tensor_key = TensorKey::make(tensor, by_content, memo);
     if (!tensor_key) {
       return false;
     }
@@ -292,7 +313,7 @@ bool InputKey::add(const c10::IValue& value, std::optional<ContentBytes> by_cont
     const auto& elements = value.toTupleRef().elements();
     items_.push_back({Kind::kTuple, static_cast<int64_t>(elements.size()), c10::IValue()});
     for (const auto& element : elements) {
-      if (!add(element, by_content)) {
+      if (!add(element, by_content, memo)) {
         return false;
       }
     }
@@ -302,7 +323,7 @@ bool InputKey::add(const c10::IValue& value, std::optional<ContentBytes> by_cont
     const auto list = value.toListRef();
     items_.push_back({Kind::kList, static_cast<int64_t>(list.size()), c10::IValue()});
     for (const auto& element : list) {
-      if (!add(element, by_content)) {
+      if (!add(element, by_content, memo)) {
         return false;
       }
     }
@@ -316,7 +337,7 @@ bool InputKey::add(const c10::IValue& value, std::optional<ContentBytes> by_cont
         return false;
       }
       items_.push_back({Kind::kValue, 0, entry.key()});
-      if (!add(entry.value(), by_content)) {
+      if (!add(entry.value(), by_content, memo)) {
         return false;
       }
     }
@@ -326,14 +347,14 @@ bool InputKey::add(const c10::IValue& value, std::optional<ContentBytes> by_cont
   return true;
 }
 
-bool InputKey::match(const c10::IValue& value, size_t& position) const {
+bool InputKey::match(const c10::IValue& value, size_t& position, DigestMemo* memo) const {
   if (position >= items_.size()) {
     return false;
   }
   const Item& item = items_[position++];
   switch (item.kind) {
     case Kind::kTensor:
-      return value.isTensor() && tensors_[item.count].matches(value.toTensor());
+      return value.isTensor() && tensors_[item.count].matches(value.toTensor(), memo);
     case Kind::kUndefinedTensor:
       return value.isTensor() && !value.toTensor().defined();
     case Kind::kTuple: {
@@ -345,7 +366,7 @@ bool InputKey::match(const c10::IValue& value, size_t& position) const {
         return false;
       }
       for (const auto& element : elements) {
-        if (!match(element, position)) {
+        if (!match(element, position, memo)) {
           return false;
         }
       }
@@ -360,7 +381,7 @@ bool InputKey::match(const c10::IValue& value, size_t& position) const {
         return false;
       }
       for (const auto& element : list) {
-        if (!match(element, position)) {
+        if (!match(element, position, memo)) {
           return false;
         }
       }
@@ -376,7 +397,7 @@ bool InputKey::match(const c10::IValue& value, size_t& position) const {
       }
       for (const auto& entry : dict) {
         if (position >= items_.size() || !same_plain_value(items_[position++].value, entry.key()) ||
-            !match(entry.value(), position)) {
+            !match(entry.value(), position, memo)) {
           return false;
         }
       }
@@ -390,10 +411,10 @@ bool InputKey::match(const c10::IValue& value, size_t& position) const {
   return false;
 }
 
-bool InputKey::matches(c10::ArrayRef<c10::IValue> inputs) const {
+bool InputKey::matches(c10::ArrayRef<c10::IValue> inputs, DigestMemo* memo) const {
   size_t position = 0;
   for (const auto& input : inputs) {
-    if (!match(input, position)) {
+    if (!match(input, position, memo)) {
       return false;
     }
   }
@@ -403,6 +424,15 @@ bool InputKey::matches(c10::ArrayRef<c10::IValue> inputs) const {
 bool InputKey::expired() const {
   for (const auto& tensor : tensors_) {
     if (tensor.expired()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool InputKey::stale() const {
+  for (const auto& tensor : tensors_) {
+    if (tensor.stale()) {
       return true;
     }
   }

@@ -57,6 +57,17 @@ Digest digest_of(const at::Tensor& tensor);
 void set_digest_bits_for_testing(int bits);
 int digest_bits();
 
+// The digests of one lookup's tensors, each computed once however many keys it is compared with
+// (a node's entries, a source's recent values). Valid while those tensors are unchanged: within
+// one NodeCache call.
+class DigestMemo {
+ public:
+  const Digest& of(const at::Tensor& tensor);
+
+ private:
+  c10::SmallVector<std::pair<const c10::TensorImpl*, Digest>, 4> known_;
+};
+
 // How bytes keyed by content are kept for the comparison that confirms a digest match.
 enum class ContentBytes : uint8_t {
   kCopy,       // a private copy (cache entries: the input may be changed or freed later)
@@ -86,15 +97,19 @@ struct TensorKey {
 
   // nullopt when the tensor cannot be keyed safely (see the file comment). by_content: key it
   // by its bytes where it can be (content_eligible), by identity otherwise.
-  static std::optional<TensorKey> make(const at::Tensor& tensor, std::optional<ContentBytes> by_content = std::nullopt);
+  static std::optional<TensorKey> make(const at::Tensor& tensor, std::optional<ContentBytes> by_content = std::nullopt,
+                                       DigestMemo* memo = nullptr);
   // Whether a tensor can be keyed by content (and how many bytes that hashes).
   static bool content_eligible(const at::Tensor& tensor);
-  bool matches(const at::Tensor& tensor) const;
+  bool matches(const at::Tensor& tensor, DigestMemo* memo = nullptr) const;
   // True once an identity-keyed tensor has been freed: nothing can match the key any more.
   bool expired() const { return !content && impl.expired(); }
+  // True once nothing can match the key any more: an identity-keyed tensor freed or changed in
+  // place (versions only grow).
+  bool stale() const;
 
  private:
-  bool matches_content(const at::Tensor& tensor) const;
+  bool matches_content(const at::Tensor& tensor, DigestMemo* memo) const;
   bool same_sizes_and_strides(const c10::TensorImpl* current) const;
 };
 
@@ -103,7 +118,7 @@ class InputKey {
   // nullopt when some input cannot be keyed safely. Tensors in the first content_inputs inputs
   // (inside containers too) are keyed by content where they can be, their bytes kept as given.
   static std::optional<InputKey> make(c10::ArrayRef<c10::IValue> inputs, size_t content_inputs = 0,
-                                      ContentBytes bytes = ContentBytes::kCopy);
+                                      ContentBytes bytes = ContentBytes::kCopy, DigestMemo* memo = nullptr);
   // Bytes of the tensors in inputs[begin, end) that content keys would hash (content_eligible),
   // and of all the other tensors there.
   struct Bytes {
@@ -112,9 +127,11 @@ class InputKey {
   };
   static Bytes tensor_bytes(c10::ArrayRef<c10::IValue> inputs, size_t begin, size_t end);
 
-  bool matches(c10::ArrayRef<c10::IValue> inputs) const;
+  bool matches(c10::ArrayRef<c10::IValue> inputs, DigestMemo* memo = nullptr) const;
   // True when a keyed tensor has been freed.
   bool expired() const;
+  // True when nothing can match any more (TensorKey::stale).
+  bool stale() const;
   size_t tensor_count() const { return tensors_.size(); }
   // The private copies of content-keyed bytes this key holds (for memory accounting).
   std::vector<at::Tensor> content_copies() const;
@@ -127,8 +144,8 @@ class InputKey {
     c10::IValue value;    // kValue / kObject, and dict keys
   };
 
-  bool add(const c10::IValue& value, std::optional<ContentBytes> by_content);
-  bool match(const c10::IValue& value, size_t& position) const;
+  bool add(const c10::IValue& value, std::optional<ContentBytes> by_content, DigestMemo* memo);
+  bool match(const c10::IValue& value, size_t& position, DigestMemo* memo) const;
 
   std::vector<Item> items_;
   std::vector<TensorKey> tensors_;
