@@ -98,7 +98,9 @@ def test_gpt2_decodes_from_its_cache_once_dynamic_cache_is_a_pytree_node(tmp_pat
                     token = expected.logits[:, -1:].argmax(-1)
                     got = executor(token, past_key_values=got.past_key_values)
                     expected = model(token, past_key_values=expected.past_key_values)
-                assert torch.equal(got.logits, expected.logits), length
+                # Not bitwise: in about one fresh process in fifteen the executed graph's first call
+                # rounds differently from eager (~2e-6, before any entry exists, so not a cache hit).
+                torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5, msg=str(length))
                 assert got.past_key_values.get_seq_length() == expected.past_key_values.get_seq_length() == length
         # The prompt's program and the one-token step's (its cache length dynamic).
         assert len(executor.exported_programs) == 2, len(executor.exported_programs)
