@@ -207,9 +207,10 @@ void bind_cache(py::module_& m) {
       .def(
           "observe",
           [](PythonValues& self, int64_t source_id, const py::object& inputs, int64_t work_bytes) {
-            return self.cache->observe(source_id, to_inputs(inputs), work_bytes);
+            return static_cast<int>(self.cache->observe(source_id, to_inputs(inputs), work_bytes));
           },
-          py::arg("source_id"), py::arg("inputs"), py::arg("work_bytes") = 0)
+          py::arg("source_id"), py::arg("inputs"), py::arg("work_bytes") = 0,
+          "0: inputs equal the last observed under source_id; 1: earlier ones among the recent; 2: new")
       .def(
           "record_call",
           [](PythonValues& self, int64_t nodes_computed, int64_t nodes_reused) {

@@ -22,6 +22,7 @@
 #include "reliability_helpers.h"
 
 using torch_ext::cache::NodeCache;
+using torch_ext::cache::Seen;
 
 namespace {
 
@@ -51,7 +52,7 @@ TEST(Cache, AnotherTensorWithEqualValuesMisses) {
   ASSERT_TRUE(cache.put(0, {x}, x * 2, 0));
   EXPECT_FALSE(hit(cache, 0, {floats(8)}));
   EXPECT_EQ(cache.stats().misses, 1);
-  EXPECT_EQ(cache.cached_count(), 0);  // the invalid entry is dropped
+  EXPECT_TRUE(hit(cache, 0, {x}));  // x may come again: its entry stays
 }
 
 TEST(Cache, InPlaceChangeOfAnInputMisses) {
@@ -252,13 +253,55 @@ TEST(Cache, MemoryEstimateUsesMeasuredSizesAndOutlivesEntries) {
 TEST(Cache, ObserveTellsChangedInputsFromStableOnes) {
   NodeCache cache;
   at::Tensor x = floats(4);
-  EXPECT_TRUE(cache.observe(0, {x}));
-  EXPECT_FALSE(cache.observe(0, {x}));
+  EXPECT_EQ(cache.observe(0, {x}), Seen::kNew);
+  EXPECT_EQ(cache.observe(0, {x}), Seen::kSame);
   x.add_(1);
-  EXPECT_TRUE(cache.observe(0, {x}));
-  EXPECT_FALSE(cache.observe(0, {x}));
-  EXPECT_TRUE(cache.observe(0, {floats(4)}));
+  EXPECT_EQ(cache.observe(0, {x}), Seen::kNew);
+  EXPECT_EQ(cache.observe(0, {x}), Seen::kSame);
+  EXPECT_EQ(cache.observe(0, {floats(4)}), Seen::kNew);
   EXPECT_EQ(cache.cached_count(), 0);
+}
+
+TEST(Cache, ObserveRemembersTheMostRecentInputsPerSource) {
+  NodeCache cache({.entries_per_node = 2});
+  at::Tensor a = floats(4), b = floats(4), c = floats(4);
+  EXPECT_EQ(cache.observe(0, {a}), Seen::kNew);
+  EXPECT_EQ(cache.observe(0, {b}), Seen::kNew);
+  EXPECT_EQ(cache.observe(0, {a}), Seen::kRecurring);  // a and b by turns
+  EXPECT_EQ(cache.observe(0, {b}), Seen::kRecurring);
+  EXPECT_EQ(cache.observe(0, {c}), Seen::kNew);        // forgets a, the least recent
+  EXPECT_EQ(cache.observe(0, {a}), Seen::kNew);
+  EXPECT_EQ(cache.observe(0, {c}), Seen::kRecurring);
+  a.add_(1);
+  EXPECT_EQ(cache.observe(0, {a}), Seen::kNew);  // changed in place: not the a seen before
+  NodeCache one({.entries_per_node = 1});
+  EXPECT_EQ(one.observe(0, {a}), Seen::kNew);
+  EXPECT_EQ(one.observe(0, {b}), Seen::kNew);
+  EXPECT_EQ(one.observe(0, {a}), Seen::kNew);
+}
+
+TEST(Cache, ANodeHoldsOneEntryPerSetOfInputsUpToItsLimit) {
+  NodeCache cache({.entries_per_node = 2});
+  at::Tensor a = floats(4), b = floats(4), c = floats(4);
+  ASSERT_TRUE(cache.put(0, {a}, a * 2, 0));
+  ASSERT_TRUE(cache.put(0, {b}, b * 3, 0));
+  EXPECT_TRUE(at::equal(cache.get(0, {a})->toTensor(), a * 2));  // alternating inputs both hit
+  EXPECT_TRUE(at::equal(cache.get(0, {b})->toTensor(), b * 3));
+  EXPECT_TRUE(at::equal(cache.get(0, {a})->toTensor(), a * 2));
+  EXPECT_EQ(cache.cached_count(), 2);
+  EXPECT_EQ(cache.cached_node_ids(), std::vector<int64_t>{0});
+  ASSERT_TRUE(cache.put(0, {c}, c * 4, 0));  // full: b, the least recently used, makes way
+  EXPECT_FALSE(cache.get(0, {b}));
+  EXPECT_TRUE(cache.get(0, {a}));
+  EXPECT_TRUE(cache.get(0, {c}));
+  EXPECT_EQ(cache.cached_bytes(), 2 * 4 * kFloat);  // a's and c's outputs
+  a.add_(1);                                          // a's entry can never match again: dropped
+  EXPECT_FALSE(cache.get(0, {a}));
+  EXPECT_EQ(cache.cached_count(), 1);
+  cache.invalidate_node(0);
+  EXPECT_EQ(cache.cached_count(), 0);
+  EXPECT_EQ(cache.cached_bytes(), 0);
+  EXPECT_THROW(NodeCache({.entries_per_node = 0}), c10::Error);
 }
 
 TEST(Cache, BadArgumentsAreRejectedWithoutChangingState) {
@@ -447,9 +490,10 @@ TEST(CacheContent, ACollisionOfDigestsIsAMissNeverAWrongValue) {
   EXPECT_FALSE(hit(cache, 0, keyed(at::arange(8, at::kLong) + 5, weights)));
   ASSERT_TRUE(cache.put(0, keyed(x, weights), x * 2, 0, std::nullopt, 1));
   EXPECT_TRUE(hit(cache, 0, keyed(at::arange(8, at::kLong), weights)));
-  EXPECT_TRUE(cache.observe(1, {x}, 1 << 20));
-  EXPECT_TRUE(cache.observe(1, {x + 3}, 1 << 20));
-  EXPECT_FALSE(cache.observe(1, {x + 3}, 1 << 20));
+  EXPECT_EQ(cache.observe(1, {x}, 1 << 20), Seen::kNew);
+  EXPECT_EQ(cache.observe(1, {x + 3}, 1 << 20), Seen::kNew);
+  EXPECT_EQ(cache.observe(1, {x + 3}, 1 << 20), Seen::kSame);
+  EXPECT_EQ(cache.observe(1, {at::arange(8, at::kLong)}, 1 << 20), Seen::kRecurring);
 }
 
 TEST(CacheContent, TheRuleHashesOnlyInputsSmallAgainstTheWeights) {
@@ -492,12 +536,13 @@ TEST(CacheContent, TensorsThatRequireGradOrAreViewsOfOtherValuesKeepIdentity) {
 TEST(CacheContent, ObserveCountsAnEqualTensorAsUnchangedWhereHashingPays) {
   NodeCache cache;
   at::Tensor x = at::arange(8, at::kLong);
-  EXPECT_TRUE(cache.observe(0, {x}, 1 << 20));
-  EXPECT_FALSE(cache.observe(0, {at::arange(8, at::kLong)}, 1 << 20));
-  EXPECT_TRUE(cache.observe(0, {at::arange(8, at::kLong) + 1}, 1 << 20));
-  EXPECT_TRUE(cache.observe(1, {x}, 0));  // no work: identity only
-  EXPECT_TRUE(cache.observe(1, {at::arange(8, at::kLong)}, 0));
+  EXPECT_EQ(cache.observe(0, {x}, 1 << 20), Seen::kNew);
+  EXPECT_EQ(cache.observe(0, {at::arange(8, at::kLong)}, 1 << 20), Seen::kSame);
+  EXPECT_EQ(cache.observe(0, {at::arange(8, at::kLong) + 1}, 1 << 20), Seen::kNew);
+  EXPECT_EQ(cache.observe(0, {at::arange(8, at::kLong)}, 1 << 20), Seen::kRecurring);
+  EXPECT_EQ(cache.observe(1, {x}, 0), Seen::kNew);  // no work: identity only
+  EXPECT_EQ(cache.observe(1, {at::arange(8, at::kLong)}, 0), Seen::kNew);
   NodeCache off({.content_keys = false});
-  EXPECT_TRUE(off.observe(0, {x}, 1 << 20));
-  EXPECT_TRUE(off.observe(0, {at::arange(8, at::kLong)}, 1 << 20));
+  EXPECT_EQ(off.observe(0, {x}, 1 << 20), Seen::kNew);
+  EXPECT_EQ(off.observe(0, {at::arange(8, at::kLong)}, 1 << 20), Seen::kNew);
 }

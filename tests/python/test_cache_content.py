@@ -33,16 +33,43 @@ def inputs():
 
 
 def test_an_equal_prompt_in_a_new_tensor_reuses_the_encoder(inputs):
-    tokens, latent = inputs
+    tokens, _ = inputs
+    other = (tokens + 1) % 1024
+    noise = torch.Generator().manual_seed(2)  # a new latent per sample, as a new seed gives
     model = denoiser()
     executor = LazyExecutor(model)
     assert executor.cache.content_keys and executor.cache.content_key_fraction == 0.01
-    first = computed(executor, model, latent, tokens)
-    same_object = computed(executor, model, latent, tokens)
+
+    def run(prompt):
+        return computed(executor, model, torch.randn(1, 8, 64, generator=noise), prompt)
+
+    first = run(tokens)
+    same_object = run(tokens)
     assert same_object < first
-    assert computed(executor, model, latent, tokens.clone()) == same_object  # tokenized again
-    assert computed(executor, model, latent, tokens.clone()) == same_object
-    assert computed(executor, model, latent, (tokens + 1) % 1024) == first  # another prompt: encoded
+    assert run(tokens.clone()) == same_object  # tokenized again
+    assert run(tokens.clone()) == same_object
+    encoder = run(other) - same_object  # another prompt: encoded
+    assert encoder > 0
+    assert run(other.clone()) == same_object
+    assert run(tokens.clone()) == same_object  # both prompts keep their entries
+    assert executor.stats().entries > 0
+
+
+def test_prompts_by_turns_keep_an_entry_each_up_to_entries_per_node(inputs):
+    tokens, _ = inputs
+    prompts = [(tokens + i) % 1024 for i in range(3)]
+    noise = torch.Generator().manual_seed(2)
+    results = {}
+    for per_node in (1, 2, 3):
+        model = denoiser()
+        executor = LazyExecutor(model, entries_per_node=per_node)
+        runs = [computed(executor, model, torch.randn(1, 8, 64, generator=noise), prompts[i % 3].clone())
+                for i in range(9)]
+        results[per_node] = runs[3:]  # after each prompt's first sample
+    # Three prompts by turns: served only where a node holds three entries.
+    assert results[3][0] == min(results[3]) == max(results[3])
+    assert results[2] == results[1]
+    assert min(results[1]) > results[3][0]
 
 
 def test_identity_keys_alone_recompute_an_equal_prompt(inputs):
@@ -56,17 +83,25 @@ def test_identity_keys_alone_recompute_an_equal_prompt(inputs):
 
 
 def test_a_forced_digest_collision_gives_the_models_values_not_the_cached_ones(inputs):
-    tokens, latent = inputs
-    NodeCache._set_digest_bits_for_testing(0)  # every digest equal: only the byte comparison tells
-    try:
-        model = denoiser()
-        executor = LazyExecutor(model)
-        first = computed(executor, model, latent, tokens)
-        # A different prompt of the same shape collides; the bytes differ: computed, and equal to the model's.
-        assert computed(executor, model, latent, (tokens + 7) % 1024) == first
-        assert computed(executor, model, latent, ((tokens + 7) % 1024).clone()) < first  # equal bytes: a hit
-    finally:
-        NodeCache._set_digest_bits_for_testing(128)
+    tokens, _ = inputs
+    other = (tokens + 7) % 1024  # a different prompt of the same shape
+
+    def nodes_run(bits):
+        NodeCache._set_digest_bits_for_testing(bits)
+        try:
+            model = denoiser()
+            executor = LazyExecutor(model)
+            noise = torch.Generator().manual_seed(2)
+            return [computed(executor, model, torch.randn(1, 8, 64, generator=noise), prompt)
+                    for prompt in (tokens, other, other.clone(), tokens.clone())]
+        finally:
+            NodeCache._set_digest_bits_for_testing(128)
+
+    # With every digest equal only the byte comparison tells the prompts apart: the same nodes run as
+    # with full digests (computed() checks each result against the model's).
+    collided = nodes_run(0)
+    assert collided == nodes_run(128)
+    assert collided[1] > collided[2] == collided[3]  # the other prompt encoded, then both served
     with pytest.raises(ValueError, match="digest bits must be in"):
         NodeCache._set_digest_bits_for_testing(129)
 

@@ -37,10 +37,10 @@ class CountEmbeddings(TorchDispatchMode):
 
 
 def images(pipe, seed, prompt="a cat"):
-    """One pipeline call (no classifier-free guidance: one text-encoder call) and how many
-    embeddings it ran."""
+    """One pipeline call with the pipeline's defaults (classifier-free guidance: the text encoder
+    encodes the prompt, then the empty negative prompt) and how many embeddings it ran."""
     with CountEmbeddings() as counter:
-        out = pipe(prompt, num_inference_steps=2, height=8, width=8, guidance_scale=1.0,
+        out = pipe(prompt, num_inference_steps=2, height=8, width=8,
                    generator=torch.Generator().manual_seed(seed), output_type="pt").images
     return out, counter.count
 
@@ -57,13 +57,16 @@ def test_a_second_call_with_the_same_prompt_runs_no_text_encoder_node(tmp_path):
     pipe = tiny_stable_diffusion(str(tmp_path))
     executor = routed(pipe)
     got, embeddings = images(pipe, 0)
-    assert torch.equal(got, expected[0]) and embeddings == 2
+    assert torch.equal(got, expected[0]) and embeddings == 3  # tokens of prompt and negative, positions once
     for seed in (1, 2):  # the prompt is tokenized again: a new tensor, equal values
         got, embeddings = images(pipe, seed)
         assert torch.equal(got, expected[seed]) and embeddings == 0
     assert executor.stats().hits >= 2
     got, embeddings = images(pipe, 0, prompt="a dog")  # another prompt: encoded
-    assert torch.equal(got, images(plain, 0, prompt="a dog")[0]) and embeddings == 1  # positions: cached
+    # Its tokens are embedded; positions and the negative prompt are served.
+    assert torch.equal(got, images(plain, 0, prompt="a dog")[0]) and embeddings == 1
+    got, embeddings = images(pipe, 3)  # back to the first prompt: still held
+    assert torch.equal(got, images(plain, 3)[0]) and embeddings == 0
     del pipe.text_encoder.forward  # routed back: the plain module again
     assert torch.equal(images(pipe, 1)[0], expected[1])
 
@@ -94,7 +97,7 @@ def test_a_new_process_with_the_store_runs_no_text_encoder_node(tmp_path):
         return json.loads(out.stdout.strip().splitlines()[-1]), torch.load(tmp_path / "image.pt")
 
     first, image = run()
-    assert first["embeddings"] == 2 and first["writes"] > 0
+    assert first["embeddings"] == 3 and first["writes"] > 0
     second, again = run()
     assert second["embeddings"] == 0 and second["hits"] > 0 and second["rejected"] == 0
     assert torch.equal(again, image) and torch.equal(image, images(tiny_stable_diffusion(str(tmp_path)), 5)[0])

@@ -22,6 +22,8 @@ from .exporting import _Exports
 from .store import NodeStore
 from .tracing import _FxTraceError, _trace
 
+_SAME, _RECURRING, _NEW = 0, 1, 2  # what NodeCache.observe saw (torch_ext::cache::Seen)
+
 NodeCache = torch.classes.torch_ext.NodeCache
 
 _training = operator.attrgetter("training")
@@ -60,6 +62,7 @@ class LazyExecutor(nn.Module):
                             f"ExportedProgram, got {type(module).__name__}")
         self.module = module
         self.cache = NodeCache(**options)
+        self._recent = self.cache.entries_per_node
         self.store = None if store is None else NodeStore(store, store_budget_bytes)
         self._values = _C.cache.PythonValues(self.cache)
         self._never_cache = set(never_cache)  # and classes by qualified name, as exported graphs record them
@@ -120,12 +123,14 @@ class LazyExecutor(nn.Module):
         return self._plans[("export", entry.serial)], call.flat
 
     # ---- running ----
-    def _source_status(self, step: _Step, inputs: list, work_bytes: int = 0) -> int:
-        if not self._values.observe(step.node_id, inputs, work_bytes):
+    def _status(self, step: _Step, seen: int) -> int:
+        """A source's status from what NodeCache.observe saw: STABLE when equal to the last call's, FRESH when
+        changed, VARYING once new (none of the entries_per_node recent) more calls in a row than a node holds."""
+        if seen == _SAME:
             step.streak = 0
             return STABLE
-        step.streak += 1
-        return VARYING if step.streak >= 2 else FRESH
+        step.streak = 0 if seen == _RECURRING else step.streak + 1
+        return VARYING if step.streak > self._recent else FRESH
 
     def forward(self, *args, **kwargs):
         with self._lock:
@@ -146,14 +151,14 @@ class LazyExecutor(nn.Module):
         env: list = [None] * plan.size
         status = [STABLE] * plan.size
         grad_enabled = torch.is_grad_enabled()
-        varying, fresh = self._read_sources(plan, env, status, placeholder_values)
+        varying, fresh, new = self._read_sources(plan, env, status, placeholder_values)
         analysis = self._analysis_for(plan, varying, fresh)
         keys: dict = {}  # frontier index -> (key, number of sources, number of graph inputs), for the misses
         looked_up: dict = {}  # frontier index -> what its lookup found
         with_training = not self._trace
-        demand = self._replay_demand(plan, analysis, env, fresh, with_training, keys, looked_up)
+        demand = self._replay_demand(plan, analysis, env, new, with_training, keys, looked_up)
         if demand is None:
-            demand = self._walk_demand(plan, analysis, env, fresh, varying, with_training, keys, looked_up)
+            demand = self._walk_demand(plan, analysis, env, new, varying, with_training, keys, looked_up)
         program, n_run = demand
         computed, reused = self._execute(plan, analysis, program, env, status, keys, varying, grad_enabled)
         result = plan.output_build(env)
@@ -162,13 +167,12 @@ class LazyExecutor(nn.Module):
             return plan.codegen.process_outputs(result)
         return result
 
-    def _read_sources(self, plan: _Plan, env: list, status: list, placeholder_values: list) -> tuple[int, int]:
-        """Sources (inputs, attributes, shapes of those): their values and whether they changed.
-        Fills their slots of env and status; returns the bits of the varying and of the fresh
-        (changed this call) sources."""
+    def _read_sources(self, plan: _Plan, env: list, status: list, placeholder_values: list) -> tuple[int, int, int]:
+        """Sources (inputs, attributes, shapes of those): fills their env and status slots; returns the bits
+        of the varying sources, the fresh (changed this call), and the new among those (no entry holds them)."""
         mask = plan.mask
         next_placeholder = iter(placeholder_values)
-        varying = fresh = 0
+        varying = fresh = new = 0
         for step in plan.sources:
             i = step.index
             if step.op == "placeholder":
@@ -179,12 +183,15 @@ class LazyExecutor(nn.Module):
                 value = self._call(step, env, None)
             env[i] = value
             # A graph input may count as unchanged by content (the NodeCache's rule, against the weights).
-            st = status[i] = self._source_status(step, [value], self._weight_bytes if step.op == "placeholder" else 0)
+            st = status[i] = self._status(step, seen := self._values.observe(
+                step.node_id, [value], self._weight_bytes if step.op == "placeholder" else 0))
             if st == VARYING:
                 varying |= mask[i]
             elif st == FRESH:
                 fresh |= mask[i]
-        return varying, fresh
+                if seen == _NEW:
+                    new |= mask[i]
+        return varying, fresh, new
 
     def _analysis_for(self, plan: _Plan, varying: int, fresh: int) -> _Analysis:
         """The analysis of this pattern of varying and fresh sources (and, for graphs not traced
@@ -206,7 +213,7 @@ class LazyExecutor(nn.Module):
                 self.cache.invalidate_nodes(stale)
         return analysis
 
-    def _replay_demand(self, plan: _Plan, analysis: _Analysis, env: list, fresh: int, with_training: bool,
+    def _replay_demand(self, plan: _Plan, analysis: _Analysis, env: list, new: int, with_training: bool,
                        keys: dict, looked_up: dict) -> Optional[tuple[list, int]]:
         """The last call's (program, steps in it) when this call's lookups, done in that call's
         order, come out as that call's did: they demand the same steps. None when one differs (the
@@ -215,12 +222,12 @@ class LazyExecutor(nn.Module):
         if memo is None or memo[0] != plan.epoch:
             return None
         for step, hit in memo[1]:
-            value = looked_up[step.index] = self._look_up(plan, analysis, step, env, fresh, with_training, keys)
+            value = looked_up[step.index] = self._look_up(plan, analysis, step, env, new, with_training, keys)
             if (value is not _MISS) != hit:
                 return None
         return memo[2], memo[3]
 
-    def _walk_demand(self, plan: _Plan, analysis: _Analysis, env: list, fresh: int, varying: int,
+    def _walk_demand(self, plan: _Plan, analysis: _Analysis, env: list, new: int, varying: int,
                      with_training: bool, keys: dict, looked_up: dict) -> tuple[list, int]:
         """Demand, from the output back: a frontier node found in the cache needs nothing of its
         closure; one that must be computed needs its inputs. Keys are closure sources and module
@@ -238,7 +245,7 @@ class LazyExecutor(nn.Module):
                 continue
             if frontier[i] and step.has_tensor:
                 value = looked_up[i] if i in looked_up else self._look_up(
-                    plan, analysis, step, env, fresh, with_training, keys)
+                    plan, analysis, step, env, new, with_training, keys)
                 lookups.append((step, value is not _MISS))
                 if value is not _MISS:
                     continue
@@ -295,7 +302,8 @@ class LazyExecutor(nn.Module):
         of graph inputs among them); returns its status, VARYING where its module state changes at
         every call (training)."""
         key, n_sources, n_inputs, on_disk = entry
-        if len(key) > n_sources and self._source_status(step, key[n_sources:]) == VARYING:
+        module_state = key[n_sources:]
+        if module_state and self._status(step, self._values.observe(step.node_id, module_state, 0)) == VARYING:
             st = VARYING  # parameters that change at every call (training)
         if self._store(plan, step, key, value, cost, st == VARYING, grad_enabled, n_inputs) and on_disk and step.cached:
             self.store.put(*on_disk, value)
@@ -355,7 +363,7 @@ class LazyExecutor(nn.Module):
                     step.streak = 0  # the module's state is in the key: unchanged
                 else:
                     if key_extra is not None:
-                        source = self._source_status(step, key_extra)
+                        source = self._status(step, self._values.observe(step.node_id, key_extra, 0))
                         if source > st:
                             st = source
                     start = perf_counter()
@@ -394,7 +402,7 @@ class LazyExecutor(nn.Module):
                         tensor.grad_fn.register_hook(step.on_backward)
         return True
 
-    def _look_up(self, plan: _Plan, analysis: _Analysis, step: _Step, env: list, fresh: int, with_training: bool,
+    def _look_up(self, plan: _Plan, analysis: _Analysis, step: _Step, env: list, new: int, with_training: bool,
                  keys: dict) -> Any:
         """A frontier node's cached value (also put in env), or _MISS with its key put in keys."""
         i = step.index
@@ -404,7 +412,7 @@ class LazyExecutor(nn.Module):
             key.extend([d[k] for d, k in pairs])
         if modules:
             key.extend([parent._modules[attr].training for parent, attr in modules])
-        if not plan.mask[i] & fresh:
+        if not plan.mask[i] & new:  # a source with a value no entry can hold: not worth a lookup
             value = self._values.get(step.node_id, key, _MISS)
             if value is not _MISS:
                 env[i] = value

@@ -37,6 +37,43 @@ std::vector<c10::IValue> as_inputs(const c10::IValue& inputs) {
   return {inputs};
 }
 
+// Invalidation, accounting, stats and pickling: everything but the lookups.
+void def_housekeeping(torch::class_<NodeCache>& cls) {
+  cls.def("invalidate_node", &NodeCache::invalidate_node)
+      .def("invalidate_nodes", [](const Self& self, std::vector<int64_t> node_ids) { self->invalidate_nodes(node_ids); })
+      .def("invalidate", &NodeCache::invalidate)
+      .def("cached_count", &NodeCache::cached_count)
+      .def("cached_bytes", &NodeCache::cached_bytes)
+      .def("cached_node_ids", &NodeCache::cached_node_ids)
+      .def("set_capacity_bytes", &NodeCache::set_capacity_bytes,
+           "Evict (cheapest per byte first) until the cache fits the new capacity (None: no limit)")
+      .def(
+          "memory_estimate",
+          [](const Self& self, std::optional<std::vector<int64_t>> node_ids) {
+            return node_ids ? self->memory_estimate(*node_ids) : self->memory_estimate();
+          },
+          "Bytes the nodes' outputs took when last put (all nodes when None)", {torch::arg("node_ids") = c10::IValue()})
+      .def("record_call", &NodeCache::record_call, "Count an executor call in stats()")
+      .def("stats", [](const Self& self) { return torch_ext::box(self->stats()); })
+      .def("reset_stats", &NodeCache::reset_stats)
+      // Test hook (process-wide): truncate content digests to `bits` bits to force collisions.
+      .def_static("_set_digest_bits_for_testing", [](int64_t bits) {
+        torch_ext::cache::set_digest_bits_for_testing(static_cast<int>(bits));
+      })
+      // A saved module keeps the options; cached outputs are not saved.
+      .def_pickle(
+          [](const Self& self) {
+            const NodeCacheOptions options = self->options();
+            return std::make_tuple(options.capacity_bytes, options.content_keys, options.content_key_fraction,
+                                   options.entries_per_node);
+          },
+          [](std::tuple<std::optional<int64_t>, bool, double, int64_t> state) {
+            auto [capacity_bytes, content_keys, content_key_fraction, entries_per_node] = std::move(state);
+            return c10::make_intrusive<NodeCache>(
+                NodeCacheOptions{capacity_bytes, content_keys, content_key_fraction, entries_per_node});
+          });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
@@ -75,10 +112,10 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
       .def(
           "observe",
           [](const Self& self, int64_t source_id, c10::IValue inputs, int64_t work_bytes) {
-            return self->observe(source_id, as_inputs(inputs), work_bytes);
+            return static_cast<int64_t>(self->observe(source_id, as_inputs(inputs), work_bytes));
           },
-          "Whether inputs differ from those last observed under source_id (by content where that pays for "
-          "work_bytes of weights)",
+          "0 when inputs equal those last observed under source_id, 1 when they equal earlier ones among the "
+          "entries_per_node most recent, 2 when new (by content where that pays for work_bytes of weights)",
           {torch::arg("source_id"), torch::arg("inputs"), torch::arg("work_bytes") = 0})
       .def(
           "keys_by_content",
@@ -86,36 +123,6 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
             return self->options().keys_by_content(hashed_bytes, work_bytes);
           },
           "The content-key rule (NodeCacheOptions::keys_by_content): whether hashing hashed_bytes of inputs pays "
-          "for work that reads work_bytes of weights")
-      .def("invalidate_node", &NodeCache::invalidate_node)
-      .def("invalidate_nodes", [](const Self& self, std::vector<int64_t> node_ids) { self->invalidate_nodes(node_ids); })
-      .def("invalidate", &NodeCache::invalidate)
-      .def("cached_count", &NodeCache::cached_count)
-      .def("cached_bytes", &NodeCache::cached_bytes)
-      .def("cached_node_ids", &NodeCache::cached_node_ids)
-      .def("set_capacity_bytes", &NodeCache::set_capacity_bytes,
-           "Evict (cheapest per byte first) until the cache fits the new capacity (None: no limit)")
-      .def(
-          "memory_estimate",
-          [](const Self& self, std::optional<std::vector<int64_t>> node_ids) {
-            return node_ids ? self->memory_estimate(*node_ids) : self->memory_estimate();
-          },
-          "Bytes the nodes' outputs took when last put (all nodes when None)", {torch::arg("node_ids") = c10::IValue()})
-      .def("record_call", &NodeCache::record_call, "Count an executor call in stats()")
-      .def("stats", [](const Self& self) { return torch_ext::box(self->stats()); })
-      .def("reset_stats", &NodeCache::reset_stats)
-      // Test hook (process-wide): truncate content digests to `bits` bits to force collisions.
-      .def_static("_set_digest_bits_for_testing", [](int64_t bits) {
-        torch_ext::cache::set_digest_bits_for_testing(static_cast<int>(bits));
-      })
-      // A saved module keeps the options; cached outputs are not saved.
-      .def_pickle(
-          [](const Self& self) {
-            const NodeCacheOptions options = self->options();
-            return std::make_tuple(options.capacity_bytes, options.content_keys, options.content_key_fraction);
-          },
-          [](std::tuple<std::optional<int64_t>, bool, double> state) {
-            auto [capacity_bytes, content_keys, content_key_fraction] = std::move(state);
-            return c10::make_intrusive<NodeCache>(NodeCacheOptions{capacity_bytes, content_keys, content_key_fraction});
-          });
+          "for work that reads work_bytes of weights");
+  def_housekeeping(cls);
 }

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <unordered_set>
+#include <utility>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
@@ -55,6 +57,7 @@ void NodeCacheOptions::validate() const {
   TORCH_CHECK_VALUE(content_key_fraction >= 0 && !std::isnan(content_key_fraction),
                     "NodeCache: content_key_fraction must be a number >= 0 (inf: always hash), got ",
                     content_key_fraction);
+  TORCH_CHECK_VALUE(entries_per_node >= 1, "NodeCache: entries_per_node must be >= 1, got ", entries_per_node);
 }
 
 NodeCache::NodeCache(NodeCacheOptions options)
@@ -78,7 +81,7 @@ bool NodeCache::outputs_unchanged(const Entry& entry) const {
   return true;
 }
 
-void NodeCache::remove_locked(std::unordered_map<int64_t, Entry>::iterator it, std::vector<Entry>& dead) {
+void NodeCache::remove_locked(Entries::iterator it, std::vector<Entry>& dead) {
   for (const void* storage : it->second.storages) {
     auto use = storages_.find(storage);
     if (use != storages_.end() && --use->second.users == 0) {
@@ -92,22 +95,29 @@ void NodeCache::remove_locked(std::unordered_map<int64_t, Entry>::iterator it, s
 
 std::optional<c10::IValue> NodeCache::get(int64_t node_id, c10::ArrayRef<c10::IValue> inputs) {
   const ModeKey mode = ModeKey::current();
+  DigestMemo digests;
   std::vector<Entry> dead;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = entries_.find(node_id);
-  if (it == entries_.end()) {
-    ++stats_.misses;
-    return std::nullopt;
+  auto [it, end] = entries_.equal_range(node_id);
+  while (it != end) {
+    Entry& entry = it->second;
+    if (entry.mode == mode && entry.inputs.matches(inputs, &digests)) {
+      if (!outputs_unchanged(entry)) {
+        remove_locked(it, dead);
+        break;
+      }
+      ++stats_.hits;
+      entry.last_use = ++clock_;
+      return entry.value;
+    }
+    const auto next = std::next(it);
+    if (entry.inputs.stale() || !outputs_unchanged(entry)) {
+      remove_locked(it, dead);  // can never be served again
+    }
+    it = next;
   }
-  Entry& entry = it->second;
-  if (!(entry.mode == mode) || !entry.inputs.matches(inputs) || !outputs_unchanged(entry)) {
-    remove_locked(it, dead);
-    ++stats_.misses;
-    return std::nullopt;
-  }
-  ++stats_.hits;
-  entry.last_use = ++clock_;
-  return entry.value;
+  ++stats_.misses;
+  return std::nullopt;
 }
 
 bool NodeCache::make_room_locked(int64_t limit, double incoming_score, const std::vector<const void*>& incoming_storages,
@@ -122,17 +132,18 @@ bool NodeCache::make_room_locked(int64_t limit, double incoming_score, const std
     return true;
   }
   struct Candidate {
-    int64_t node_id;
+    Entries::iterator entry;
     bool expired;
     double score;
     uint64_t last_use;
   };
   std::vector<Candidate> candidates;
-  for (const auto& [node_id, entry] : entries_) {
+  for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+    const Entry& entry = it->second;
     const bool expired = entry.inputs.expired();
     const double score = entry.cost_seconds / static_cast<double>(std::max<int64_t>(entry.bytes, 1));
     if (entry.bytes > 0 && (expired || score <= incoming_score)) {
-      candidates.push_back({node_id, expired, score, entry.last_use});
+      candidates.push_back({it, expired, score, entry.last_use});
     }
   }
   std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
@@ -148,7 +159,7 @@ bool NodeCache::make_room_locked(int64_t limit, double incoming_score, const std
   std::unordered_map<const void*, int64_t> released;
   size_t victims = 0;
   while (total > limit && victims < candidates.size()) {
-    const Entry& entry = entries_.at(candidates[victims++].node_id);
+    const Entry& entry = candidates[victims++].entry->second;
     for (const void* storage : entry.storages) {
       const StorageUse& use = storages_.at(storage);
       if (use.users - ++released[storage] == 0 && incoming.count(storage) == 0) {
@@ -160,10 +171,31 @@ bool NodeCache::make_room_locked(int64_t limit, double incoming_score, const std
     return false;
   }
   for (size_t i = 0; i < victims; ++i) {
-    remove_locked(entries_.find(candidates[i].node_id), dead);
+    remove_locked(candidates[i].entry, dead);
   }
   stats_.evictions += static_cast<int64_t>(victims);
   return true;
+}
+
+void NodeCache::make_way_on_node_locked(int64_t node_id, std::vector<Entry>& dead) {
+  auto [it, end] = entries_.equal_range(node_id);
+  std::optional<Entries::iterator> oldest;
+  int64_t held = 0;
+  while (it != end) {
+    const auto next = std::next(it);
+    if (it->second.inputs.stale()) {
+      remove_locked(it, dead);
+    } else {
+      ++held;
+      if (!oldest || it->second.last_use < (*oldest)->second.last_use) {
+        oldest = it;
+      }
+    }
+    it = next;
+  }
+  if (held >= content_options_.entries_per_node) {
+    remove_locked(*oldest, dead);
+  }
 }
 
 bool NodeCache::put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IValue value, double cost_seconds,
@@ -217,10 +249,7 @@ bool NodeCache::put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IVa
 
   std::vector<Entry> dead;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(mutex_);
-  auto existing = entries_.find(node_id);
-  if (existing != entries_.end()) {
-    remove_locked(existing, dead);
-  }
+  make_way_on_node_locked(node_id, dead);
   NodeHistory& history = history_[node_id];
   history.bytes = entry.bytes;
   if (!make_room_locked(capacity_bytes_, score, entry.storages, storage_nbytes, dead)) {
@@ -242,17 +271,37 @@ bool NodeCache::put(int64_t node_id, c10::ArrayRef<c10::IValue> inputs, c10::IVa
   return true;
 }
 
-bool NodeCache::observe(int64_t source_id, c10::ArrayRef<c10::IValue> inputs, int64_t work_bytes) {
+Seen NodeCache::observe(int64_t source_id, c10::ArrayRef<c10::IValue> inputs, int64_t work_bytes) {
   const bool by_content =
       work_bytes > 0 &&
       content_options_.keys_by_content(InputKey::tensor_bytes(inputs, 0, inputs.size()).hashable, work_bytes);
-  auto key = InputKey::make(inputs, by_content ? inputs.size() : 0, ContentBytes::kReference);
-  std::optional<InputKey> previous;  // destroyed after the lock is released
+  DigestMemo digests;
+  auto key = InputKey::make(inputs, by_content ? inputs.size() : 0, ContentBytes::kReference, &digests);
+  std::vector<InputKey> forgotten;  // destroyed after the lock is released
   std::lock_guard<std::mutex> lock(mutex_);
-  auto& slot = observed_[source_id];
-  const bool changed = !key || !slot || !slot->matches(inputs);
-  previous = std::exchange(slot, std::move(key));
-  return changed;
+  std::vector<InputKey>& recent = observed_[source_id];
+  if (!key) {
+    forgotten.swap(recent);
+    return Seen::kNew;
+  }
+  size_t found = 0;
+  while (found < recent.size() && !recent[found].matches(inputs, &digests)) {
+    ++found;
+  }
+  const Seen seen = found == 0 && !recent.empty() ? Seen::kSame : found < recent.size() ? Seen::kRecurring : Seen::kNew;
+  if (found == recent.size()) {
+    if (recent.size() >= static_cast<size_t>(content_options_.entries_per_node)) {
+      forgotten.push_back(std::move(recent.back()));
+      recent.pop_back();
+    }
+    recent.emplace_back(std::move(*key));
+    found = recent.size() - 1;
+  } else {
+    forgotten.push_back(std::exchange(recent[found], std::move(*key)));  // the latest tensors confirm the bytes
+  }
+  std::rotate(recent.begin(), recent.begin() + static_cast<std::ptrdiff_t>(found),
+              recent.begin() + static_cast<std::ptrdiff_t>(found) + 1);
+  return seen;
 }
 
 void NodeCache::invalidate_node(int64_t node_id) { invalidate_nodes(c10::ArrayRef<int64_t>(node_id)); }
@@ -261,17 +310,17 @@ void NodeCache::invalidate_nodes(c10::ArrayRef<int64_t> node_ids) {
   std::vector<Entry> dead;
   std::lock_guard<std::mutex> lock(mutex_);
   for (int64_t node_id : node_ids) {
-    auto it = entries_.find(node_id);
-    if (it != entries_.end()) {
-      remove_locked(it, dead);
+    auto [it, end] = entries_.equal_range(node_id);
+    while (it != end) {
+      remove_locked(it++, dead);
       ++stats_.invalidations;
     }
   }
 }
 
 void NodeCache::invalidate() {
-  std::unordered_map<int64_t, Entry> dead_entries;
-  std::unordered_map<int64_t, std::optional<InputKey>> dead_keys;
+  Entries dead_entries;
+  std::unordered_map<int64_t, std::vector<InputKey>> dead_keys;
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.invalidations += static_cast<int64_t>(entries_.size());
   dead_entries.swap(entries_);
@@ -300,6 +349,7 @@ std::vector<int64_t> NodeCache::cached_node_ids() const {
     }
   }
   std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   return ids;
 }
 

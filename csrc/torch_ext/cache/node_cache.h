@@ -5,7 +5,10 @@
 // under. get() returns it only while every input is the same live tensor at the same version,
 // data pointer, storage, sizes, strides, offset, dtype, device and requires_grad, the thread
 // is in the same grad / inference / autocast mode, and the output tensors themselves have not
-// been changed in place since put(). A failed check drops the entry.
+// been changed in place since put(). A node holds up to NodeCacheOptions::entries_per_node
+// entries, one per set of inputs (a prompt and a negative prompt encoded by turns both stay);
+// put() on a full node replaces its least recently used entry. An entry that can never match
+// again (an input freed or changed in place) or whose outputs were changed is dropped when seen.
 //
 // Inputs are keyed as input_key.h describes, by content where NodeCacheOptions::keys_by_content
 // says hashing pays. Bytes held: every storage referenced by a cached output (and the copies of
@@ -18,7 +21,8 @@
 // one; if that cannot make room the new entry is not stored.
 //
 // Thread safety: every method may be called from any thread; one mutex guards all state (get()
-// and observe() hash and compare content-keyed inputs under it: bytes the content-key rule bounds).
+// and observe() hash and compare content-keyed inputs under it: bytes the content-key rule bounds,
+// each input hashed once per call).
 // Values are released after the mutex is let go, so a value whose destructor takes another
 // lock (a Python object and the GIL) cannot deadlock against the cache. Fork-safe: pthread_atfork
 // handlers (torch_ext/common/fork.h) hold the mutex across fork(), so a child inherits whole state and a
@@ -77,6 +81,7 @@ struct NodeCacheOptions {
   std::optional<int64_t> capacity_bytes;
   bool content_keys = true;
   double content_key_fraction = 0.01;
+  int64_t entries_per_node = 4;
 
   static constexpr auto fields() {
     return std::make_tuple(
@@ -87,7 +92,10 @@ struct NodeCacheOptions {
               "in a new object hits; False: by identity only"),
         field("content_key_fraction", &NodeCacheOptions::content_key_fraction,
               "inputs are hashed only when their bytes are at most this fraction of the bytes of the weights "
-              "(tensors keyed by identity: parameters, buffers) that the cached work reads (0: never; inf: always)"));
+              "(tensors keyed by identity: parameters, buffers) that the cached work reads (0: never; inf: always)"),
+        field("entries_per_node", &NodeCacheOptions::entries_per_node,
+              "the most entries a node holds, one per set of inputs (inputs that recur by turns, as a prompt and a "
+              "negative prompt, each keep theirs), and the number of recent inputs observe() remembers per source"));
   }
   void validate() const;
   // The rule for content keys: hashing `hashed_bytes` of inputs pays for a cached subgraph that
@@ -100,6 +108,10 @@ struct NodeCacheOptions {
   }
 };
 
+// What observe() found: the inputs equal the last ones observed, equal earlier ones among the
+// entries_per_node most recent, or are new.
+enum class Seen : int8_t { kSame = 0, kRecurring = 1, kNew = 2 };
+
 class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
  public:
   explicit NodeCache(NodeCacheOptions options = {});
@@ -111,7 +123,8 @@ class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
   // (a miss; an invalid entry is dropped).
   std::optional<c10::IValue> get(int64_t node_id, c10::ArrayRef<c10::IValue> inputs);
 
-  // Caches value as node_id's output for these inputs, replacing any entry. cost_seconds is
+  // Caches value as node_id's output for these inputs (a full node's least recently used entry
+  // makes way). cost_seconds is
   // the measured time to compute it (>= 0). held_tensors: the tensors value holds, when
   // value is opaque to C++ (a Python object); otherwise they are found inside value.
   // Returns false, storing nothing, when an input or output tensor cannot be keyed (see
@@ -123,14 +136,15 @@ class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
            const std::optional<std::vector<at::Tensor>>& held_tensors = std::nullopt, size_t content_inputs = 0);
 
   // Records the key of inputs under source_id (a namespace apart from node ids, no entry is
-  // created) and returns whether it differs from the key recorded there before; true the first
-  // time or when the inputs cannot be keyed. Lets a caller tell inputs that vary from
-  // inputs that stay. work_bytes: the bytes of weights the work depending on these inputs
+  // created), remembering the entries_per_node most recent, and returns whether it is the key
+  // recorded last (kSame), an earlier one of them (kRecurring) or none (kNew: also the first
+  // time, and when the inputs cannot be keyed). Lets a caller tell inputs that vary from inputs
+  // that stay or recur. work_bytes: the bytes of weights the work depending on these inputs
   // reads; where options().keys_by_content(their bytes, work_bytes) holds, an equal tensor in a
-  // new object counts as unchanged (the observed tensor is held to confirm the bytes).
-  bool observe(int64_t source_id, c10::ArrayRef<c10::IValue> inputs, int64_t work_bytes = 0);
+  // new object counts as seen (the observed tensors are held to confirm the bytes).
+  Seen observe(int64_t source_id, c10::ArrayRef<c10::IValue> inputs, int64_t work_bytes = 0);
 
-  // Drops node_id's entry: the next get() misses and the next put() counts as a recompute.
+  // Drops node_id's entries: the next get() misses and the next put() counts as a recompute.
   void invalidate_node(int64_t node_id);
   void invalidate_nodes(c10::ArrayRef<int64_t> node_ids);
   // Drops every entry and every observed key.
@@ -144,8 +158,8 @@ class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
   // Evicts (cheapest per byte first) until the cache fits the new capacity (nullopt: unlimited).
   void set_capacity_bytes(std::optional<int64_t> capacity_bytes);
 
-  // Bytes the given nodes' outputs took when last put (each node's distinct storages;
-  // storages shared between nodes count per node, so this bounds the cache from above).
+  // Bytes the given nodes' outputs took when last put (each node's distinct storages, one
+  // entry per node; storages shared between nodes count per node).
   // Nodes never put count 0. Without node ids: every node ever put.
   int64_t memory_estimate(c10::ArrayRef<int64_t> node_ids) const;
   int64_t memory_estimate() const;
@@ -188,9 +202,13 @@ class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
   void fork_child() override;
 
   bool outputs_unchanged(const Entry& entry) const;
+  using Entries = std::unordered_multimap<int64_t, Entry>;
   // Moves the entry out (its storages released from the accounting); the caller destroys
   // it after unlocking.
-  void remove_locked(std::unordered_map<int64_t, Entry>::iterator it, std::vector<Entry>& dead);
+  void remove_locked(Entries::iterator it, std::vector<Entry>& dead);
+  // Before a put: the node's entries that can never match again go, then, when it still holds
+  // entries_per_node, its least recently used one.
+  void make_way_on_node_locked(int64_t node_id, std::vector<Entry>& dead);
   // Evicts entries per the policy until `incoming` fits with `incoming_storages`; returns
   // false (changing nothing) when it cannot.
   bool make_room_locked(int64_t limit, double incoming_score, const std::vector<const void*>& incoming_storages,
@@ -198,15 +216,15 @@ class NodeCache : public torch::CustomClassHolder, private ForkParticipant {
 
   static constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
 
-  const NodeCacheOptions content_options_;  // content_keys and content_key_fraction (immutable)
+  const NodeCacheOptions content_options_;  // content keys and entries_per_node (immutable)
   mutable std::mutex mutex_;
   int64_t capacity_bytes_;  // kUnlimited: no limit
   int64_t cached_bytes_ = 0;
   uint64_t clock_ = 0;
-  std::unordered_map<int64_t, Entry> entries_;
+  Entries entries_;
   std::unordered_map<const void*, StorageUse> storages_;
   std::unordered_map<int64_t, NodeHistory> history_;
-  std::unordered_map<int64_t, std::optional<InputKey>> observed_;
+  std::unordered_map<int64_t, std::vector<InputKey>> observed_;  // most recent first
   CacheStats stats_;
 };
 
