@@ -1,7 +1,8 @@
 """Lazy node cache on a diffusers pipeline (python benchmarks/bench_cache.py --pipeline).
 
 torch_ext.demos.tiny_stable_diffusion (small configs, no downloads), 4 DDIM steps at 8x8 latents
-without classifier-free guidance (one text-encoder call per pipeline call), its text encoder
+with the pipeline's defaults (classifier-free guidance on: two text-encoder calls per pipeline
+call, the prompt and the empty negative prompt), its text encoder
 routed through a LazyExecutor with torch_ext.cache.lazy_forward. Two workloads, each on new
 pipelines (the first call is each variant's first use, with the LazyExecutor's export; times
 are medians of the other calls): 8 calls with one prompt and 8 seeds, then 8 prompts (in 3
@@ -38,7 +39,7 @@ STEPS = 4
 
 
 def call(pipe, prompt: str, seed: int):
-    return pipe(prompt, num_inference_steps=STEPS, height=8, width=8, guidance_scale=1.0,
+    return pipe(prompt, num_inference_steps=STEPS, height=8, width=8,
                 generator=torch.Generator().manual_seed(seed), output_type="pt").images
 
 
