@@ -5,6 +5,8 @@ regions too small for their work to hide it.
   function region: x * 2 + 1 on a 16x32 tensor (no parameters)
   the function region under a selective checkpointing policy (torch's context_fn from
   create_selective_checkpoint_contexts, saving the product): the same policy through both
+  the function region with torch_ext's native policy saving the product (save="aten.mul.Tensor",
+  decided in C++) against torch's policy above (target: overhead at least 5x below torch's)
 
 A chain of `regions` regions runs forward and backward plainly, through torch.utils.checkpoint
 (use_reentrant=False) and through torch_ext.checkpoint, in rounds that alternate their order. The
@@ -37,6 +39,7 @@ def chains(device, regions: int) -> dict[str, dict]:
     function = torch_ext.checkpoint(scale_and_shift)
     save_mul = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mul.Tensor])
     selective = torch_ext.checkpoint(scale_and_shift, context_fn=save_mul)
+    native = torch_ext.checkpoint(scale_and_shift, save="aten.mul.Tensor")
     return {
         "Linear(32, 32) on 8 rows": {"input": torch.randn(8, 32, device=device, requires_grad=True),
                                      "plain": linears, "torch": linears, "torch_ext": ours},
@@ -45,7 +48,11 @@ def chains(device, regions: int) -> dict[str, dict]:
                                "torch_ext": [function] * regions},
         "x * 2 + 1 on 16x32, SAC policy (context_fn)": {
             "input": torch.randn(16, 32, device=device, requires_grad=True), "plain": [scale_and_shift] * regions,
-            "torch": [scale_and_shift] * regions, "torch_ext": [selective] * regions, "context_fn": save_mul},
+            "torch": [scale_and_shift] * regions, "torch_ext": [selective] * regions, "context_fn": save_mul,
+            "target": 1.0},
+        "x * 2 + 1 on 16x32, native policy (save=) vs torch's SAC policy": {
+            "input": torch.randn(16, 32, device=device, requires_grad=True), "plain": [scale_and_shift] * regions,
+            "torch": [scale_and_shift] * regions, "torch_ext": [native] * regions, "context_fn": save_mul},
     }
 
 
@@ -97,9 +104,10 @@ def run(device: torch.device, quick: bool, command: str) -> None:
                         "replay (one forward)": harness.format_seconds(replay)},
                        overhead_seconds=overhead, ratio=ratio, replay_seconds=replay,
                        timings={kind: timings[kind] for kind in kinds})
-        checks.append((f"{label}: overhead at least 5x below torch's ({ratio:.1f}x)"
-                       + (": both run torch's policy dispatch modes per op; torch_ext has no native policy yet"
-                          if "context_fn" in region else ""), ratio >= 5))
+        target = region.get("target", 5.0)
+        checks.append((f"{label}: overhead " + (f"at least {target:g}x below torch's" if target > 1 else "at most torch's")
+                       + f" ({ratio:.1f}x)"
+                       + (": both run torch's policy dispatch modes per op" if target == 1.0 else ""), ratio >= target))
         data[label] = {"ratio": ratio, "overhead_seconds": overhead}
     report.notes.append("")
     report.notes.append(f"{regions} regions per chain, forward and backward, {repeat} rounds after 3 warm-up rounds, "

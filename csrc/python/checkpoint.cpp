@@ -195,6 +195,8 @@ struct Call {
   std::unique_ptr<PyRef> fn, kwargs;
   std::vector<SavedInput> inputs;
   ck::ReplayState state;
+  std::shared_ptr<const ck::SavePolicy> policy;  // the `save` option's
+  ck::SavedOutputs selective;
 };
 
 void replay(const std::shared_ptr<Call>& call, ck::Frame& frame, int64_t graph_task) {
@@ -212,6 +214,7 @@ void replay(const std::shared_ptr<Call>& call, ck::Frame& frame, int64_t graph_t
   PyObject* identity = module_hook(identity_def);
   Py_INCREF(identity);
   PyObject* kwargs = call->kwargs ? call->kwargs->object : nullptr;
+  ck::SelectiveScope selective(call->policy.get(), &call->selective, ck::SelectiveScope::Mode::kServe, frame.name());
   PyObject* result = with_hooks(repack, identity, [&] { return PyObject_Call(call->fn->object, args.ptr(), kwargs); });
   if (result == nullptr) {
     if (!PyErr_ExceptionMatches(stop_type)) throw py::error_already_set();
@@ -302,7 +305,12 @@ PyObject* run(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
     Py_DECREF(PyCFunction_GET_SELF(pack));
     PyObject* unpack = module_hook(unpack_def);
     Py_INCREF(unpack);
-    PyObject* out = with_hooks(pack, unpack, [&] { return PyObject_Call(fn, args, kwargs); });
+    call->policy = options->save.policy();
+    PyObject* out = with_hooks(pack, unpack, [&] {
+      ck::SelectiveScope selective(call->policy.get(), &call->selective, ck::SelectiveScope::Mode::kRecord,
+                                   frame->name());
+      return PyObject_Call(fn, args, kwargs);
+    });
     if (out == nullptr) return nullptr;
     frame->finish_forward(tensors_in(out));
     call->state.forget_rng_if_untouched();
@@ -338,4 +346,17 @@ void bind_checkpoint(py::module_& m) {
         return py::reinterpret_steal<py::object>(capsule_of(std::move(copy), kOptions));
       },
       py::arg("options"), "The C++ options of a torch.classes.torch_ext.CheckpointOptions, for run()");
+  sub.def(
+      "save_rules",
+      [](std::vector<std::string> items) {
+        py::list rules;
+        for (const auto& rule : ck::save_rules(ck::SaveSpec(std::move(items)))) {
+          rules.append(py::make_tuple(rule.op, rule.group, rule.every, rule.occurrences));
+        }
+        return rules;
+      },
+      py::arg("items"),
+      "The `save` option's rules: (op as 'aten::mm.default', group, every, occurrences) per op; the ops of one "
+      "group are counted together, and occurrence k (from 0) of a group is saved when it is in occurrences, or "
+      "(k + 1) % every == 0 when occurrences is empty");
 }

@@ -319,3 +319,39 @@ TEST(Frame, AnEarlyStoppingReplayEndsAtTheLastSavedTensor) {
   EXPECT_TRUE(frame->unpack(*holder).equal(hidden));
   EXPECT_FALSE(ran_tail);
 }
+
+// The `save` option through the C++ front door: the replay gets the forward's matmul output itself
+// (the same storage, not a recomputation), the elementwise op after it is recomputed, and the
+// gradients equal the plain segment's.
+TEST(Checkpoint, SavedOpOutputsAreServedToTheReplayNotRecomputed) {
+  torch::manual_seed(0);
+  auto weight = at::randn({8, 8}).requires_grad_();
+  auto x = at::randn({4, 8}).requires_grad_();
+  std::vector<const void*> matmul_data, tanh_data;
+  auto segment = [&](const ck::TensorList& in) -> ck::TensorList {
+    auto h = torch::mm(in[0], weight);
+    auto y = torch::tanh(h);
+    matmul_data.push_back(h.data_ptr());
+    tanh_data.push_back(y.data_ptr());
+    return {torch::mm(y, weight).sin()};
+  };
+  auto plain_grads = torch::autograd::grad({segment({x})[0].sum()}, {x, weight});
+  matmul_data.clear();
+  tanh_data.clear();
+
+  ck::CheckpointOptions options;
+  options.save = ck::SaveSpec({"aten::mm"});
+  auto out = ck::checkpoint(segment, {x}, {weight}, options);
+  auto grads = torch::autograd::grad({out[0].sum()}, {x, weight});
+  EXPECT_TRUE(same(grads, plain_grads));
+  ASSERT_EQ(matmul_data.size(), 2u);  // the forward and one replay
+  EXPECT_EQ(matmul_data[0], matmul_data[1]);
+  EXPECT_NE(tanh_data[0], tanh_data[1]);
+}
+
+TEST(Checkpoint, SaveNamesOnlySavableOps) {
+  for (const char* item : {"aten::view", "aten::linear", "aten::bernoulli.default", "no_such_family"}) {
+    EXPECT_THROW(ck::SaveSpec({item}), c10::ValueError) << item;
+  }
+  EXPECT_EQ(ck::save_rules(ck::SaveSpec({"matmul/2"})).size(), 4u);
+}

@@ -18,6 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .. import _C
+from .selective import compiled_context_fn, save_items
 
 CheckpointError = _C.checkpoint.CheckpointError
 _run_segment = _C.checkpoint.run
@@ -66,6 +67,10 @@ def checkpoint_options(owner: str, **options: Any) -> Options:
     TypeError naming owner for an unknown one. The C++ options are built once per distinct set of
     keywords (a context_fn is not cached: a new one per call must not accumulate)."""
     context_fn = _context_fn(owner, options.pop("context_fn", None))
+    if "save" in options:
+        options["save"] = save_items(owner, options["save"])
+        if options["save"] is not None and context_fn is not None:
+            raise ValueError(f"{owner}: save and context_fn both choose what the forward keeps; give one")
     resolved = _native_options(owner, options)
     if context_fn is None:
         return resolved
@@ -82,8 +87,11 @@ def _native_options(owner: str, options: dict) -> Options:
     unknown = sorted(set(options) - set(option_names()))
     if unknown:
         raise TypeError(f"{owner}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(option_names())}")
-    script = torch.classes.torch_ext.CheckpointOptions(**options)
+    save = options.get("save")
+    script = torch.classes.torch_ext.CheckpointOptions(**dict(options, save=list(save) if save else None))
     compiled = (("preserve_rng_state", script.preserve_rng_state), ("early_stop", script.early_stop))
+    if save:  # torch.compile's partitioner takes the same decisions as a policy's recompute tags
+        compiled += (("context_fn", compiled_context_fn(save)),)
     resolved = Options(script, _C.checkpoint.native_options(script), compiled)
     _OPTIONS_CACHE[key] = resolved
     return resolved

@@ -88,6 +88,7 @@ struct SegmentState : torch::CustomClassHolder {
   std::vector<std::optional<StoredCopy>> stored;  // per input; nullopt: saved in ctx (kept as itself)
   ReplayState state;  // RNG and autocast state of the forward
   std::vector<OutputMeta> output_meta;
+  SavedOutputs selective;  // what the `save` policy kept in the forward
 };
 
 [[noreturn]] void captured_tensor_error(const SegmentState& state, const torch::autograd::Node& node) {
@@ -262,7 +263,12 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     }
     s.state = ReplayState::capture(devices, s.options.preserve_rng_state);
 
-    TensorList outputs = s.segment(inputs);
+    TensorList outputs;
+    {
+      SelectiveScope selective(s.options.save.policy().get(), &s.selective, SelectiveScope::Mode::kRecord,
+                               s.options.name);
+      outputs = s.segment(inputs);
+    }
     // A forward that drew no random numbers replays without them: the replay can leave the RNG
     // alone (restoring it costs about as much as a tiny segment's bookkeeping).
     s.state.forget_rng_if_untouched();
@@ -305,6 +311,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     {
       ReplayState::Guard replay_state(s.state);
       torch::autograd::AutoGradMode grad_mode(true);
+      SelectiveScope selective(s.options.save.policy().get(), &s.selective, SelectiveScope::Mode::kServe,
+                               s.options.name);
       outputs = s.segment(inputs);
     }
     check_replayed_outputs(s, outputs);

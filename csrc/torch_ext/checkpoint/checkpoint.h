@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
 
+#include "torch_ext/checkpoint/selective.h"
 #include "torch_ext/common/enum_names.h"
 #include "torch_ext/fields.h"
 
@@ -52,6 +53,7 @@ struct CheckpointOptions {
   StoragePolicy storage = StoragePolicy::kKeep;
   bool preserve_rng_state = true;
   bool early_stop = true;
+  SaveSpec save;
   std::string name = "segment";  // names the segment in error messages (not an option: its identity)
 
   static constexpr auto fields() {
@@ -66,7 +68,12 @@ struct CheckpointOptions {
               "end a replay once every tensor its backward needs has been recomputed, when the recorded "
               "graph's ops after the last of them are worth skipping (by their sizes, never a timing); off, "
               "the replay runs the whole segment. The C++ and TorchScript front doors always replay the "
-              "whole segment"));
+              "whole segment"),
+        field("save", &CheckpointOptions::save,
+              "ops whose outputs the forward keeps and the replay does not run again (native selective "
+              "checkpointing, decided in C++): 'matmul', 'attention', 'torchtitan' (attention and every second "
+              "matmul) or ops such as 'aten::mm', each optionally '/N' (every N-th) or '#i,j' (those occurrences); "
+              "empty: none"));
   }
 };
 

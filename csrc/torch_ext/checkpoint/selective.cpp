@@ -1,0 +1,331 @@
+#include "torch_ext/checkpoint/selective.h"
+
+#include <algorithm>
+#include <charconv>
+#include <map>
+#include <mutex>
+#include <unordered_set>
+#include <string_view>
+#include <utility>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "torch_ext/checkpoint/frame.h"
+
+namespace torch_ext::checkpoint {
+
+class SavePolicy {
+ public:
+  struct Group {
+    std::string item;  // as spelled
+    int64_t every = 1;
+    std::vector<int64_t> occurrences;  // sorted; empty: all
+    bool saves(int64_t occurrence) const {  // 0-based
+      if (!occurrences.empty()) return std::binary_search(occurrences.begin(), occurrences.end(), occurrence);
+      return (occurrence + 1) % every == 0;
+    }
+  };
+  struct Rule {
+    c10::OperatorHandle op;
+    size_t group;
+    std::optional<size_t> dropout_argument;  // the op's dropout_p, if it has one
+  };
+  std::vector<Group> groups;
+  std::vector<Rule> rules;
+
+  const Rule* find(const c10::OperatorHandle& op) const {
+    for (const auto& rule : rules) {
+      if (rule.op == op) return &rule;
+    }
+    return nullptr;
+  }
+};
+
+namespace {
+
+thread_local SelectiveScope* active_scope = nullptr;
+
+void selective_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const c10::DispatchKeySet below = ks & c10::after_ADInplaceOrView_keyset;
+  if (active_scope == nullptr) {
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  active_scope->handle(op, below, stack);
+}
+
+std::string qualified(const c10::OperatorName& name) {
+  return name.name + "." + (name.overload_name.empty() ? std::string("default") : name.overload_name);
+}
+
+// The ops given the selective kernel (each once per process; kept for its lifetime).
+struct Registry {
+  std::mutex mutex;
+  std::unordered_set<c10::OperatorName> ops;
+  std::vector<std::unique_ptr<torch::Library>> libraries;
+};
+Registry& registry() {
+  static auto* instance = new Registry();  // never destroyed: the dispatcher may outlive static destructors
+  return *instance;
+}
+
+bool has_selective_kernel(const c10::OperatorHandle& op) {
+  std::lock_guard<std::mutex> lock(registry().mutex);
+  return registry().ops.count(op.operator_name()) != 0;
+}
+
+// Whether the op's output may alias an input (views, in-place ops): an ADInplaceOrView kernel not ours.
+bool aliases_input(const c10::OperatorHandle& op) {
+  return op.hasKernelForDispatchKey(c10::DispatchKey::ADInplaceOrView) && !has_selective_kernel(op);
+}
+
+void ensure_registered(const c10::OperatorHandle& op, const std::string& item) {
+  const c10::OperatorName& name = op.operator_name();
+  const std::string what = "checkpoint: save: " + item + " names " + qualified(name);
+  TORCH_CHECK_VALUE(!op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd), what,
+                    ", which decomposes before autograd (CompositeImplicitAutograd): name the ops it runs instead");
+  TORCH_CHECK_VALUE(!aliases_input(op), what,
+                    ", a view or in-place op: its output aliases an input, so saving it would keep that input");
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (!r.ops.insert(name).second) return;
+  const auto separator = name.name.find("::");
+  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, name.name.substr(0, separator),
+                                                  c10::DispatchKey::ADInplaceOrView, __FILE__, __LINE__);
+  const std::string local = name.name.substr(separator + 2) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+  library->impl(local.c_str(), torch::CppFunction::makeFromBoxedFunction<&selective_kernel>());
+  r.libraries.push_back(std::move(library));
+}
+
+bool is_out_variant(const c10::FunctionSchema& schema) {
+  for (const auto& argument : schema.arguments()) {
+    if (argument.alias_info() != nullptr && argument.alias_info()->isWrite()) return true;
+  }
+  return false;
+}
+
+bool any_op_named(const std::string& full) {
+  for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name == full) return true;
+  }
+  return false;
+}
+
+// The operators one op item names: "aten::mul.Tensor", "aten.mul.Tensor" (as torch.ops prints it),
+// "mul.Tensor" (aten), or without an overload ("aten::mul", "aten.mul", "mul") every functional
+// overload of the name.
+std::vector<c10::OperatorHandle> ops_named(const std::string& spelled) {
+  std::string ns = "aten", text = spelled;
+  if (const auto colons = text.find("::"); colons != std::string::npos) {
+    ns = text.substr(0, colons);
+    text = text.substr(colons + 2);
+  } else if (const auto dot = text.find('.'); dot != std::string::npos) {
+    const std::string first = text.substr(0, dot), rest = text.substr(dot + 1);
+    if (rest.find('.') != std::string::npos || any_op_named(first + "::" + rest)) {
+      ns = first;
+      text = rest;
+    }
+  }
+  const auto dot = text.find('.');
+  const std::string full = ns + "::" + text.substr(0, dot);
+  std::vector<c10::OperatorHandle> found;
+  if (dot != std::string::npos) {
+    const std::string overload = text.substr(dot + 1);
+    if (auto op = c10::Dispatcher::singleton().findOp({full, overload == "default" ? "" : overload})) {
+      found.push_back(*op);
+    }
+    return found;
+  }
+  std::vector<c10::OperatorHandle> unsavable;  // named, so that the error says why
+  for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name != full) continue;
+    auto op = c10::Dispatcher::singleton().findOp(name);
+    if (!op || !op->hasSchema() || is_out_variant(op->schema())) continue;
+    const bool savable =
+        !aliases_input(*op) && !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+    (savable ? found : unsavable).push_back(*op);
+  }
+  return found.empty() ? unsavable : found;
+}
+
+std::vector<std::string> family(const std::string& name) {
+  if (name == "matmul") return {"aten::mm.default", "aten::addmm.default", "aten::bmm.default", "aten::baddbmm.default"};
+  if (name == "attention") {
+    return {"aten::_scaled_dot_product_flash_attention_for_cpu.default",
+            "aten::_scaled_dot_product_flash_attention.default",
+            "aten::_scaled_dot_product_efficient_attention.default",
+            "aten::_scaled_dot_product_cudnn_attention.default",
+            "aten::_scaled_dot_product_fused_attention_overrideable.default",
+            "aten::_flash_attention_forward.default",
+            "aten::_efficient_attention_forward.default"};
+  }
+  return {};
+}
+
+int64_t parse_count(std::string_view text, const std::string& item, const char* what) {
+  int64_t value = -1;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  TORCH_CHECK_VALUE(error == std::errc() && end == text.data() + text.size() && value >= 0, "checkpoint: save: ",
+                    item, ": ", what, " must be a non-negative integer, got '", std::string(text), "'");
+  return value;
+}
+
+void add_item(SavePolicy& policy, const std::string& item) {
+  std::string_view spelled = item;
+  SavePolicy::Group group{item, 1, {}};
+  if (const auto slash = spelled.find('/'); slash != std::string_view::npos) {
+    group.every = parse_count(spelled.substr(slash + 1), item, "the period after '/'");
+    TORCH_CHECK_VALUE(group.every >= 1, "checkpoint: save: ", item, ": the period after '/' must be at least 1");
+    spelled = spelled.substr(0, slash);
+  } else if (const auto hash = spelled.find('#'); hash != std::string_view::npos) {
+    std::string_view list = spelled.substr(hash + 1);
+    while (!list.empty()) {
+      const auto comma = list.find(',');
+      group.occurrences.push_back(parse_count(list.substr(0, comma), item, "an occurrence after '#'"));
+      list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+    }
+    TORCH_CHECK_VALUE(!group.occurrences.empty(), "checkpoint: save: ", item, ": no occurrence after '#'");
+    std::sort(group.occurrences.begin(), group.occurrences.end());
+    spelled = spelled.substr(0, hash);
+  }
+  std::vector<c10::OperatorHandle> ops;
+  const auto members = family(std::string(spelled));
+  for (const auto& member : members) {
+    for (auto& op : ops_named(member)) ops.push_back(op);
+  }
+  if (members.empty()) ops = ops_named(std::string(spelled));
+  TORCH_CHECK_VALUE(!ops.empty(), "checkpoint: save: '", item, "' names no operator; expected 'matmul', 'attention', "
+                    "'torchtitan' or an op such as 'aten::mm' or 'aten.mul.Tensor', optionally with '/N' (every N-th "
+                    "occurrence) or '#i,j' (those occurrences, from 0)");
+  const size_t index = policy.groups.size();
+  policy.groups.push_back(std::move(group));
+  for (auto& op : ops) {
+    TORCH_CHECK_VALUE(policy.find(op) == nullptr, "checkpoint: save: ", item, " names ", qualified(op.operator_name()),
+                      ", which an earlier item names too");
+    std::optional<size_t> dropout;
+    const auto& arguments = op.schema().arguments();
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      if (arguments[i].name() == "dropout_p") dropout = i;
+    }
+    TORCH_CHECK_VALUE(dropout || !op.hasTag(at::Tag::nondeterministic_seeded), "checkpoint: save: ", item, " names ",
+                      qualified(op.operator_name()), ", a random op: its replay must draw the forward's numbers again");
+    ensure_registered(op, item);
+    policy.rules.push_back({op, index, dropout});
+  }
+}
+
+}  // namespace
+
+SaveSpec::SaveSpec(std::vector<std::string> items) : items_(std::move(items)) {
+  if (items_.empty()) return;
+  auto policy = std::make_shared<SavePolicy>();
+  for (const auto& item : items_) {
+    if (item == "torchtitan") {
+      add_item(*policy, "attention");
+      add_item(*policy, "matmul/2");
+    } else {
+      add_item(*policy, item);
+    }
+  }
+  policy_ = std::move(policy);
+}
+
+std::vector<SaveRule> save_rules(const SaveSpec& spec) {
+  std::vector<SaveRule> rules;
+  if (!spec.policy()) return rules;
+  for (const auto& rule : spec.policy()->rules) {
+    const auto& group = spec.policy()->groups[rule.group];
+    rules.push_back({qualified(rule.op.operator_name()), static_cast<int64_t>(rule.group), group.every,
+                     group.occurrences});
+  }
+  return rules;
+}
+
+int64_t SavedOutputs::bytes() const {
+  int64_t total = 0;
+  for (const auto& entry : entries) {
+    for (const auto& value : entry.outputs) {
+      if (value.isTensor() && value.toTensor().defined()) total += static_cast<int64_t>(value.toTensor().nbytes());
+    }
+  }
+  return total;
+}
+
+SelectiveScope::SelectiveScope(const SavePolicy* policy, SavedOutputs* saved, Mode mode, const std::string& segment)
+    : policy_(policy), saved_(saved), mode_(mode), segment_(segment), enclosing_(active_scope) {
+  if (policy_ != nullptr) counts_.assign(policy_->groups.size(), 0);
+  active_scope = policy_ != nullptr ? this : nullptr;
+}
+
+SelectiveScope::~SelectiveScope() { active_scope = enclosing_; }
+
+void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
+  const SavePolicy::Rule* rule = policy_->find(op);
+  // Ops the op runs inside itself are not this segment's (torch's dispatch modes do not see them either).
+  struct Pause {
+    SelectiveScope* scope = active_scope;
+    Pause() { active_scope = nullptr; }
+    ~Pause() { active_scope = scope; }
+  } pause;
+  if (rule == nullptr) {  // registered for another policy
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  const int64_t occurrence = counts_[rule->group]++;
+  const size_t n_arguments = op.schema().arguments().size();
+  bool save = policy_->groups[rule->group].saves(occurrence);
+  if (save && rule->dropout_argument) {
+    const c10::IValue& p = (*stack)[stack->size() - n_arguments + *rule->dropout_argument];
+    save = p.isDouble() && p.toDouble() == 0.0;
+  }
+  if (!save) {
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  if (mode_ == Mode::kRecord) {
+    op.redispatchBoxed(below, stack);
+    SavedOutputs::Entry entry{&op.schema(), {}, {}};
+    const size_t n_returns = op.schema().returns().size();
+    for (size_t i = stack->size() - n_returns; i < stack->size(); ++i) {
+      const c10::IValue& value = (*stack)[i];
+      if (value.isTensor() && value.toTensor().defined()) {
+        // An alias that shares the output's version counter (so a later in-place change shows) but
+        // not its autograd history (which would keep the graph alive through this record). Made
+        // without a dispatch: below autograd, detach() would not share the counter.
+        c10::TensorImpl* impl = value.toTensor().unsafeGetTensorImpl();
+        entry.outputs.emplace_back(at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), false)));
+        entry.versions.push_back(impl->version_counter().current_version());
+      } else {
+        entry.outputs.push_back(value);
+        entry.versions.push_back(0);
+      }
+    }
+    saved_->entries.push_back(std::move(entry));
+    return;
+  }
+  if (cursor_ >= saved_->entries.size() || saved_->entries[cursor_].op != &op.schema()) {
+    throw CheckpointError("checkpoint: the replay of " + segment_ + " departs from its forward at " +
+                          qualified(op.operator_name()) + " (occurrence " + std::to_string(occurrence) +
+                          "): the forward saved " +
+                          (cursor_ < saved_->entries.size() ? "another op there" : "no more outputs") +
+                          "; a segment must run the same ops on each call");
+  }
+  const SavedOutputs::Entry& entry = saved_->entries[cursor_++];
+  for (size_t i = 0; i < entry.outputs.size(); ++i) {
+    const c10::IValue& value = entry.outputs[i];
+    if (value.isTensor() && value.toTensor()._version() != entry.versions[i]) {
+      op.redispatchBoxed(below, stack);  // changed in place after the forward saved it: run the op again
+      return;
+    }
+  }
+  torch::jit::drop(*stack, n_arguments);
+  for (const auto& value : entry.outputs) {
+    // A fresh alias for autograd to record the replayed op on, made without a dispatch (as torch's
+    // policy returns its stored tensors: no op runs in the replay's place).
+    stack->push_back(value.isTensor() && value.toTensor().defined() ? c10::IValue(value.toTensor().variable_data())
+                                                                     : value);
+  }
+}
+
+}  // namespace torch_ext::checkpoint

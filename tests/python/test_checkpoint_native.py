@@ -1,0 +1,264 @@
+"""torch_ext's native selective checkpointing (the `save` option, decided in C++): the ops it names
+are not run again in backward (counted with a dispatch mode, which a served op never reaches), the
+gradients equal the unwrapped model's and torch's selective checkpointing with the same policy, on
+every front door (Python, TorchScript, torch.compile) and on a Hugging Face model."""
+import functools
+
+import pytest
+import torch
+import torch.utils.checkpoint as tuc
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import torch_ext
+from torch_ext.checkpointing import hf
+from test_checkpoint_selective import OpCounter, assert_same, backward_counts, qwen2  # noqa: E402
+
+aten = torch.ops.aten
+
+
+class MLP(nn.Module):
+    def __init__(self, n=16):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(n, 2 * n), nn.Linear(2 * n, 2 * n), nn.Linear(2 * n, n)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.nn.functional.gelu(self.a(x))))).sin()
+
+
+def run(save=None, n_blocks=2, context_fn=None, **options):
+    """(backward op counts, input and parameter gradients) of n_blocks MLPs, each checkpointed."""
+    torch.manual_seed(0)
+    blocks = [MLP() for _ in range(n_blocks)]
+    for block in blocks:
+        if save is not None:
+            torch_ext.checkpoint(block, save=save, **options)
+        elif context_fn is not None:
+            torch_ext.checkpoint(block, context_fn=context_fn, **options)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def loss():
+        h = x
+        for block in blocks:
+            h = block(h)
+        return h.sum()
+    counts, (grad,) = backward_counts(loss, x)
+    return counts, [grad] + [p.grad for block in blocks for p in block.parameters()]
+
+
+def compute_ops(counts):
+    """Op counts without detach, which torch's policy and ours issue differently as bookkeeping."""
+    return {op: n for op, n in counts.items() if op != "detach"}
+
+
+def torchs_policy(ops, every=1):
+    """torch's selective checkpointing of the same decisions: ops saved, every `every`-th counted together."""
+    def context_fn():
+        seen = [0]
+
+        def policy(ctx, op, *args, **kwargs):
+            if op in ops:
+                seen[0] += 1
+                if seen[0] % every == 0:
+                    return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+    return context_fn
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_saved_matmuls_do_not_run_in_backward_and_gradients_equal_the_unwrapped_models(early_stop):
+    plain_counts, plain = run(n_blocks=2)
+    full_counts, _ = run(save=[], n_blocks=2, early_stop=early_stop)
+    counts, grads = run(save="matmul", early_stop=early_stop)
+    assert_same(grads, plain)
+    assert plain_counts["addmm"] == 0 and full_counts["addmm"] > 0
+    assert counts["addmm"] == 0  # all 6 forward matmuls saved
+    assert counts["tanh"] == full_counts["tanh"] > 0  # the rest is recomputed
+
+
+@pytest.mark.parametrize("save, ops, every", [("matmul/2", (aten.addmm.default,), 2),
+                                               ("aten.addmm.default", (aten.addmm.default,), 1),
+                                               ("aten::gelu", (aten.gelu.default,), 1),
+                                               (("aten::tanh", "aten.sin.default"), (aten.tanh.default, aten.sin.default), 1)])
+def test_the_saved_set_and_gradients_equal_torchs_selective_checkpointing_with_the_same_policy(save, ops, every):
+    torch_counts, torch_grads = run(context_fn=torchs_policy(ops, every))
+    counts, grads = run(save=save)
+    assert_same(grads, torch_grads)
+    assert compute_ops(counts) == compute_ops(torch_counts)
+
+
+def test_occurrences_choose_which_calls_of_an_op_are_saved():
+    torch_counts, torch_grads = run(context_fn=torchs_policy((aten.addmm.default,), 3))  # the third matmul
+    counts, grads = run(save="aten::addmm#2")
+    assert_same(grads, torch_grads)
+    assert compute_ops(counts) == compute_ops(torch_counts)
+    assert counts["addmm"] == 2 * 2  # per block: 3 matmuls, one saved
+
+
+def test_the_torchtitan_preset_saves_attention_and_every_second_matmul():
+    assert torch_ext.checkpoint_call(lambda x: x, torch.ones(1), save="torchtitan") is not None
+    rules = torch_ext._C.checkpoint.save_rules(["torchtitan"])
+    by_op = {op: (group, every) for op, group, every, _ in rules}
+    assert by_op["aten::_scaled_dot_product_flash_attention_for_cpu.default"][1] == 1
+    assert by_op["aten::mm.default"][1] == by_op["aten::addmm.default"][1] == 2
+    assert by_op["aten::mm.default"][0] == by_op["aten::bmm.default"][0]  # matmuls counted together
+
+
+@pytest.mark.parametrize("save, message", [
+    ("aten::no_such_op", "names no operator"),
+    ("aten::view", "view or in-place"),
+    ("aten::add_.Tensor", "view or in-place"),
+    ("aten::linear", "decomposes before autograd"),
+    ("aten::bernoulli.default", "random op"),
+    ("matmul/0", "at least 1"),
+    ("aten::mm#x", "non-negative integer"),
+    (("matmul", "aten::mm"), "an earlier item names too"),
+])
+def test_bad_items_are_refused_naming_the_item(save, message):
+    with pytest.raises(ValueError, match=message):
+        torch_ext.checkpoint(MLP(), save=save)
+
+
+def test_save_with_context_fn_or_of_another_type_is_refused():
+    with pytest.raises(ValueError, match="save and context_fn"):
+        torch_ext.checkpoint(MLP(), save="matmul", context_fn=torchs_policy((aten.mm.default,)))
+    with pytest.raises(TypeError, match="save must be a string or a sequence of strings"):
+        torch_ext.checkpoint(MLP(), save=3)
+
+
+def test_an_output_changed_in_place_after_it_was_saved_is_recomputed():
+    def segment(x, w):
+        y = torch.mm(x, w)
+        y.mul_(2)  # changes the saved output: serving it would give the replay the doubled values
+        return (y.sin() * w.sum()).sum()
+
+    leaves = [torch.randn(4, 4, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(2)]
+    segment(*leaves).backward()
+    expected = [leaf.grad.clone() for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    torch_ext.checkpoint_call(segment, *leaves, save="aten::mm").backward()
+    assert_same([leaf.grad for leaf in leaves], expected)
+
+
+def test_attention_with_dropout_draws_the_forwards_numbers_and_without_it_is_served():
+    # On the CPU, attention with dropout takes the math path (the fused CPU kernel has no dropout),
+    # whose ops "attention" does not name; a fused op called with dropout_p > 0 is never served.
+    def segment(q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5).square().sum()
+
+    q = torch.randn(2, 2, 8, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    torch.manual_seed(3)
+    segment(q).backward()
+    expected = q.grad.clone()
+    q.grad = None
+    torch.manual_seed(3)
+    counts, (grad,) = backward_counts(lambda: torch_ext.checkpoint_call(segment, q, save="attention"), q)
+    assert torch.equal(grad, expected)
+    q.grad = None
+    counts, _ = backward_counts(lambda: torch_ext.checkpoint_call(
+        lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q).sum(), q, save="attention"), q)
+    assert counts["_scaled_dot_product_flash_attention_for_cpu"] == 0
+
+
+def test_a_replay_that_departs_from_its_forward_raises_naming_the_segment():
+    calls = [0]
+
+    def shifty(x, w):
+        calls[0] += 1
+        h = torch.mm(x, w) if calls[0] == 1 else torch.addmm(torch.zeros(4, 4), x, w)
+        return torch.mm(h.sin(), w).sum()
+
+    leaves = [torch.randn(4, 4, requires_grad=True) for _ in range(2)]
+    loss = torch_ext.checkpoint_call(shifty, *leaves, save="matmul")
+    with pytest.raises(RuntimeError, match="replay of .*shifty departs from its forward at aten::addmm"):
+        loss.backward()
+
+
+def test_a_nested_checkpoint_inside_a_saving_segment_keeps_its_own_choice():
+    def inner(x, w):
+        return torch.mm(x, w).cos()
+
+    def outer(x, w, **options):
+        return torch.mm(torch_ext.checkpoint_call(inner, x.sin(), w, **options), w).sum()
+
+    leaves = [torch.randn(4, 4, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(2)]
+    outer(*leaves).backward()
+    expected = [leaf.grad.clone() for leaf in leaves]
+    for inner_save in (None, "matmul"):
+        for leaf in leaves:
+            leaf.grad = None
+        torch_ext.checkpoint_call(functools.partial(outer, save=inner_save), *leaves, save="matmul").backward()
+        assert_same([leaf.grad for leaf in leaves], expected)
+
+
+def test_scripted_code_passes_save_to_the_cpp_front_door():
+    class Parent(nn.Module):
+        save: list[str]
+
+        def __init__(self, save: list[str]):
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = torch.jit.script(MLP())
+            self.save = save
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.torch_ext.checkpoint_module(self.block, [x], save=self.save)[0]
+
+    grads = []
+    for save in ([], ["matmul"]):
+        model = torch.jit.script(Parent(save))
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        counts, (grad,) = backward_counts(lambda: model(x).sum(), x)
+        grads.append([grad] + [p.grad for p in model.parameters()])
+        assert (counts["addmm"] == 0) == bool(save)
+    assert_same(*grads)
+
+
+def test_compiled_the_same_decisions_reach_torch_compile():
+    grads = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = torch_ext.checkpoint(MLP(), save="matmul/2")
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        step = torch.compile(block, fullgraph=True, backend="aot_eager") if compiled else block
+        step(x).sum().backward()
+        grads.append([x.grad] + [p.grad for p in block.parameters()])
+    torch._dynamo.reset()
+    assert_same(*grads)
+
+
+def test_a_hugging_face_model_with_the_torchtitan_preset_matches_torchs_policy():
+    def torchtitan():
+        seen = [0]
+
+        def policy(ctx, op, *args, **kwargs):
+            name = op.overloadpacket.__name__
+            if name.startswith("_scaled_dot_product"):
+                return CheckpointPolicy.MUST_SAVE
+            if name in ("mm", "addmm", "bmm", "baddbmm"):
+                seen[0] += 1
+                if seen[0] % 2 == 0:
+                    return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+
+    def step(model):
+        ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+        loss = model(input_ids=ids, labels=ids).loss
+        with OpCounter() as counter:
+            loss.backward()
+        return counter.counts, [p.grad for p in model.parameters()]
+
+    reference = qwen2()
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "context_fn": torchtitan})
+    torch_counts, torch_grads = step(reference)
+    model = qwen2()
+    hf.gradient_checkpointing_enable(model, save="torchtitan")
+    counts, grads = step(model)
+    assert_same(grads, torch_grads)
+    assert compute_ops(counts) == compute_ops(torch_counts)
+    assert counts["_scaled_dot_product_flash_attention_for_cpu"] == 0

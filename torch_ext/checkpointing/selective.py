@@ -1,0 +1,74 @@
+"""The `save` option (native selective checkpointing, csrc/torch_ext/checkpoint/selective.h): its
+spelling in Python, and the same decisions as torch's selective checkpointing policy for
+torch.compile, whose partitioner takes a policy's recompute tags instead of running our kernels."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from .. import _C
+
+
+def save_items(owner: str, save: Any) -> Optional[tuple]:
+    """`save` as the tuple of strings C++ takes (None: nothing saved); raises TypeError naming owner."""
+    if save is None:
+        return None
+    if isinstance(save, str):
+        return (save,)
+    if isinstance(save, (list, tuple)) and all(isinstance(item, str) for item in save):
+        return tuple(save) or None
+    raise TypeError(f"{owner}: save must be a string or a sequence of strings ('matmul', 'attention', 'torchtitan' or "
+                    f"ops such as 'aten::mm'), got {type(save).__name__}")
+
+
+def _overload(qualified: str):
+    namespace, rest = qualified.split("::", 1)
+    name, overload = rest.split(".", 1)
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return getattr(packet, overload)
+
+
+@functools.lru_cache(maxsize=64)
+def _rules(items: tuple) -> dict:
+    """op overload -> (group, every, occurrences, index of its dropout_p argument or None)."""
+    rules = {}
+    for qualified, group, every, occurrences in _C.checkpoint.save_rules(list(items)):
+        try:
+            op = _overload(qualified)
+        except AttributeError:  # not in this build
+            continue
+        names = [argument.name for argument in op._schema.arguments]
+        dropout = names.index("dropout_p") if "dropout_p" in names else None
+        rules[op] = (group, every, frozenset(occurrences), dropout)
+    return rules
+
+
+def compiled_context_fn(items: tuple) -> Callable:
+    """A context_fn for torch.utils.checkpoint under torch.compile that saves what `save=items`
+    saves in eager: the same groups, periods, occurrences and dropout rule."""
+    rules = _rules(items)
+    groups = 1 + max((rule[0] for rule in rules.values()), default=0)
+
+    def context_fn():
+        counts = {False: [0] * groups, True: [0] * groups}
+
+        def policy(ctx, op, *args, **kwargs):
+            rule = rules.get(op)
+            if rule is None:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            group, every, occurrences, dropout = rule
+            seen = counts[ctx.is_recompute]
+            occurrence = seen[group]
+            seen[group] += 1
+            saved = occurrence in occurrences if occurrences else (occurrence + 1) % every == 0
+            if saved and dropout is not None:
+                p = kwargs.get("dropout_p", args[dropout] if dropout < len(args) else 0.0)
+                saved = p == 0.0
+            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
