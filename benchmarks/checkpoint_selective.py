@@ -8,10 +8,13 @@ use_cache), eager, CPU:
       policy (attention saved, and every second matmul of each layer's forward)
   (d) torch_ext per layer: hf.gradient_checkpointing_enable(model)
   (e) torch_ext with the same policy: hf.gradient_checkpointing_enable(model, context_fn=...)
+  (g) torch_ext's native policy, the same choice decided in C++:
+      hf.gradient_checkpointing_enable(model, save="torchtitan")
   (f) torch_ext's op-level planner at 25%, 50% and 75% of (a)'s layer activation memory
       (hf.checkpoint_layers(model, budget_bytes=..., inputs=batch, ops=True); eager only: the
-      plan's budget does not hold compiled, docs/checkpoint.md)
-  compiled (torch.compile(model), inductor): (a), (c) and (e)
+      plan's budget does not hold compiled, docs/checkpoint.md); the plans save through (g)'s
+      mechanism
+  compiled (torch.compile(model), inductor): (a), (c), (e) and (g)
 
 Step: model(**batch).loss.backward(), gradients preallocated; compiled rows run with
 torch._inductor.config.fallback_random, so their dropout draws eager's masks, and are compiled by
@@ -19,7 +22,7 @@ their first step (not timed). Step peak: the highest live memory
 above the step's start (torch_ext.memory). Grad diff: max |g - g_(a)| / max |g_(a)| after one step
 from the same seed. Step time: rounds of every variant (harness.measure_interleaved), then (e)
 against (c) in rounds of their own, alternating which runs first, judged by a 95% sign-test
-interval on the per-round difference. A plot of step peak against step time, one point per
+interval on the per-round difference, and (g) against (c) the same way. A plot of step peak against step time, one point per
 variant: docs/checkpoint_selective.png.
 """
 from __future__ import annotations
@@ -37,10 +40,10 @@ from checkpoint_hf import layers_peak, models, padded_batch
 import torch_ext
 from torch_ext.checkpointing import hf
 
-NONE, HF, TORCH_SAC, OURS, OURS_SAC = (
+NONE, HF, TORCH_SAC, OURS, OURS_SAC, NATIVE = (
     "(a) no checkpointing", "(b) Hugging Face gradient checkpointing", "(c) torch SAC, torchtitan-style policy",
-    "(d) torch_ext per layer", "(e) torch_ext + the same policy")
-COMPILED = (NONE, TORCH_SAC, OURS_SAC)
+    "(d) torch_ext per layer", "(e) torch_ext + the same policy", "(g) torch_ext native policy (save='torchtitan')")
+COMPILED = (NONE, TORCH_SAC, OURS_SAC, NATIVE)
 PLANNED = {fraction: f"(f) torch_ext op-level plan, {fraction:.0%} budget" for fraction in (0.25, 0.5, 0.75)}
 PLOT = Path(__file__).resolve().parent.parent / "docs" / "checkpoint_selective.png"
 
@@ -66,12 +69,13 @@ def torchtitan_context():
 
 
 def variants(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    built = {name: copy.deepcopy(base) for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC)}
+    built = {name: copy.deepcopy(base) for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC, NATIVE)}
     built[HF].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     built[TORCH_SAC].gradient_checkpointing_enable(
         gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": torchtitan_context})
     hf.gradient_checkpointing_enable(built[OURS])
     hf.gradient_checkpointing_enable(built[OURS_SAC], context_fn=torchtitan_context)
+    hf.gradient_checkpointing_enable(built[NATIVE], save="torchtitan")
     return built
 
 
@@ -137,19 +141,21 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
                        step_peak_bytes=peaks[name], step_seconds=t.median_seconds, timing=t,
                        grad_max_rel_diff=grad_diffs[name])
         points.setdefault(label, {})[name] = (t.median_seconds / base_time, peaks[name] / peaks[NONE])
-    pair = harness.measure_interleaved({TORCH_SAC: steps[TORCH_SAC], OURS_SAC: steps[OURS_SAC]}, warmup=1,
-                                       repeat=pair_repeat, before_each=zero, alternate=True)
-    paired, low, high, faster = harness.paired_difference(pair[OURS_SAC], pair[TORCH_SAC])
-    verdict = "faster" if high < 0 else ("slower" if low > 0 else "a tie within this run's noise")
-    checks.append((f"{label}: (e) at (c)'s step peak memory ({harness.format_bytes(peaks[OURS_SAC])} vs "
-                   f"{harness.format_bytes(peaks[TORCH_SAC])}) and no slower: in {pair_repeat} paired rounds "
-                   f"{harness.format_seconds(pair[OURS_SAC].median_seconds)} vs "
-                   f"{harness.format_seconds(pair[TORCH_SAC].median_seconds)}, per round (e) - (c) median "
-                   f"{paired * 1e3:+.1f} ms, 95% interval [{low * 1e3:+.1f}, {high * 1e3:+.1f}] ms (sign test), "
-                   f"(e) faster in {faster} of {pair_repeat}: {verdict}",
-                   peaks[OURS_SAC] <= peaks[TORCH_SAC] * 1.02 and low <= 0))
-    same = grad_diffs[OURS_SAC] == grad_diffs[TORCH_SAC] == 0
-    checks.append((f"{label}: (c) and (e) give (a)'s gradients exactly (dropout on): {'yes' if same else 'no'}", same))
+    pair = harness.measure_interleaved({TORCH_SAC: steps[TORCH_SAC], OURS_SAC: steps[OURS_SAC], NATIVE: steps[NATIVE]},
+                                       warmup=1, repeat=pair_repeat, before_each=zero, alternate=True)
+    for ours, letter in ((OURS_SAC, "e"), (NATIVE, "g")):
+        paired, low, high, faster = harness.paired_difference(pair[ours], pair[TORCH_SAC])
+        verdict = "faster" if high < 0 else ("slower" if low > 0 else "a tie within this run's noise")
+        checks.append((f"{label}: ({letter}) at (c)'s step peak memory ({harness.format_bytes(peaks[ours])} vs "
+                       f"{harness.format_bytes(peaks[TORCH_SAC])}) and no slower: in {pair_repeat} paired rounds "
+                       f"{harness.format_seconds(pair[ours].median_seconds)} vs "
+                       f"{harness.format_seconds(pair[TORCH_SAC].median_seconds)}, per round ({letter}) - (c) median "
+                       f"{paired * 1e3:+.1f} ms, 95% interval [{low * 1e3:+.1f}, {high * 1e3:+.1f}] ms (sign test), "
+                       f"({letter}) faster in {faster} of {pair_repeat}: {verdict}",
+                       peaks[ours] <= peaks[TORCH_SAC] * 1.02 and low <= 0))
+    same = grad_diffs[OURS_SAC] == grad_diffs[TORCH_SAC] == grad_diffs[NATIVE] == 0
+    checks.append((f"{label}: (c), (e) and (g) give (a)'s gradients exactly (dropout on): {'yes' if same else 'no'}",
+                   same))
     for name, budget in budgets.items():
         if isinstance(plans[name], ValueError):
             checks.append((f"{label}: {name}: {plans[name]}", False))
@@ -159,9 +165,15 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
                        f"{harness.format_bytes(budget)} (predicted {harness.format_bytes(plans[name].predicted_peak_bytes)}"
                        f", {sum(map(len, plans[name].saved))} of {sum(map(len, plans[name].ops))} ops saved); "
                        f"step {timings[name].median_seconds / base_time:.2f}x (a)'s", peak <= budget))
-    compiled_c, compiled_e = f"{TORCH_SAC}, compiled", f"{OURS_SAC}, compiled"
-    checks.append((f"{label}, compiled: (e) at (c)'s step peak memory ({harness.format_bytes(peaks[compiled_e])} vs "
-                   f"{harness.format_bytes(peaks[compiled_c])})", peaks[compiled_e] <= peaks[compiled_c] * 1.02))
+    half = PLANNED[0.5]
+    if half in timings:
+        ratio = timings[half].median_seconds / base_time
+        checks.append((f"{label}: {half} at most 1.05x (a)'s step: {ratio:.2f}x", ratio <= 1.05))
+    compiled_c = f"{TORCH_SAC}, compiled"
+    for ours, letter in ((OURS_SAC, "e"), (NATIVE, "g")):
+        compiled = f"{ours}, compiled"
+        checks.append((f"{label}, compiled: ({letter}) at (c)'s step peak memory ({harness.format_bytes(peaks[compiled])} "
+                       f"vs {harness.format_bytes(peaks[compiled_c])})", peaks[compiled] <= peaks[compiled_c] * 1.02))
 
 
 def scaling_check() -> tuple[str, bool]:
@@ -199,7 +211,7 @@ def plot(points: dict) -> None:
         ax.set_ylabel("step peak memory / (a) eager")
         ax.grid(alpha=0.3)
     fig.suptitle("Selective checkpointing, CPU (squares: compiled): " + "; ".join(
-        name for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC, "(f) torch_ext op-level plans")), fontsize=7)
+        name for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC, NATIVE, "(f) torch_ext op-level plans")), fontsize=7)
     fig.tight_layout()
     fig.savefig(PLOT, dpi=110)
     plt.close(fig)
@@ -222,7 +234,7 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     report.notes.append("")
     report.notes.append(f"transformers {transformers.__version__}; {torch.get_num_threads()} torch thread(s). "
                         f"Policy of (c) and (e): torchtitan's (attention saved, every second matmul of a layer's "
-                        f"forward saved). Plot: docs/{PLOT.name}.")
+                        f"forward saved); (g) the same choice through save='torchtitan'. Plot: docs/{PLOT.name}.")
     checks.append(scaling_check())
     report.add_checks(checks)
     report.write()

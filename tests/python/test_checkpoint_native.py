@@ -262,3 +262,17 @@ def test_a_hugging_face_model_with_the_torchtitan_preset_matches_torchs_policy()
     assert_same(grads, torch_grads)
     assert compute_ops(counts) == compute_ops(torch_counts)
     assert counts["_scaled_dot_product_flash_attention_for_cpu"] == 0
+
+
+def test_a_second_backward_through_a_retained_graph_recomputes_what_the_first_replay_took():
+    torch.manual_seed(0)
+    block = MLP()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    expected = torch.autograd.grad(block(x).sum(), x)[0]
+    torch_ext.checkpoint(block, save="matmul")
+    loss = block(x).sum()
+    first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    with OpCounter() as counter:
+        second = torch.autograd.grad(loss, x)[0]
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert counter.counts["addmm"] == 3  # the forward's matmuls, served once, run again

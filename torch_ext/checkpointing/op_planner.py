@@ -1,9 +1,9 @@
 """The op-level planner: measure every op inside each block of a chain on real inputs (a
 TorchDispatchMode over one forward: the bytes of its output, the time it takes), then choose which
 ops' outputs to save, per block, so that the predicted peak fits a byte budget, saving first the
-ops of most recompute time per byte (greedy: the least-recompute choice is a knapsack problem). Every block is checkpointed; the ops a plan saves are kept by torch's selective
-checkpointing (create_selective_checkpoint_contexts) through torch_ext.checkpoint, the others are
-recomputed in backward.
+ops of most recompute time per byte (greedy: the least-recompute choice is a knapsack problem).
+Every block is checkpointed; the ops a plan saves are kept by torch_ext's native selective
+checkpointing (the `save` option, decided in C++), the others are recomputed in backward.
 
 The choice is O(N log N) in the number N of candidate ops: one sort by recompute seconds per byte
 saved, then a binary search for the longest prefix of that order whose predicted peak fits the
@@ -62,12 +62,25 @@ class OpPlan:
         """The (op name, occurrence) pairs block saves."""
         return [(name, index) for name, index in self.saved[block]]
 
+    def save_items(self, block: int) -> list[str]:
+        """torch_ext.checkpoint's `save` option for block: each op it saves with its occurrences,
+        as 'aten.addmm.default#0,2' (empty: nothing saved)."""
+        self._check_block("save_items", block)
+        occurrences: dict = {}
+        for name, index in self.saved[block]:
+            occurrences.setdefault(name, []).append(index)
+        return [f"{name}#{','.join(map(str, sorted(indices)))}" for name, indices in occurrences.items()]
+
     def context_fn(self, block: int) -> Callable:
-        """torch's context_fn for block: create_selective_checkpoint_contexts with a policy that
-        saves the plan's ops of that block (MUST_SAVE) and recomputes the others."""
-        if not 0 <= block < len(self.saved):
-            raise IndexError(f"OpPlan.context_fn: block {block} is outside 0..{len(self.saved) - 1}")
+        """torch's context_fn for block (the same choice as save_items, for torch.utils.checkpoint):
+        create_selective_checkpoint_contexts with a policy that saves the plan's ops of that block
+        (MUST_SAVE) and recomputes the others."""
+        self._check_block("context_fn", block)
         return functools.partial(_plan_contexts, frozenset(self.saved_ops(block)))
+
+    def _check_block(self, owner: str, block: int) -> None:
+        if not 0 <= block < len(self.saved):
+            raise IndexError(f"OpPlan.{owner}: block {block} is outside 0..{len(self.saved) - 1}")
 
     def with_budget(self, budget_bytes: int) -> "OpPlan":
         """The plan for another budget from this plan's measurements (nothing is measured again).
@@ -79,7 +92,7 @@ class OpPlan:
                          "params": self.block_parameter_bytes, "seconds": [self.step_seconds]}, budget_bytes)
 
     def apply(self, layers: Iterable[nn.Module]) -> list[nn.Module]:
-        """Checkpoint each layer in place with torch_ext.checkpoint(layer, context_fn=...) (the
+        """Checkpoint each layer in place with torch_ext.checkpoint(layer, save=save_items(k)) (the
         plan's block of the same index); returns the layers. They must be the plan's blocks, not
         checkpointed already."""
         layers = list(layers.values() if isinstance(layers, (dict, OrderedDict)) else layers)
@@ -92,7 +105,7 @@ class OpPlan:
                     type(layer).forward, "_torch_ext_checkpoint", None) is not None:
                 raise ValueError(f"OpPlan.apply: layer {index} ({type(layer).__name__}) is already checkpointed")
         for index, layer in enumerate(layers):
-            checkpoint(layer, context_fn=self.context_fn(index))
+            checkpoint(layer, save=self.save_items(index) or None)
         return layers
 
     def as_dict(self) -> dict:

@@ -311,16 +311,23 @@ void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet b
                           (cursor_ < saved_->entries.size() ? "another op there" : "no more outputs") +
                           "; a segment must run the same ops on each call");
   }
-  const SavedOutputs::Entry& entry = saved_->entries[cursor_++];
-  for (size_t i = 0; i < entry.outputs.size(); ++i) {
+  SavedOutputs::Entry& entry = saved_->entries[cursor_++];
+  bool servable = !entry.served;  // a second replay (a retained graph) runs the op again
+  for (size_t i = 0; servable && i < entry.outputs.size(); ++i) {
     const c10::IValue& value = entry.outputs[i];
-    if (value.isTensor() && value.toTensor()._version() != entry.versions[i]) {
-      op.redispatchBoxed(below, stack);  // changed in place after the forward saved it: run the op again
-      return;
-    }
+    servable = !value.isTensor() || value.toTensor()._version() == entry.versions[i];  // else changed in place
   }
+  if (!servable) {
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  // Handed over, not kept: the replay's graph holds the outputs until their backward, as torch's
+  // policy pops them from its storage.
+  entry.served = true;
+  const std::vector<c10::IValue> outputs = std::move(entry.outputs);
+  entry.outputs.clear();
   torch::jit::drop(*stack, n_arguments);
-  for (const auto& value : entry.outputs) {
+  for (const auto& value : outputs) {
     // A fresh alias for autograd to record the replayed op on, made without a dispatch (as torch's
     // policy returns its stored tensors: no op runs in the replay's place).
     stack->push_back(value.isTensor() && value.toTensor().defined() ? c10::IValue(value.toTensor().variable_data())

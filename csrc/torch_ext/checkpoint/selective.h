@@ -20,7 +20,8 @@
 //   "torchtitan"  the preset torchtitan uses: "attention" and "matmul/2"
 // An op called with dropout_p > 0 is never saved (its replay must draw the forward's random numbers
 // again, in order); random ops, views, in-place ops and ops that decompose before autograd cannot be
-// named. An output changed in place after the forward saved it is recomputed instead of served.
+// named. An output changed in place after the forward saved it is recomputed instead of served, and
+// so is every saved op in a second replay (a retained graph): the first replay takes the outputs.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -75,6 +76,7 @@ class SavedOutputs {
     const void* op;  // the operator's identity (its OperatorHandle's definition)
     std::vector<c10::IValue> outputs;
     std::vector<uint32_t> versions;  // of each tensor output when saved
+    bool served = false;             // handed to a replay (outputs then empty)
   };
   std::vector<Entry> entries;
   int64_t bytes() const;
