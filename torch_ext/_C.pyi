@@ -22,6 +22,13 @@ class _CheckpointModule:
     def native_options(self, options: torch.ScriptObject) -> Any:
         """The C++ options of a torch.classes.torch_ext.CheckpointOptions, for run()."""
 
+    def save_rules(self, items: list[str]) -> list[tuple[str, int, int, list[int]]]:
+        """The `save` option's rules: (op as 'aten::mm.default', group, every, occurrences) per op."""
+
+    def probe(self, fn: Callable[[], Any], items: list[str]) -> list[tuple[str, int, int]]:
+        """Runs fn() listing each call of the ops items name as the native policy counts them:
+        (op, occurrence in its item's group, bytes of its outputs' storages)."""
+
 checkpoint: _CheckpointModule
 
 class PythonValues:
@@ -31,7 +38,7 @@ class PythonValues:
     def get(self, node_id: int, inputs: list[Any] | tuple[Any, ...], default: Any = None) -> Any: ...
     def put(self, node_id: int, inputs: list[Any] | tuple[Any, ...], value: Any, cost_seconds: float = 0.0,
             content_inputs: int = 0) -> bool: ...
-    def observe(self, source_id: int, inputs: list[Any] | tuple[Any, ...], work_bytes: int = 0) -> bool: ...
+    def observe(self, source_id: int, inputs: list[Any] | tuple[Any, ...], work_bytes: int = 0) -> int: ...
     def record_call(self, nodes_computed: int, nodes_reused: int) -> None: ...
 
 class _CacheModule:

@@ -347,6 +347,20 @@ void bind_checkpoint(py::module_& m) {
       },
       py::arg("options"), "The C++ options of a torch.classes.torch_ext.CheckpointOptions, for run()");
   sub.def(
+      "probe",
+      [](const py::function& fn, std::vector<std::string> items) {
+        const ck::SaveSpec spec(std::move(items));
+        ck::SavedOutputs saved;
+        {
+          ck::SelectiveScope scope(spec.policy().get(), &saved, ck::SelectiveScope::Mode::kProbe, "probe");
+          fn();
+        }
+        return saved.probed;
+      },
+      py::arg("fn"), py::arg("items"),
+      "Runs fn() and lists each call of the ops `items` name as the native policy counts them: (op as "
+      "'aten::mm.default', occurrence in its item's group, bytes of its outputs' storages)");
+  sub.def(
       "save_rules",
       [](std::vector<std::string> items) {
         py::list rules;

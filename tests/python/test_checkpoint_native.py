@@ -12,9 +12,19 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import torch_ext
 from torch_ext.checkpointing import hf
-from test_checkpoint_selective import OpCounter, assert_same, backward_counts, qwen2  # noqa: E402
+from test_checkpoint_selective import OpCounter, assert_same, qwen2  # noqa: E402
 
 aten = torch.ops.aten
+
+
+def backward_counts(loss_fn, *leaves):
+    """The ops backward ran, and the leaves' gradients. The counting mode runs through the forward
+    too: the native policy serves a replay only under its forward's dispatch-mode setting."""
+    with OpCounter() as counter:
+        loss = loss_fn()
+        counter.counts.clear()
+        loss.backward()
+    return counter.counts, [leaf.grad for leaf in leaves]
 
 
 class MLP(nn.Module):
@@ -247,10 +257,8 @@ def test_a_hugging_face_model_with_the_torchtitan_preset_matches_torchs_policy()
 
     def step(model):
         ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(3))
-        loss = model(input_ids=ids, labels=ids).loss
-        with OpCounter() as counter:
-            loss.backward()
-        return counter.counts, [p.grad for p in model.parameters()]
+        counts, _ = backward_counts(lambda: model(input_ids=ids, labels=ids).loss)
+        return counts, [p.grad for p in model.parameters()]
 
     reference = qwen2()
     reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
@@ -270,9 +278,59 @@ def test_a_second_backward_through_a_retained_graph_recomputes_what_the_first_re
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
     expected = torch.autograd.grad(block(x).sum(), x)[0]
     torch_ext.checkpoint(block, save="matmul")
-    loss = block(x).sum()
-    first = torch.autograd.grad(loss, x, retain_graph=True)[0]
     with OpCounter() as counter:
+        loss = block(x).sum()
+        first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+        counter.counts.clear()
         second = torch.autograd.grad(loss, x)[0]
     assert torch.equal(first, expected) and torch.equal(second, expected)
     assert counter.counts["addmm"] == 3  # the forward's matmuls, served once, run again
+
+
+def test_a_layer_budget_with_save_is_refused_as_with_context_fn():
+    with pytest.raises(ValueError, match="budget_bytes with context_fn or save"):
+        torch_ext.CheckpointedSequential([MLP(), MLP()], budget_bytes=1 << 20, save="matmul")
+    with pytest.raises(ValueError, match="budget_bytes with context_fn or save"):
+        hf.checkpoint_layers(qwen2(), budget_bytes=1 << 20, inputs={"input_ids": torch.ones(1, 4, dtype=torch.long)},
+                             save="matmul")
+
+
+def test_every_python_entry_point_takes_save():
+    torch.manual_seed(0)
+    layers = [MLP() for _ in range(4)]
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    expected = torch.autograd.grad(nn.Sequential(*layers)(x).sum(), x)[0]
+    runs = {
+        "CheckpointedSequential": lambda: torch_ext.CheckpointedSequential(layers, every=1, save="matmul")(x),
+        "checkpoint_sequential": lambda: torch_ext.checkpoint_sequential(nn.Sequential(*layers), 4, x, save="matmul"),
+        "checkpoint_call": lambda: torch_ext.checkpoint_call(nn.Sequential(*layers), x, save="matmul"),
+    }
+    for name, forward in runs.items():
+        with OpCounter() as counter:
+            out = forward()
+            counter.counts.clear()
+            (grad,) = torch.autograd.grad(out.sum(), x)
+        assert torch.equal(grad, expected), name
+        assert counter.counts["addmm"] == 0, name
+
+
+def test_a_replay_under_another_dispatch_mode_setting_than_its_forward_runs_every_op():
+    # torch's math attention adds its mask in place unless a dispatch mode is active: the replay's ops
+    # would not line up with the forward's, so nothing is served and the gradients stay exact.
+    mask = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+
+    def segment(q):
+        attention = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask, dropout_p=0.25)
+        return (attention + q).square().sum()
+
+    q = torch.randn(2, 2, 8, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    torch.manual_seed(3)
+    segment(q).backward()
+    expected = q.grad.clone()
+    q.grad = None
+    torch.manual_seed(3)
+    loss = torch_ext.checkpoint_call(segment, q, save="aten::add.Tensor")
+    with OpCounter() as counter:
+        loss.backward()
+    assert torch.equal(q.grad, expected)
+    assert counter.counts["add"] >= 2  # the mask add (out of place under the mode) and the residual add, run

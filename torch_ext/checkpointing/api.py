@@ -37,6 +37,12 @@ class Options:
     # torch.utils.checkpoint takes it; a Python object, so the one option C++ cannot hold.
     context_fn: Optional[Callable] = None
 
+    @property
+    def chooses_ops(self) -> bool:
+        """Whether a policy (context_fn or save) chooses op outputs to keep: a layer planner's
+        measurements, taken without it, would not count them."""
+        return self.context_fn is not None or self.script.save is not None
+
     def as_dict(self) -> dict:
         """The options as keywords (the C++ ones, and context_fn when one is set)."""
         values = self.script.as_dict()

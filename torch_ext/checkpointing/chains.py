@@ -63,7 +63,7 @@ class CheckpointedSequential(nn.Sequential):
         if len(chosen) > 1:
             raise ValueError(f"CheckpointedSequential: give one of every, boundaries or budget_bytes, not {chosen}")
         self.options = checkpoint_options("CheckpointedSequential", **options)
-        if budget_bytes is not None and self.options.context_fn is not None:
+        if budget_bytes is not None and self.options.chooses_ops:
             raise ValueError(f"CheckpointedSequential: {_PLANNED_POLICY}")
         self.budget_bytes = budget_bytes
         self.plan: Optional[CheckpointPlan] = None
@@ -222,9 +222,9 @@ def _restore_rng(states: list) -> None:
             torch.cuda.set_rng_state(state, index)
 
 
-_PLANNED_POLICY = ("budget_bytes with context_fn: the planner measures layers without a selective checkpointing "
-                   "policy, so its plan would not account for the outputs the policy keeps; choose the layers "
-                   "(every / boundaries), or plan without context_fn")
+_PLANNED_POLICY = ("budget_bytes with context_fn or save: the planner measures layers without a selective "
+                   "checkpointing policy, so its plan would not account for the outputs the policy keeps; choose the "
+                   "layers (every / boundaries), plan without the policy, or plan ops (ops=True / plan_ops)")
 
 # torch.utils.checkpoint.checkpoint_sequential's own keywords, accepted for drop-in use and ignored:
 # there is one implementation.

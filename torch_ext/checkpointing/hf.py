@@ -87,7 +87,7 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     of least recompute within B bytes of layer activations chooses; returns the CheckpointPlan.
     budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured on what
     each layer receives): every layer is checkpointed, saving the ops the plan chooses (through
-    context_fn); returns the OpPlan.
+    the native policy, save=); returns the OpPlan.
     Hugging Face's own gradient checkpointing must be off (the layers would be checkpointed twice)."""
     if (every is None) == (budget_bytes is None):
         raise ValueError("checkpoint_layers: give exactly one of every or budget_bytes")
@@ -109,11 +109,11 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
         raise ValueError("checkpoint_layers: budget_bytes needs inputs, the keyword arguments of one model call "
                          "(input_ids, attention_mask, ...), to measure the layers on")
     resolved = checkpoint_options("checkpoint_layers", **options)
-    if resolved.context_fn is not None:
+    if resolved.chooses_ops:
         raise ValueError(f"checkpoint_layers: {_PLANNED_POLICY}")
     if ops:
         if options:
-            raise ValueError(f"checkpoint_layers: ops=True takes no options (the plan sets each layer's context_fn "
+            raise ValueError(f"checkpoint_layers: ops=True takes no options (the plan sets each layer's save "
                              f"and measures with keep storage), got {sorted(options)}")
         op_plan = plan_recorded_ops(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, repeat,
                                     progress)

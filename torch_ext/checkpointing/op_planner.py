@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .. import _C
 from .api import _CheckpointedForward, checkpoint
 from .planner import _call, _detach_like, _evaluate, _measure_once, _tensor_leaves, _trainable_parameters
 
@@ -52,6 +53,7 @@ class OpPlan:
     block_activation_bytes: list[int] = field(default_factory=list)
     block_workspace_bytes: list[int] = field(default_factory=list)
     block_parameter_bytes: list[int] = field(default_factory=list)
+    native_ops: list[list[str]] = field(default_factory=list)
 
     @property
     def predicted_overhead(self) -> float:
@@ -71,6 +73,13 @@ class OpPlan:
             occurrences.setdefault(name, []).append(index)
         return [f"{name}#{','.join(map(str, sorted(indices)))}" for name, indices in occurrences.items()]
 
+    def saves_natively(self, block: int) -> bool:
+        """Whether apply() saves block's ops through the native policy: when the ops it saves were
+        called alike with and without a Python dispatch mode (native_ops; else torch's policy)."""
+        self._check_block("saves_natively", block)
+        native = set(self.native_ops[block]) if block < len(self.native_ops) else set()
+        return all(name in native for name, _ in self.saved[block])
+
     def context_fn(self, block: int) -> Callable:
         """torch's context_fn for block (the same choice as save_items, for torch.utils.checkpoint):
         create_selective_checkpoint_contexts with a policy that saves the plan's ops of that block
@@ -87,7 +96,7 @@ class OpPlan:
         Plans from one measurement are nested: a lower budget saves a subset of the ops a higher
         one saves, so its peak is never higher."""
         _check_budget(budget_bytes)
-        return _op_plan({"ops": self.ops, "inputs": self.block_input_bytes, "outputs": self.block_output_bytes,
+        return _op_plan({"ops": self.ops, "native": self.native_ops, "inputs": self.block_input_bytes, "outputs": self.block_output_bytes,
                          "activations": self.block_activation_bytes, "workspace": self.block_workspace_bytes,
                          "params": self.block_parameter_bytes, "seconds": [self.step_seconds]}, budget_bytes)
 
@@ -105,7 +114,10 @@ class OpPlan:
                     type(layer).forward, "_torch_ext_checkpoint", None) is not None:
                 raise ValueError(f"OpPlan.apply: layer {index} ({type(layer).__name__}) is already checkpointed")
         for index, layer in enumerate(layers):
-            checkpoint(layer, save=self.save_items(index) or None)
+            if self.saves_natively(index):
+                checkpoint(layer, save=self.save_items(index) or None)
+            else:
+                checkpoint(layer, context_fn=self.context_fn(index))
         return layers
 
     def as_dict(self) -> dict:
@@ -210,7 +222,35 @@ def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: 
     if any([op[:3] for op in run] != [op[:3] for op in runs[0]] for run in runs):
         raise ValueError("plan_ops: a block ran different ops on the same input in repeated forwards; "
                          "an op-level plan needs a block whose ops do not depend on data or state")
-    return [op[:3] + [statistics.median(run[i][3] for run in runs)] for i, op in enumerate(runs[0])]
+    ops = [op[:3] + [statistics.median(run[i][3] for run in runs)] for i, op in enumerate(runs[0])]
+    return ops, _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen)
+
+
+def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, recorded: bool, ops: list,
+                  calls: Counter) -> list[str]:
+    """The candidate op names whose calls the native policy counts as the recorder did: a forward
+    without a Python dispatch mode may call other ops (torch's math attention adds its mask in
+    place unless a mode is active), and an occurrence must name the same call in both."""
+    names = sorted({op[0] for op in ops})
+    try:
+        with torch.enable_grad():
+            probed = _C.checkpoint.probe(lambda: _call(layer, _detach_like(value, recorded), kwargs, first), names)
+    except ValueError:  # an op the native policy cannot save: check them one by one
+        probed = []
+        for name in names:
+            try:
+                with torch.enable_grad():
+                    probed += _C.checkpoint.probe(
+                        lambda: _call(layer, _detach_like(value, recorded), kwargs, first), [name])
+            except ValueError:
+                pass
+    native_calls = Counter(op.replace("::", ".", 1) for op, _, _ in probed)  # named as str(OpOverload) names them
+    native_bytes = {(op.replace("::", ".", 1), k): n for op, k, n in probed}
+    consistent = {name for name in names if native_calls[name] == calls[name]}
+    for name, index, nbytes, _ in ops:
+        if native_bytes.get((name, index)) != nbytes:
+            consistent.discard(name)
+    return sorted(consistent)
 
 
 def _peak(saved_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], activations: Sequence[int],
@@ -305,7 +345,8 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
     leaves = _tensor_leaves(recorded[0] if recorded is not None else inputs)
     device = leaves[0].device if leaves else torch.device("cpu")
     devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
-    m: dict = {key: [] for key in ("ops", "inputs", "outputs", "activations", "workspace", "params", "seconds")}
+    m: dict = {key: [] for key in ("ops", "native", "inputs", "outputs", "activations", "workspace", "params",
+                                   "seconds")}
     buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
     value: Any = inputs
     with torch.random.fork_rng(devices=devices):
@@ -316,7 +357,11 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
                     value, kwargs = recorded[index]
                 boundary = _tensor_leaves(value)[:1] if recorded is not None else _tensor_leaves(value)
                 m["inputs"].append(_bytes(boundary))
-                m["ops"].append(_record_ops(layer, value, kwargs, first, repeat, recorded is not None))
+                ops, native = _record_ops(layer, value, kwargs, first, repeat, recorded is not None)
+                # Only ops the native policy can save as measured are candidates: every block of a
+                # plan then saves natively (no Python dispatch mode per op).
+                m["ops"].append([op for op in ops if op[0] in native])
+                m["native"].append(native)
                 samples = [_measure_once(layer, value, kwargs, first, device, recorded is not None)
                            for _ in range(repeat)]
                 m["seconds"].append(statistics.median(s[0] + s[1] for s in samples))
@@ -365,4 +410,4 @@ def _op_plan(m: dict, budget_bytes: float) -> OpPlan:
                   predicted_recompute_seconds=recompute, step_seconds=sum(m["seconds"]), ops=m["ops"],
                   block_input_bytes=m["inputs"], block_output_bytes=m["outputs"],
                   block_activation_bytes=m["activations"], block_workspace_bytes=m["workspace"],
-                  block_parameter_bytes=m["params"])
+                  block_parameter_bytes=m["params"], native_ops=m["native"])

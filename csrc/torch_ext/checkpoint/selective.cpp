@@ -9,6 +9,7 @@
 #include <utility>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/library.h>
 
 #include "torch_ext/checkpoint/frame.h"
@@ -254,6 +255,12 @@ int64_t SavedOutputs::bytes() const {
 
 SelectiveScope::SelectiveScope(const SavePolicy* policy, SavedOutputs* saved, Mode mode, const std::string& segment)
     : policy_(policy), saved_(saved), mode_(mode), segment_(segment), enclosing_(active_scope) {
+  const bool python_modes = c10::impl::dispatch_mode_enabled();
+  if (mode_ == Mode::kRecord && saved_ != nullptr) {
+    saved_->python_modes = python_modes;
+  } else if (mode_ == Mode::kServe && saved_ != nullptr && saved_->python_modes != python_modes) {
+    policy_ = nullptr;  // the ops may differ from the forward's: replay them all
+  }
   if (policy_ != nullptr) counts_.assign(policy_->groups.size(), 0);
   active_scope = policy_ != nullptr ? this : nullptr;
 }
@@ -274,6 +281,17 @@ void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet b
   }
   const int64_t occurrence = counts_[rule->group]++;
   const size_t n_arguments = op.schema().arguments().size();
+  if (mode_ == Mode::kProbe) {
+    op.redispatchBoxed(below, stack);
+    int64_t bytes = 0;
+    for (size_t i = stack->size() - op.schema().returns().size(); i < stack->size(); ++i) {
+      if ((*stack)[i].isTensor() && (*stack)[i].toTensor().defined()) {
+        bytes += static_cast<int64_t>((*stack)[i].toTensor().storage().nbytes());
+      }
+    }
+    saved_->probed.emplace_back(qualified(op.operator_name()), occurrence, bytes);
+    return;
+  }
   bool save = policy_->groups[rule->group].saves(occurrence);
   if (save && rule->dropout_argument) {
     const c10::IValue& p = (*stack)[stack->size() - n_arguments + *rule->dropout_argument];
@@ -283,27 +301,36 @@ void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet b
     op.redispatchBoxed(below, stack);
     return;
   }
-  if (mode_ == Mode::kRecord) {
-    op.redispatchBoxed(below, stack);
-    SavedOutputs::Entry entry{&op.schema(), {}, {}};
-    const size_t n_returns = op.schema().returns().size();
-    for (size_t i = stack->size() - n_returns; i < stack->size(); ++i) {
-      const c10::IValue& value = (*stack)[i];
-      if (value.isTensor() && value.toTensor().defined()) {
-        // An alias that shares the output's version counter (so a later in-place change shows) but
-        // not its autograd history (which would keep the graph alive through this record). Made
-        // without a dispatch: below autograd, detach() would not share the counter.
-        c10::TensorImpl* impl = value.toTensor().unsafeGetTensorImpl();
-        entry.outputs.emplace_back(at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), false)));
-        entry.versions.push_back(impl->version_counter().current_version());
-      } else {
-        entry.outputs.push_back(value);
-        entry.versions.push_back(0);
-      }
-    }
-    saved_->entries.push_back(std::move(entry));
+  if (mode_ == Mode::kServe && serve(op, occurrence, *stack)) {
     return;
   }
+  op.redispatchBoxed(below, stack);  // the forward runs it (and records it); so does a replay that cannot serve it
+  if (mode_ == Mode::kRecord) {
+    record(op, *stack);
+  }
+}
+
+void SelectiveScope::record(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  SavedOutputs::Entry entry{&op.schema(), {}, {}};
+  const size_t n_returns = op.schema().returns().size();
+  for (size_t i = stack.size() - n_returns; i < stack.size(); ++i) {
+    const c10::IValue& value = stack[i];
+    if (value.isTensor() && value.toTensor().defined()) {
+      // An alias that shares the output's version counter (so a later in-place change shows) but
+      // not its autograd history (which would keep the graph alive through this record). Made
+      // without a dispatch: below autograd, detach() would not share the counter.
+      c10::TensorImpl* impl = value.toTensor().unsafeGetTensorImpl();
+      entry.outputs.emplace_back(at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), false)));
+      entry.versions.push_back(impl->version_counter().current_version());
+    } else {
+      entry.outputs.push_back(value);
+      entry.versions.push_back(0);
+    }
+  }
+  saved_->entries.push_back(std::move(entry));
+}
+
+bool SelectiveScope::serve(const c10::OperatorHandle& op, int64_t occurrence, torch::jit::Stack& stack) {
   if (cursor_ >= saved_->entries.size() || saved_->entries[cursor_].op != &op.schema()) {
     throw CheckpointError("checkpoint: the replay of " + segment_ + " departs from its forward at " +
                           qualified(op.operator_name()) + " (occurrence " + std::to_string(occurrence) +
@@ -318,21 +345,21 @@ void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet b
     servable = !value.isTensor() || value.toTensor()._version() == entry.versions[i];  // else changed in place
   }
   if (!servable) {
-    op.redispatchBoxed(below, stack);
-    return;
+    return false;
   }
   // Handed over, not kept: the replay's graph holds the outputs until their backward, as torch's
   // policy pops them from its storage.
   entry.served = true;
   const std::vector<c10::IValue> outputs = std::move(entry.outputs);
   entry.outputs.clear();
-  torch::jit::drop(*stack, n_arguments);
+  torch::jit::drop(stack, op.schema().arguments().size());
   for (const auto& value : outputs) {
     // A fresh alias for autograd to record the replayed op on, made without a dispatch (as torch's
     // policy returns its stored tensors: no op runs in the replay's place).
-    stack->push_back(value.isTensor() && value.toTensor().defined() ? c10::IValue(value.toTensor().variable_data())
+    stack.push_back(value.isTensor() && value.toTensor().defined() ? c10::IValue(value.toTensor().variable_data())
                                                                      : value);
   }
+  return true;
 }
 
 }  // namespace torch_ext::checkpoint

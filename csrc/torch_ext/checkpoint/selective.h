@@ -26,6 +26,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -78,7 +79,13 @@ class SavedOutputs {
     std::vector<uint32_t> versions;  // of each tensor output when saved
     bool served = false;             // handed to a replay (outputs then empty)
   };
+  // A Python dispatch mode changes which ops some kernels call (torch's math attention adds its mask
+  // in place unless a mode or a subclass is about); a replay under another setting than its forward
+  // serves nothing.
+  bool python_modes = false;
   std::vector<Entry> entries;
+  // kProbe: each call of the policy's ops, as (op as 'aten::mm.default', occurrence, output bytes).
+  std::vector<std::tuple<std::string, int64_t, int64_t>> probed;
   int64_t bytes() const;
 };
 
@@ -87,7 +94,8 @@ class SavedOutputs {
 // nest; `segment` names the call in errors.
 class SelectiveScope {
  public:
-  enum class Mode { kRecord, kServe };
+  // kProbe only lists the calls the policy sees (what an op-level plan's occurrences refer to).
+  enum class Mode { kRecord, kServe, kProbe };
   SelectiveScope(const SavePolicy* policy, SavedOutputs* saved, Mode mode, const std::string& segment);
   ~SelectiveScope();
   SelectiveScope(const SelectiveScope&) = delete;
@@ -97,6 +105,11 @@ class SelectiveScope {
   void handle(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack);
 
  private:
+  void record(const c10::OperatorHandle& op, const torch::jit::Stack& stack);
+  // Replaces the arguments on the stack by the forward's outputs; false when they cannot be served
+  // (the op must run).
+  bool serve(const c10::OperatorHandle& op, int64_t occurrence, torch::jit::Stack& stack);
+
   const SavePolicy* policy_;
   SavedOutputs* saved_;
   Mode mode_;
