@@ -152,6 +152,15 @@ def test_an_output_changed_in_place_after_it_was_saved_is_recomputed():
     assert_same([leaf.grad for leaf in leaves], expected)
 
 
+def unwrapped_grad_then_reseed(segment, q, seed=3):
+    """q's gradient through segment(q) from RNG seed (q.grad reset), and the RNG at seed again."""
+    torch.manual_seed(seed)
+    segment(q).backward()
+    grad, q.grad = q.grad, None
+    torch.manual_seed(seed)
+    return grad
+
+
 def test_attention_with_dropout_draws_the_forwards_numbers_and_without_it_is_served():
     # On the CPU, attention with dropout takes the math path (the fused CPU kernel has no dropout),
     # whose ops "attention" does not name; a fused op called with dropout_p > 0 is never served.
@@ -159,11 +168,7 @@ def test_attention_with_dropout_draws_the_forwards_numbers_and_without_it_is_ser
         return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5).square().sum()
 
     q = torch.randn(2, 2, 8, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    torch.manual_seed(3)
-    segment(q).backward()
-    expected = q.grad.clone()
-    q.grad = None
-    torch.manual_seed(3)
+    expected = unwrapped_grad_then_reseed(segment, q)
     counts, (grad,) = backward_counts(lambda: torch_ext.checkpoint_call(segment, q, save="attention"), q)
     assert torch.equal(grad, expected)
     q.grad = None
@@ -324,11 +329,7 @@ def test_a_replay_under_another_dispatch_mode_setting_than_its_forward_runs_ever
         return (attention + q).square().sum()
 
     q = torch.randn(2, 2, 8, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    torch.manual_seed(3)
-    segment(q).backward()
-    expected = q.grad.clone()
-    q.grad = None
-    torch.manual_seed(3)
+    expected = unwrapped_grad_then_reseed(segment, q)
     loss = torch_ext.checkpoint_call(segment, q, save="aten::add.Tensor")
     with OpCounter() as counter:
         loss.backward()
