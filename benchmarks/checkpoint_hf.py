@@ -168,14 +168,7 @@ def run_model(label: str, build: Callable, quick: bool, device, report: harness.
         b, d = f"{HF}, {mode}", f"{OURS}, {mode}"
         pair = harness.measure_interleaved({b: steps[b], d: steps[d]}, warmup=1, repeat=pair_repeat,
                                            before_each=zero, alternate=True)
-        paired, low, high, faster = harness.paired_difference(pair[d], pair[b])
-        verdict = "lower" if high < 0 else ("higher" if low > 0 else "a tie within this run's noise")
-        checks.append((f"{label}, {mode}: (d) at (b)'s step peak memory ({harness.format_bytes(peaks[d])} vs "
-                       f"{harness.format_bytes(peaks[b])}) with step time at most (b)'s: in {pair_repeat} paired rounds "
-                       f"{harness.format_seconds(pair[d].median_seconds)} vs {harness.format_seconds(pair[b].median_seconds)}, "
-                       f"per round (d) - (b) median {paired * 1e3:+.1f} ms, 95% interval [{low * 1e3:+.1f}, "
-                       f"{high * 1e3:+.1f}] ms (sign test), (d) faster in {faster} of {pair_repeat}: {verdict}",
-                       peaks[d] <= peaks[b] * 1.02 and low <= 0))
+        checks.append(harness.peak_and_time_check(f"{label}, {mode}", pair, peaks, d, b, ("(d)", "(b)")))
     for name, budget in budgets.items():
         plan = plans[name]
         if isinstance(plan, ValueError):

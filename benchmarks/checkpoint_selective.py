@@ -143,16 +143,8 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
         points.setdefault(label, {})[name] = (t.median_seconds / base_time, peaks[name] / peaks[NONE])
     pair = harness.measure_interleaved({TORCH_SAC: steps[TORCH_SAC], OURS_SAC: steps[OURS_SAC], NATIVE: steps[NATIVE]},
                                        warmup=1, repeat=pair_repeat, before_each=zero, alternate=True)
-    for ours, letter in ((OURS_SAC, "e"), (NATIVE, "g")):
-        paired, low, high, faster = harness.paired_difference(pair[ours], pair[TORCH_SAC])
-        verdict = "faster" if high < 0 else ("slower" if low > 0 else "a tie within this run's noise")
-        checks.append((f"{label}: ({letter}) at (c)'s step peak memory ({harness.format_bytes(peaks[ours])} vs "
-                       f"{harness.format_bytes(peaks[TORCH_SAC])}) and no slower: in {pair_repeat} paired rounds "
-                       f"{harness.format_seconds(pair[ours].median_seconds)} vs "
-                       f"{harness.format_seconds(pair[TORCH_SAC].median_seconds)}, per round ({letter}) - (c) median "
-                       f"{paired * 1e3:+.1f} ms, 95% interval [{low * 1e3:+.1f}, {high * 1e3:+.1f}] ms (sign test), "
-                       f"({letter}) faster in {faster} of {pair_repeat}: {verdict}",
-                       peaks[ours] <= peaks[TORCH_SAC] * 1.02 and low <= 0))
+    for ours, letter in ((OURS_SAC, "(e)"), (NATIVE, "(g)")):
+        checks.append(harness.peak_and_time_check(label, pair, peaks, ours, TORCH_SAC, (letter, "(c)")))
     same = grad_diffs[OURS_SAC] == grad_diffs[TORCH_SAC] == grad_diffs[NATIVE] == 0
     checks.append((f"{label}: (c), (e) and (g) give (a)'s gradients exactly (dropout on): {'yes' if same else 'no'}",
                    same))

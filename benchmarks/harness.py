@@ -108,6 +108,23 @@ def paired_difference(first: Timing, second: Timing, coverage: float = 0.95) -> 
     return statistics.median(differences), differences[k - 1], differences[n - k], sum(d < 0 for d in differences)
 
 
+def peak_and_time_check(label: str, pair: dict, peaks: dict, ours: str, reference: str,
+                        short: tuple[str, str]) -> tuple[str, bool]:
+    """(text, met) of the check that variant `ours` holds at most `reference`'s step peak (2% slack)
+    with a step no slower in the paired rounds of `pair` (the 95% interval of the per-round
+    difference reaches 0 or below); short: the two variants' names in the text."""
+    a, b = short
+    rounds = len(pair[ours].samples)
+    paired, low, high, faster = paired_difference(pair[ours], pair[reference])
+    verdict = "faster" if high < 0 else ("slower" if low > 0 else "a tie within this run's noise")
+    text = (f"{label}: {a} at {b}'s step peak memory ({format_bytes(peaks[ours])} vs {format_bytes(peaks[reference])}) "
+            f"and no slower: in {rounds} paired rounds {format_seconds(pair[ours].median_seconds)} vs "
+            f"{format_seconds(pair[reference].median_seconds)}, per round {a} - {b} median {paired * 1e3:+.1f} ms, 95% "
+            f"interval [{low * 1e3:+.1f}, {high * 1e3:+.1f}] ms (sign test), {a} faster in {faster} of {rounds}: "
+            f"{verdict}")
+    return text, peaks[ours] <= peaks[reference] * 1.02 and low <= 0
+
+
 def _synchronize() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
