@@ -194,6 +194,7 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
     plan = hf.checkpoint_layers(model, budget_bytes=(loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 2,
                                 inputs=inputs, ops=True, repeat=1)
     assert isinstance(plan, OpPlan) and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert all(plan.saves_natively(k) for k in range(len(plan.saved)))
     assert all(isinstance(layer.__dict__.get("forward"), _CheckpointedForward) for layer in hf.decoder_layers(model))
     for m in (model, reference):
         torch.manual_seed(1)
@@ -220,3 +221,34 @@ def test_random_ops_are_never_saved_so_replays_draw_the_forwards_numbers():
         torch.manual_seed(3)
         _, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
         assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+class MaskedAttention(nn.Module):
+    """Attention with a float mask and dropout: torch's math path adds the mask in place, unless a
+    dispatch mode (the planner's recorder) is active, when it adds it out of place."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.register_buffer("mask", torch.randn(1, 1, 8, 8, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x):
+        q = self.proj(x).view(2, 8, 2, 8).transpose(1, 2)
+        attention = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=self.mask, dropout_p=0.2)
+        return attention.transpose(1, 2).reshape(2, 8, 16) + x
+
+
+def test_ops_a_dispatch_mode_changes_are_not_candidates_and_plans_stay_exact():
+    torch.manual_seed(0)
+    layers = [MaskedAttention() for _ in range(3)]
+    x = torch.randn(2, 8, 16)
+    loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)
+    names = {name for block in loose.ops for name, *_ in block}
+    assert "aten.addmm.default" in names and "aten.add.Tensor" not in names
+    assert all("aten.add.Tensor" not in native for native in loose.native_ops)
+    torch.manual_seed(3)
+    _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
+    torch.manual_seed(3)
+    _, grads = peak_and_grads(loose.apply(copy.deepcopy(layers)), x)
+    assert all(loose.saves_natively(k) for k in range(3))
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
