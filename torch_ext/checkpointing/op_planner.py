@@ -96,9 +96,10 @@ class OpPlan:
         Plans from one measurement are nested: a lower budget saves a subset of the ops a higher
         one saves, so its peak is never higher."""
         _check_budget(budget_bytes)
-        return _op_plan({"ops": self.ops, "native": self.native_ops, "inputs": self.block_input_bytes, "outputs": self.block_output_bytes,
-                         "activations": self.block_activation_bytes, "workspace": self.block_workspace_bytes,
-                         "params": self.block_parameter_bytes, "seconds": [self.step_seconds]}, budget_bytes)
+        return _op_plan({"ops": self.ops, "native": self.native_ops, "inputs": self.block_input_bytes,
+                         "outputs": self.block_output_bytes, "activations": self.block_activation_bytes,
+                         "workspace": self.block_workspace_bytes, "params": self.block_parameter_bytes,
+                         "seconds": [self.step_seconds]}, budget_bytes)
 
     def apply(self, layers: Iterable[nn.Module]) -> list[nn.Module]:
         """Checkpoint each layer in place with torch_ext.checkpoint(layer, save=save_items(k)) (the

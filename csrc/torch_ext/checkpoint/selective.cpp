@@ -243,16 +243,6 @@ std::vector<SaveRule> save_rules(const SaveSpec& spec) {
   return rules;
 }
 
-int64_t SavedOutputs::bytes() const {
-  int64_t total = 0;
-  for (const auto& entry : entries) {
-    for (const auto& value : entry.outputs) {
-      if (value.isTensor() && value.toTensor().defined()) total += static_cast<int64_t>(value.toTensor().nbytes());
-    }
-  }
-  return total;
-}
-
 SelectiveScope::SelectiveScope(const SavePolicy* policy, SavedOutputs* saved, Mode mode, const std::string& segment)
     : policy_(policy), saved_(saved), mode_(mode), segment_(segment), enclosing_(active_scope) {
   const bool python_modes = c10::impl::dispatch_mode_enabled();

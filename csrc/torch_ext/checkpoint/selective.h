@@ -86,7 +86,6 @@ class SavedOutputs {
   std::vector<Entry> entries;
   // kProbe: each call of the policy's ops, as (op as 'aten::mm.default', occurrence, output bytes).
   std::vector<std::tuple<std::string, int64_t, int64_t>> probed;
-  int64_t bytes() const;
 };
 
 // While alive, the policy's ops on this thread record into (kRecord) or are served from (kServe)
