@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include <ATen/core/ivalue.h>
+#include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/set.h>
@@ -365,6 +366,26 @@ std::vector<at::Tensor> LayerPager::acquire_many(const std::vector<std::string>&
   return tensors;
 }
 
+bool LayerPager::gathers_rows(const std::string& id) const {
+  return options_.device.type() == c10::kCPU && source_->supports_views() && source_->info(id).shape.size() == 2;
+}
+
+at::Tensor LayerPager::gather_rows(const std::string& id, const at::Tensor& indices) {
+  c10::ScalarType dtype;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    check_usable_locked();
+    dtype = entry_locked(id).dtype;
+  }
+  TORCH_CHECK(gathers_rows(id), "LayerPager(", source_->describe(), "): cannot gather rows of \"", id,
+              "\" (it needs a 2-D tensor, device cpu and a source with views)");
+  at::Tensor rows = at::embedding(source_->view(id), indices).to(dtype);
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Entry& e = entry_locked(id);
+  if (!e.view || e.state == State::Absent) source_->release_pages(id);
+  return rows;
+}
+
 void LayerPager::work_changed_locked() {
   ++work_generation_;
   // Waking the thread costs a context switch; it is only worth it when the thread is idle and
@@ -518,9 +539,12 @@ void LayerPager::evict_locked(Entry& e, std::vector<at::Tensor>& dead) {
 bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled,
                                   std::vector<at::Tensor>& dead) {
   const bool use_order = !order_.empty() && (options_.policy == EvictionPolicy::ScanResistant || protect_within > 0);
+  // A tensor larger than the budget is loaded over it whatever else goes: evicting the others
+  // would not make it fit, only reload them after it. Its bytes are on top of the budget (the
+  // documented bound is budget + largest tensor), so only another such tensor must make room.
+  const int64_t limit = incoming > budget_ ? budget_ + incoming : budget_;
   bool evicted = false;
-  bool fits = true;
-  while (resident_bytes_ + incoming > budget_) {
+  while (resident_bytes_ + incoming > limit) {
     Entry* victim = nullptr;
     int64_t victim_distance = -1;
     for (auto& [id, e] : entries_) {
@@ -530,6 +554,8 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
       bool better;
       if (victim == nullptr) {
         better = true;
+      } else if ((e.nbytes > budget_) != (victim->nbytes > budget_)) {
+        better = e.nbytes > budget_;  // one larger than the budget can never stay: it goes first
       } else if (options_.policy == EvictionPolicy::ScanResistant && use_order) {
         better = distance > victim_distance || (distance == victim_distance && e.last_use < victim->last_use);
       } else {
@@ -540,10 +566,7 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
         victim_distance = distance;
       }
     }
-    if (victim == nullptr) {
-      fits = false;
-      break;
-    }
+    if (victim == nullptr) break;
     // Only memory the pager owns is reused: a view's pages are the mapped file's.
     if (recycled != nullptr && !recycled->defined() && !victim->view && victim->nbytes == incoming &&
         victim->tensor.storage().nbytes() == static_cast<size_t>(incoming)) {
@@ -553,7 +576,7 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
     evicted = true;
   }
   if (evicted) work_changed_locked();  // a victim may be one of the tensors it should load ahead
-  return fits;
+  return resident_bytes_ + incoming <= budget_;
 }
 
 void LayerPager::begin_pass() {

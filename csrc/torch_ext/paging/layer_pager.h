@@ -204,6 +204,12 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   at::Tensor acquire(const std::string& id);
   // acquire() of each id in turn (one call for a module's tensors).
   std::vector<at::Tensor> acquire_many(const std::vector<std::string>& ids);
+  // An embedding lookup: rows `indices` of the 2-D table `id`, in the served dtype, read from
+  // the source's mapped file without loading the table (only the rows' pages are read, and given
+  // back unless the table is resident as a view). Needs gathers_rows(id).
+  at::Tensor gather_rows(const std::string& id, const at::Tensor& indices);
+  // Whether gather_rows() can serve `id`: a 2-D tensor, a CPU pager, a source with views.
+  bool gathers_rows(const std::string& id) const;
 
   // Marks the start of a pass (e.g. a forward). The accesses between the first two marks become
   // the recorded order that the scan-resistant policy and the prefetcher follow.
@@ -244,8 +250,9 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   };
 
   Entry& entry_locked(const std::string& id);
-  // Evicts until `incoming` more bytes fit; only entries whose next use is farther than
-  // `protect_within` positions of the order may go. False if it did not fit. A victim of exactly
+  // Evicts until `incoming` more bytes fit (a tensor larger than the budget evicts only other
+  // such tensors); only entries whose next use is farther than `protect_within` positions of the
+  // order may go. False if the load goes over budget. A victim of exactly
   // `incoming` bytes is handed over in *recycled (when not null) so the load reuses its memory.
   // Evicted tensors go to `dead`, for the caller to free after unlocking (munmap is not free).
   bool make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled, std::vector<at::Tensor>& dead);
