@@ -93,7 +93,9 @@ def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike
     checkpoint within budget_bytes; returns the pager.
 
     Each tensor is replaced by a meta-device placeholder that holds no memory; a forward pre-hook
-    on its module acquires it from the pager and a forward hook puts the placeholder back. Tied
+    on its module acquires it from the pager and a forward hook puts the placeholder back. A plain
+    nn.Embedding on the CPU instead reads the rows it looks up from the file (LayerPager.gather_rows)
+    and never loads its table; unpage() gives it its own forward back. Tied
     weights are one pager entry. The checkpoint key of a tensor named `name` in the model is
     key_map(name) (a callable or mapping), else add_prefix + name with strip_prefix removed.
     pinned: parameter or module names whose tensors are never evicted. budget_bytes: an int or
@@ -252,14 +254,52 @@ def _install(model: nn.Module, pager: LayerPager, key_of: dict[int, str], buffer
     state.handles.append(model.register_forward_pre_hook(lambda module, args: pager.begin_pass(), prepend=True))
     saved = SavedWeightHooks(pager.script_object.acquire)
     for module, module_slots in slots.items():
-        state.handles.extend(_hook_module(module, module_slots, state, saved))
+        if _gathers_rows(module, module_slots, pager):
+            state.handles.extend(_hook_embedding(module, module_slots[0], state))
+        else:
+            state.handles.extend(_hook_module(module, module_slots, state, saved))
     model.__dict__[_STATE] = state
+
+
+def _gathers_rows(module: nn.Module, module_slots: list[_Slot], pager: LayerPager) -> bool:
+    """A plain nn.Embedding (no max_norm, which rewrites the table; no forward of its own set on
+    the instance) whose table the pager can read rows of: its lookups need no whole table."""
+    return (type(module) is nn.Embedding and module.max_norm is None and "forward" not in module.__dict__
+            and len(module_slots) == 1 and module_slots[0].attr == "weight"
+            and pager.script_object.gathers_rows(module_slots[0].key))
+
+
+class _InstanceForward:
+    """A forward set on one module instance, removed like a hook handle."""
+
+    def __init__(self, module: nn.Module, forward: Callable) -> None:
+        self.module = module
+        module.forward = forward
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def _hook_embedding(module: nn.Module, slot: _Slot, state: _PagingState) -> list[Any]:
+    """An embedding lookup reads its rows from the file (converted to the served dtype) instead of
+    loading the whole table: for a 50k-token vocabulary that is the model's largest tensor, and a
+    bf16 checkpoint served as fp32 would otherwise convert all of it for a few rows."""
+    gather_rows = state.pager.script_object.gather_rows
+    placeholder = state.placeholders[slot.key]
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        if placeholder.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"paged parameter {slot.key!r} (Embedding.weight) requires grad: paged weights are "
+                               f"frozen; train adapters over them, or torch_ext.unpage the model to train its weights")
+        return gather_rows(slot.key, input)
+
+    return [_InstanceForward(module, forward)] + _state_dict_hooks(module, [slot], state)
 
 
 def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingState,
                  saved: SavedWeightHooks) -> list[Any]:
     """The hooks of one module holding paged tensors: acquire around its forward (and save those
-    weights for backward by key), stored weights in state_dict(), no load_state_dict()."""
+    weights for backward by key), and _state_dict_hooks."""
     acquire_many = state.pager.script_object.acquire_many
     placeholders = state.placeholders
     keys = [slot.key for slot in module_slots]
@@ -285,6 +325,13 @@ def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingSta
             table = module._parameters if slot.kind == "parameter" else module._buffers
             table[slot.attr] = placeholders[slot.key]
 
+    return [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook, always_call=True)] \
+        + _state_dict_hooks(module, module_slots, state)
+
+
+def _state_dict_hooks(module: nn.Module, module_slots: list[_Slot], state: _PagingState) -> list[Any]:
+    """Stored weights in state_dict(); load_state_dict() refused."""
+
     def state_dict_hook(module, state_dict, prefix, local_metadata):
         for slot in module_slots:
             entry = state_dict.get(prefix + slot.attr)
@@ -298,8 +345,7 @@ def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingSta
                                f"model's weights are that file's; torch_ext.unpage the model first, or page it from "
                                f"a file holding the new weights")
 
-    return [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook, always_call=True),
-            module.register_state_dict_post_hook(state_dict_hook),
+    return [module.register_state_dict_post_hook(state_dict_hook),
             module.register_load_state_dict_pre_hook(load_state_dict_hook)]
 
 

@@ -95,6 +95,9 @@ void register_pager(torch::Library& m) {
   torch_ext::def_option_properties<PagerOptions>(cls, [](const Pager& self) { return self->options(); });
   cls.def("acquire", &LayerPager::acquire, "The tensor, loaded if needed; valid while the caller holds it")
       .def("acquire_many", &LayerPager::acquire_many, "acquire() of each id in turn, in one call")
+      .def("gather_rows", &LayerPager::gather_rows,
+           "Rows of a 2-D tensor (an embedding lookup) in the served dtype, without loading the tensor")
+      .def("gathers_rows", &LayerPager::gathers_rows)
       .def("begin_pass", &LayerPager::begin_pass)
       .def("set_order", &LayerPager::set_order)
       .def("order", &LayerPager::order)
