@@ -324,7 +324,7 @@ def inference_report(results: list[dict], weights: int, largest: int, sizes: dic
         f"machine hits all alike. Peak RSS: VmHWM "
         f"after a reset before set-up, minus the RSS then (so the resident rows hold the whole model). The folder "
         f"has {sizes['shard']} shards. torch_ext: load_paged's defaults (on the CPU: views of the mapped file where "
-        f"the file's dtype is the model's, converted copies where not; scan-resistant; prefetch 1); the largest "
+        f"the file's dtype is the model's, converted copies where not; scan-resistant; prefetch 16); the largest "
         f"tensor (the tied embedding, {format_bytes(largest)} in fp32) is above the 25% budget and is loaded over "
         f"budget. accelerate "
         f"disk_offload reads the folder's own shards (an index pointing at them); device_map=auto gets "

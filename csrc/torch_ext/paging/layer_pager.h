@@ -146,7 +146,7 @@ struct PagerOptions {
   ByteBudget budget_bytes = 0;
   std::vector<std::string> pinned;
   EvictionPolicy policy = EvictionPolicy::Auto;
-  int64_t prefetch = 1;
+  int64_t prefetch = 16;  // tensors, about a layer of a transformer or more: see docs/paging.md
   c10::Device device = c10::Device(c10::kCPU);
   std::optional<bool> zero_copy;  // unset: on where it can be (cpu, a source with views)
   std::optional<c10::ScalarType> dtype;
