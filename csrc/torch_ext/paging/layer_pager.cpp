@@ -539,12 +539,9 @@ void LayerPager::evict_locked(Entry& e, std::vector<at::Tensor>& dead) {
 bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled,
                                   std::vector<at::Tensor>& dead) {
   const bool use_order = !order_.empty() && (options_.policy == EvictionPolicy::ScanResistant || protect_within > 0);
-  // A tensor larger than the budget is loaded over it whatever else goes: evicting the others
-  // would not make it fit, only reload them after it. Its bytes are on top of the budget (the
-  // documented bound is budget + largest tensor), so only another such tensor must make room.
-  const int64_t limit = incoming > budget_ ? budget_ + incoming : budget_;
   bool evicted = false;
-  while (resident_bytes_ + incoming > limit) {
+  bool fits = true;
+  while (resident_bytes_ + incoming > budget_) {
     Entry* victim = nullptr;
     int64_t victim_distance = -1;
     for (auto& [id, e] : entries_) {
@@ -554,8 +551,6 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
       bool better;
       if (victim == nullptr) {
         better = true;
-      } else if ((e.nbytes > budget_) != (victim->nbytes > budget_)) {
-        better = e.nbytes > budget_;  // one larger than the budget can never stay: it goes first
       } else if (options_.policy == EvictionPolicy::ScanResistant && use_order) {
         better = distance > victim_distance || (distance == victim_distance && e.last_use < victim->last_use);
       } else {
@@ -566,7 +561,10 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
         victim_distance = distance;
       }
     }
-    if (victim == nullptr) break;
+    if (victim == nullptr) {
+      fits = false;
+      break;
+    }
     // Only memory the pager owns is reused: a view's pages are the mapped file's.
     if (recycled != nullptr && !recycled->defined() && !victim->view && victim->nbytes == incoming &&
         victim->tensor.storage().nbytes() == static_cast<size_t>(incoming)) {
@@ -576,7 +574,7 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
     evicted = true;
   }
   if (evicted) work_changed_locked();  // a victim may be one of the tensors it should load ahead
-  return resident_bytes_ + incoming <= budget_;
+  return fits;
 }
 
 void LayerPager::begin_pass() {

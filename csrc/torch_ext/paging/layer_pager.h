@@ -250,9 +250,8 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   };
 
   Entry& entry_locked(const std::string& id);
-  // Evicts until `incoming` more bytes fit (a tensor larger than the budget evicts only other
-  // such tensors); only entries whose next use is farther than `protect_within` positions of the
-  // order may go. False if the load goes over budget. A victim of exactly
+  // Evicts until `incoming` more bytes fit; only entries whose next use is farther than
+  // `protect_within` positions of the order may go. False if it did not fit. A victim of exactly
   // `incoming` bytes is handed over in *recycled (when not null) so the load reuses its memory.
   // Evicted tensors go to `dead`, for the caller to free after unlocking (munmap is not free).
   bool make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled, std::vector<at::Tensor>& dead);
