@@ -19,6 +19,7 @@
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
 
@@ -430,6 +431,29 @@ TEST(Paging, DtypeConvertsTensorsAsTheyLoadAndTheBudgetCountsConvertedBytes) {
   options.keep_float32 = {"nope"};
   expect_error([&] { c10::make_intrusive<pg::LayerPager>(source, options); }, {"keep_float32", "nope"});
   expect_error([&] { torch_ext::enum_from_name<c10::ScalarType>("int8"); }, {"dtype", "'float32'", "'int8'"});
+}
+
+TEST(Paging, GatherRowsReadsRowsInTheServedDtypeWithoutLoadingTheTable) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  write_bytes(path, safetensors_bytes({{"table", values(64 * 4, 0.5f).reshape({64, 4})}, {"flat", values(8, 0.0f)}}));
+  pg::PagerOptions options;
+  options.budget_bytes = 1 << 20;
+  options.dtype = at::kBFloat16;
+  auto pager = c10::make_intrusive<pg::LayerPager>(open(path), options);
+  at::Tensor ids = at::empty({2, 2}, at::kLong);
+  auto id = ids.accessor<int64_t, 2>();
+  id[0][0] = 63, id[0][1] = 0, id[1][0] = 5, id[1][1] = 5;
+  const at::Tensor rows = pager->gather_rows("table", ids);
+  EXPECT_EQ(rows.sizes(), at::IntArrayRef({2, 2, 4}));
+  EXPECT_EQ(rows.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(rows, values(64 * 4, 0.5f).reshape({64, 4}).to(at::kBFloat16).index_select(0, ids.flatten())
+                                  .reshape({2, 2, 4})));
+  EXPECT_FALSE(pager->is_resident("table"));
+  EXPECT_EQ(pager->stats().bytes_loaded, 0);
+  EXPECT_FALSE(pager->gathers_rows("flat"));
+  expect_error([&] { pager->gather_rows("flat", ids); }, {"cannot gather rows", "\"flat\"", "2-D"});
+  expect_error([&] { pager->gather_rows("nope", ids); }, {"nope"});
 }
 
 TEST(Paging, AConvertedLoadNeverReusesAViewsPages) {
