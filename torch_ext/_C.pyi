@@ -59,5 +59,13 @@ class _PlanModule:
         AOTInductor package; cache: a torch.classes.torch_ext.PlanCache of an exported program."""
     def set_source(self, cache: torch.ScriptObject, source: Callable[..., Any]) -> None:
         """source(*inputs) runs a request no plan serves: a tensor or a tuple of tensors."""
+    def cache_infer(self, cache: torch.ScriptObject) -> Callable[[list[torch.Tensor]], Any]:
+        """cache.infer_tensors(inputs) called directly, without TorchScript's method dispatch; the GIL is
+        released while it runs."""
+    def batcher_infer(
+        self, batcher: torch.ScriptObject
+    ) -> Callable[[list[torch.Tensor], float, float], Any]:
+        """batcher.infer_tensors(inputs, timeout_seconds=-1, deadline_ms=-1) called directly, without
+        TorchScript's method dispatch; the GIL is released while it waits."""
 
 plan: _PlanModule

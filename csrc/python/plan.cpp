@@ -8,12 +8,14 @@
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "torch_ext/plan/plan_cache.h"
 #include "torch_ext/common/wait.h"
+#include "torch_ext/plan/batcher.h"
+#include "torch_ext/plan/plan_cache.h"
 
 namespace py = pybind11;
 namespace plan = torch_ext::plan;
@@ -91,6 +93,42 @@ void set_source(const py::object& script_object, py::object fn) {
   });
 }
 
+// Tensor-only calls from Python without TorchScript's method dispatch, which builds a
+// schema-checked stack and looks up the compilation unit on every call: about 15 us with the GIL
+// held, per request (a batcher's clients serialize on it). The GIL is released while `run` runs.
+template <class Run>
+py::object call_released(const std::vector<at::Tensor>& inputs, Run&& run) {
+  c10::IValue output;
+  try {
+    py::gil_scoped_release release;
+    output = run(std::vector<c10::IValue>(inputs.begin(), inputs.end()));
+  } catch (...) {  // as torch's own bindings raise them: ValueError, IndexError, ..., no C++ backtrace
+    torch::translate_exception_to_python(std::current_exception());
+    throw py::error_already_set();
+  }
+  return torch::jit::toPyObject(std::move(output));
+}
+
+py::cpp_function cache_infer(const py::object& script_object) {
+  return py::cpp_function(
+      [cache = cache_of(script_object)](const std::vector<at::Tensor>& inputs) {
+        return call_released(inputs, [&](std::vector<c10::IValue> values) { return cache->infer(std::move(values)); });
+      },
+      py::arg("inputs"));
+}
+
+py::cpp_function batcher_infer(const py::object& script_object) {
+  static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::Batcher>>();
+  return py::cpp_function(
+      [batcher = torch::jit::toIValue(script_object, type).toCustomClass<plan::Batcher>()](
+          const std::vector<at::Tensor>& inputs, double timeout_seconds, double deadline_ms) {
+        return call_released(inputs, [&](std::vector<c10::IValue> values) {
+          return batcher->infer(std::move(values), timeout_seconds, deadline_ms);
+        });
+      },
+      py::arg("inputs"), py::arg("timeout_seconds") = -1.0, py::arg("deadline_ms") = -1.0);
+}
+
 }  // namespace
 
 void bind_plan(py::module_& m) {
@@ -101,6 +139,12 @@ void bind_plan(py::module_& m) {
           "cancelled() turns true when the cache goes away");
   sub.def("set_source", &set_source, py::arg("cache"), py::arg("source"),
           "source(*inputs) runs a request no plan serves: a tensor, or a tuple of tensors as the plans return");
+  sub.def("cache_infer", &cache_infer, py::arg("cache"),
+          "PlanCache.infer_tensors(inputs) of a torch.classes.torch_ext.PlanCache, called directly (no TorchScript "
+          "method dispatch), the GIL released while it runs");
+  sub.def("batcher_infer", &batcher_infer, py::arg("batcher"),
+          "Batcher.infer_tensors(inputs, timeout_seconds=-1, deadline_ms=-1) of a torch.classes.torch_ext.Batcher, "
+          "called directly (no TorchScript method dispatch), the GIL released while it waits");
   // Joins and waits on threads that may be inside Python (a compiler, a future's callback) release
   // the GIL, or the waiting thread and the waited-for one would each hold what the other needs.
   torch_ext::set_blocking_section([](const std::function<void()>& wait) {
