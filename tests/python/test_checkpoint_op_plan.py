@@ -114,6 +114,30 @@ def test_saved_ops_do_not_run_again_in_backward(chain):
     assert backward_counts(gelu, layers, x)["aten.gelu.default"] == 8
 
 
+def test_under_torch_compile_a_plan_keeps_for_backward_what_it_keeps_in_eager():
+    # The compiled step's peak adds the weight gradients (the compiled backward returns them
+    # together, before they are added into .grad); what the plan decides is what the forward
+    # keeps for backward, and Inductor keeps the same.
+    layers, x = mlp_chain(n=4), torch.randn(128, 128)
+    loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)
+
+    def kept_for_backward(model):
+        for _ in range(2):  # the first call compiles
+            start = memory.stats().current_bytes
+            out = model(x.detach().requires_grad_())
+            kept = memory.stats().current_bytes - start
+            out.sum().backward()
+        return kept
+
+    unwrapped = kept_for_backward(nn.Sequential(*copy.deepcopy(layers)))
+    for budget in (loose.min_budget_bytes, (loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 2):
+        plan = loose.with_budget(budget)
+        eager = kept_for_backward(nn.Sequential(*plan.apply(copy.deepcopy(layers))))
+        torch._dynamo.reset()
+        compiled = kept_for_backward(torch.compile(nn.Sequential(*plan.apply(copy.deepcopy(layers)))))
+        assert compiled == eager < unwrapped / 2
+
+
 def test_plan_round_trips_through_json(chain, tmp_path):
     layers, x, loose = chain
     plan = torch_ext.plan_ops(layers, x, budget_bytes=(loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 3,
