@@ -1,4 +1,4 @@
-"""Segment checkpointing benchmarks, in four parts (--part, default all):
+"""Segment checkpointing benchmarks, in five parts (--part, default all):
 
 gpt: a GPT-2-style decoder training step (torch_ext.demos.GPT) through torch_ext's chain API:
   (a) no checkpointing
@@ -17,13 +17,15 @@ hf: Hugging Face GPT-2 and Llama with padded batches, eager and compiled (checkp
 overhead: per-region overhead on a Linear and a parameter-free function region (checkpoint_overhead.py).
 selective: torch's selective checkpointing (context_fn, a torchtitan-style policy) on Hugging Face
   GPT-2 and Llama, through torch's checkpoint and through torch_ext's (checkpoint_selective.py).
+compiled: op-level plans on the same models under torch.compile: what the forward keeps for
+  backward and the step's peak, eager and compiled (checkpoint_compiled.py).
 
 --device cuda runs the same code on the GPU (torch.cuda peak memory, steps synchronised); the gpt
 part then uses a GPT-2-small-width model and adds (c-offload) and (c-bf16)
 (CheckpointedSequential(every=1, storage=...)), the whole step's absolute peak and each variant's
 gradient difference from (a). Results: results/checkpoint{,_hf,_overhead}[_cuda][_quick].{md,json}.
 
-    python benchmarks/bench_checkpoint.py [--part gpt|hf|overhead|selective] [--quick] [--device cuda]
+    python benchmarks/bench_checkpoint.py [--part gpt|hf|overhead|selective|compiled] [--quick] [--device cuda]
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkpoint_compiled  # noqa: E402
 import checkpoint_hf  # noqa: E402
 import checkpoint_overhead  # noqa: E402
 import checkpoint_selective  # noqa: E402
@@ -66,7 +69,7 @@ CUDA_REPORT = "checkpoint_cuda"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "gpt", "hf", "overhead", "selective"), default="all",
+    parser.add_argument("--part", choices=("all", "gpt", "hf", "overhead", "selective", "compiled"), default="all",
                         help="which part to run (default all)")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer repeats")
     parser.add_argument("--threads", type=int, default=1,
@@ -84,7 +87,7 @@ def main() -> None:
     options = ((f" --part {args.part}" if args.part != "all" else "") + (" --device cuda" if args.device == "cuda" else "")
                + (" --quick" if args.quick else ""))
     for part, run_part in (("gpt", run), ("hf", checkpoint_hf.run), ("overhead", checkpoint_overhead.run),
-                           ("selective", checkpoint_selective.run)):
+                           ("selective", checkpoint_selective.run), ("compiled", checkpoint_compiled.run)):
         if args.part in ("all", part):
             run_part(device, args.quick, "python benchmarks/bench_checkpoint.py" + options)
 

@@ -1,0 +1,110 @@
+"""bench_checkpoint.py's compiled part: do op-level plans keep their saving decisions under torch.compile?
+
+On Hugging Face GPT-2 and Llama (checkpoint_hf.models, padded batches, dropout on), each variant's
+training step runs eager and compiled (torch.compile of the whole model), parameter gradients
+preallocated:
+  (a) no checkpointing
+  (b) every decoder layer checkpointed (hf.gradient_checkpointing_enable)
+  (f) op-level plans at 25%, 50% and 75% of (a)'s layer activation memory
+      (hf.checkpoint_layers(model, budget_bytes=..., inputs=batch, ops=True))
+Measured: the layers' peak in eager (checkpoint_hf.layers_peak: the memory a plan budgets), the
+bytes the forward keeps for backward (live memory after the forward, above its start) and the
+step's peak (torch_ext.memory.track), eager and compiled. A compiled backward is one graph that
+returns every weight gradient together before they are added into .grad (docs/checkpoint.md), so
+the compiled step's peak can exceed eager's by up to the weights' bytes while the plan holds.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import harness
+from checkpoint_hf import layers_peak, models, padded_batch
+from torch_ext import memory
+from torch_ext.checkpointing import hf
+
+FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def kept_and_peak(model: torch.nn.Module, batch: dict, compiled: bool) -> tuple[int, int]:
+    """(bytes the forward keeps for backward, the step's peak above its start), second run."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    step = torch.compile(model) if compiled else model
+    for _ in range(2):  # the first compiles
+        torch.manual_seed(5)
+        start = memory.stats().current_bytes
+        with memory.track() as tracked:
+            loss = step(**batch).loss
+            kept = memory.stats().current_bytes - start
+            loss.backward()
+    return kept, tracked.peak_delta_bytes
+
+
+def run_model(label: str, build, quick: bool, device, report: harness.Report, checks: list) -> None:
+    base = build().to(device)
+    batch = padded_batch(base.config.vocab_size, 2 if quick else 4, base.config.max_position_embeddings, device)
+    recorded = hf._record_layer_inputs(base, hf.decoder_layers(base), batch)
+    unplanned = layers_peak(copy.deepcopy(base), recorded, device)
+    variants: dict[str, tuple[torch.nn.Module, int | None]] = {"(a) no checkpointing": (copy.deepcopy(base), None)}
+    every = copy.deepcopy(base)
+    hf.gradient_checkpointing_enable(every)
+    variants["(b) every layer checkpointed"] = (every, None)
+    for fraction in FRACTIONS:
+        model, budget = copy.deepcopy(base), int(fraction * unplanned)
+        try:
+            hf.checkpoint_layers(model, budget_bytes=budget, inputs=batch, ops=True, repeat=2)
+        except ValueError as error:  # below the minimum (--quick's small models): said, not measured
+            report.notes.append(f"{label}, {fraction:.0%}: {error}")
+            continue
+        variants[f"(f) op-level plan at {fraction:.0%}"] = (model, budget)
+    weights = sum(p.numel() * p.element_size() for p in base.parameters())
+    for name, (model, budget) in variants.items():
+        layers = layers_peak(model, recorded, device)
+        (kept, peak), (kept_c, peak_c) = (kept_and_peak(model, batch, compiled) for compiled in (False, True))
+        torch._dynamo.reset()
+        report.add_row({"model": label, "variant": name,
+                        "budget": harness.format_bytes(budget) if budget else "-",
+                        "layers peak (eager)": harness.format_bytes(layers),
+                        "kept for backward: eager": harness.format_bytes(kept),
+                        "compiled": harness.format_bytes(kept_c),
+                        "step peak: eager": harness.format_bytes(peak),
+                        "compiled ": harness.format_bytes(peak_c)},
+                       model=label, variant=name, budget=budget, layers_peak=layers, kept=kept, kept_compiled=kept_c,
+                       peak=peak, peak_compiled=peak_c, weights=weights)
+        if budget:
+            short = f"{label.split(' (')[0]} {name[4:]}"
+            checks.append((f"{short}: layers peak within the budget in eager ({harness.format_bytes(layers)} vs "
+                           f"{harness.format_bytes(budget)})", layers <= budget))
+            checks.append((f"{short}: compiled, the forward keeps for backward at most 5% more than eager "
+                           f"({harness.format_bytes(kept_c)} vs {harness.format_bytes(kept)})", kept_c <= 1.05 * kept))
+            checks.append((f"{short}: compiled step peak within the plan's budget ({harness.format_bytes(peak_c)} vs "
+                           f"{harness.format_bytes(budget)})", peak_c <= budget))
+            checks.append((f"{short}: compiled step peak within eager's + the weights' bytes "
+                           f"({harness.format_bytes(peak_c)} vs {harness.format_bytes(peak)} + "
+                           f"{harness.format_bytes(weights)})", peak_c <= peak + weights))
+
+
+def run(device: torch.device, quick: bool, command: str) -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch._inductor.config.fallback_random = True
+    where = f"CUDA, {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "CPU"
+    name = "checkpoint_compiled" + ("_cuda" if device.type == "cuda" else "") + ("_quick" if quick else "")
+    columns = ["model", "variant", "budget", "layers peak (eager)", "kept for backward: eager", "compiled",
+               "step peak: eager", "compiled "]
+    report = harness.Report(name, f"Op-level checkpoint plans under torch.compile ({where})", columns, command)
+    checks: list = []
+    for label, build in models(quick).items():
+        run_model(label, build, quick, device, report, checks)
+    report.notes.append("")
+    report.notes.append(
+        f"transformers {transformers.__version__}; {torch.get_num_threads()} torch thread(s). Budgets: a fraction of "
+        f"(a)'s layer activation memory (the decoder layers' forward and backward on the inputs the model gives them). "
+        f"Kept for backward: live memory after the forward above its start (saved activations, the loss). Step "
+        f"peak: one forward and backward, gradients preallocated; a compiled backward returns the weight gradients "
+        f"together before they are added into .grad, so its peak may add up to the weights' bytes.")
+    report.add_checks(checks)
+    report.write()
