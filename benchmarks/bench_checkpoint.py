@@ -69,8 +69,8 @@ CUDA_REPORT = "checkpoint_cuda"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "gpt", "hf", "overhead", "selective", "compiled"), default="all",
-                        help="which part to run (default all)")
+    parser.add_argument("--part", choices=("all", "gpt", "hf", "overhead", "selective", "compiled"),
+                        default="all", help="which part to run (default all)")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer repeats")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared 2-core machine, OpenMP workers spinning "

@@ -48,8 +48,9 @@ class LayerPager(ScriptObjectFace):
     The object is torch.classes.torch_ext.LayerPager: acquire(id) returns the tensor (valid while
     you hold it; the pager never evicts a tensor someone holds, a pinned one, or one being loaded),
     acquire_many(ids), gather_rows(id, indices) (an embedding lookup from the file, without loading
-    the table; gathers_rows(id) says whether it can), begin_pass(), set_order(ids), order(), resident_bytes(), resident_count(),
-    is_resident(id), is_pinned(id), evict_all(), stats() (a PagerStats), reset_stats(), and each
+    the table; gathers_rows(id) says whether it can), begin_pass(), set_order(ids), order(),
+    resident_bytes(), resident_count(), is_resident(id), is_pinned(id), evict_all(), stats() (a
+    PagerStats), reset_stats(), and each
     option as a property. source: a SafetensorsSource or the path of one. Keyword options are those
     of the C++ PagerOptions: budget_bytes (an int or float of bytes, "1GB", "512MiB", "30%", or a
     max_memory-style dict of those by device, see resolve_budget), pinned, policy, prefetch, device,
