@@ -351,8 +351,9 @@ void bind_checkpoint(py::module_& m) {
       [](const py::function& fn, std::vector<std::string> items) {
         const ck::SaveSpec spec(std::move(items));
         ck::SavedOutputs saved;
+        static const std::string kName = "probe";  // outlives the scope, which keeps a reference
         {
-          ck::SelectiveScope scope(spec.policy().get(), &saved, ck::SelectiveScope::Mode::kProbe, "probe");
+          ck::SelectiveScope scope(spec.policy().get(), &saved, ck::SelectiveScope::Mode::kProbe, kName);
           fn();
         }
         return saved.probed;

@@ -232,17 +232,18 @@ def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, record
     """The candidate op names whose calls the native policy counts as the recorder did: a forward
     without a Python dispatch mode may call other ops (torch's math attention adds its mask in
     place unless a mode is active), and an occurrence must name the same call in both."""
+    def probe(items: list[str]) -> list:
+        with torch.enable_grad():
+            return _C.checkpoint.probe(lambda: _call(layer, _detach_like(value, recorded), kwargs, first), items)
+
     names = sorted({op[0] for op in ops})
     try:
-        with torch.enable_grad():
-            probed = _C.checkpoint.probe(lambda: _call(layer, _detach_like(value, recorded), kwargs, first), names)
+        probed = probe(names)
     except ValueError:  # an op the native policy cannot save: check them one by one
         probed = []
         for name in names:
             try:
-                with torch.enable_grad():
-                    probed += _C.checkpoint.probe(
-                        lambda: _call(layer, _detach_like(value, recorded), kwargs, first), [name])
+                probed += probe([name])
             except ValueError:
                 pass
     native_calls = Counter(op.replace("::", ".", 1) for op, _, _ in probed)  # named as str(OpOverload) names them

@@ -2,10 +2,9 @@
 
 #include <algorithm>
 #include <charconv>
-#include <map>
 #include <mutex>
-#include <unordered_set>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 
 #include <ATen/core/dispatch/Dispatcher.h>

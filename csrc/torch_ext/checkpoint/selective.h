@@ -90,7 +90,8 @@ class SavedOutputs {
 
 // While alive, the policy's ops on this thread record into (kRecord) or are served from (kServe)
 // `saved`; a null policy pauses any enclosing scope (a replay of a call without a policy). Scopes
-// nest; `segment` names the call in errors.
+// nest; `segment` names the call in errors and must outlive the scope (it is not copied: a scope
+// is made twice for every checkpointed call).
 class SelectiveScope {
  public:
   // kProbe only lists the calls the policy sees (what an op-level plan's occurrences refer to).
