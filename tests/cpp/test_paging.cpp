@@ -18,9 +18,12 @@
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/randn.h>
 #include <c10/util/Exception.h>
 
 #include "torch_ext/paging/layer_pager.h"
@@ -454,6 +457,38 @@ TEST(Paging, GatherRowsReadsRowsInTheServedDtypeWithoutLoadingTheTable) {
   EXPECT_FALSE(pager->gathers_rows("flat"));
   expect_error([&] { pager->gather_rows("flat", ids); }, {"cannot gather rows", "\"flat\"", "2-D"});
   expect_error([&] { pager->gather_rows("nope", ids); }, {"nope"});
+}
+
+TEST(Paging, MatmulStreamsAConvertedWeightWithoutLoadingItAndEqualsTheWholeProduct) {
+  // Stored float32, served bfloat16: "w" (out, in) as nn.Linear keeps it, "t" (in, out) as
+  // transformers' Conv1D; several 512 KiB blocks each. The budget holds neither.
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  const at::Tensor w = at::randn({4096, 96}), t = at::randn({96, 3000}), bias = at::randn({3000});
+  write_bytes(path, safetensors_bytes({{"w", w}, {"t", t}, {"flat", values(8, 0.0f)}}));
+  pg::PagerOptions options;
+  options.budget_bytes = 4096;
+  options.dtype = at::kBFloat16;
+  auto pager = c10::make_intrusive<pg::LayerPager>(open(path), options);
+  EXPECT_TRUE(pager->streams("w") && pager->streams("t") && !pager->streams("flat"));
+  const at::Tensor x = at::randn({2, 5, 96}).to(at::kBFloat16);
+  const at::Tensor conv1d = at::addmm(bias.to(at::kBFloat16), x.view({-1, 96}), t.to(at::kBFloat16)).view({2, 5, 3000});
+  int64_t loaded_by_first_calls = 0;
+  for (int pass = 0; pass < 2; ++pass) {  // the first call of a shape acquires the weight and compares
+    EXPECT_TRUE(at::equal(pager->matmul("w", x, std::nullopt, false), at::linear(x, w.to(at::kBFloat16))));
+    EXPECT_TRUE(at::equal(pager->matmul("t", x, bias.to(at::kBFloat16), true), conv1d));
+    if (pass == 0) loaded_by_first_calls = pager->stats().bytes_loaded;
+  }
+  const auto stats = pager->stats();
+  EXPECT_EQ(stats.streamed_matmuls, 2 - stats.unstreamed_shapes);  // but shapes this BLAS blocks differently
+  EXPECT_GT(loaded_by_first_calls, 0);
+  if (stats.unstreamed_shapes == 0) {
+    EXPECT_EQ(stats.bytes_loaded, loaded_by_first_calls);
+    EXPECT_FALSE(pager->is_resident("w") || pager->is_resident("t"));
+  }
+  expect_error([&] { pager->matmul("nope", x, std::nullopt, false); }, {"nope"});
+  // A float32 input is not the served dtype: acquired, and at::linear raises torch's error.
+  EXPECT_ANY_THROW(pager->matmul("w", at::randn({2, 96}), std::nullopt, false));
 }
 
 TEST(Paging, AConvertedLoadNeverReusesAViewsPages) {

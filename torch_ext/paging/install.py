@@ -95,7 +95,9 @@ def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike
     Each tensor is replaced by a meta-device placeholder that holds no memory; a forward pre-hook
     on its module acquires it from the pager and a forward hook puts the placeholder back. A plain
     nn.Embedding on the CPU instead reads the rows it looks up from the file (LayerPager.gather_rows)
-    and never loads its table; unpage() gives it its own forward back. Tied
+    and never loads its table, and a plain nn.Linear or transformers Conv1D whose weight converts
+    multiplies from the file when the budget has no room for it (LayerPager.matmul); unpage() gives
+    them their own forwards back. Tied
     weights are one pager entry. The checkpoint key of a tensor named `name` in the model is
     key_map(name) (a callable or mapping), else add_prefix + name with strip_prefix removed.
     pinned: parameter or module names whose tensors are never evicted. budget_bytes: an int or
@@ -257,7 +259,8 @@ def _install(model: nn.Module, pager: LayerPager, key_of: dict[int, str], buffer
         if _gathers_rows(module, module_slots, pager):
             state.handles.extend(_hook_embedding(module, module_slots[0], state))
         else:
-            state.handles.extend(_hook_module(module, module_slots, state, saved))
+            streamed = _streamed_weight(module, module_slots, pager)
+            state.handles.extend(_hook_module(module, module_slots, state, saved, streamed))
     model.__dict__[_STATE] = state
 
 
@@ -267,6 +270,17 @@ def _gathers_rows(module: nn.Module, module_slots: list[_Slot], pager: LayerPage
     return (type(module) is nn.Embedding and module.max_norm is None and "forward" not in module.__dict__
             and len(module_slots) == 1 and module_slots[0].attr == "weight"
             and pager.script_object.gathers_rows(module_slots[0].key))
+
+
+def _streamed_weight(module: nn.Module, module_slots: list[_Slot], pager: LayerPager) -> _Slot | None:
+    """The weight of a plain nn.Linear or transformers' Conv1D (no forward of its own set on the
+    instance) that the pager converts from the file's dtype: its products can stream from the file
+    (LayerPager.matmul) instead of loading and converting the whole weight."""
+    conv1d = type(module).__name__ == "Conv1D" and type(module).__module__ == "transformers.pytorch_utils"
+    if not (type(module) is nn.Linear or conv1d) or "forward" in module.__dict__:
+        return None
+    weight = next((slot for slot in module_slots if slot.attr == "weight" and slot.kind == "parameter"), None)
+    return weight if weight is not None and pager.script_object.streams(weight.key) else None
 
 
 class _InstanceForward:
@@ -297,20 +311,24 @@ def _hook_embedding(module: nn.Module, slot: _Slot, state: _PagingState) -> list
 
 
 def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingState,
-                 saved: SavedWeightHooks) -> list[Any]:
+                 saved: SavedWeightHooks, streamed: _Slot | None) -> list[Any]:
     """The hooks of one module holding paged tensors: acquire around its forward (and save those
-    weights for backward by key), and _state_dict_hooks."""
+    weights for backward by key), and _state_dict_hooks. With a `streamed` weight, a forward that
+    autograd does not need the weight for streams it instead (_streaming_forward)."""
     acquire_many = state.pager.script_object.acquire_many
     placeholders = state.placeholders
     keys = [slot.key for slot in module_slots]
 
     def pre_hook(module, args):
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if grad:
             for slot in module_slots:
                 if placeholders[slot.key].requires_grad:
                     raise RuntimeError(f"paged parameter {slot.key!r} ({type(module).__name__}.{slot.attr}) requires "
                                        f"grad: paged weights are frozen; train adapters over them, or "
                                        f"torch_ext.unpage the model to train its weights")
+        if streamed is not None and not (grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return  # the weights stay placeholders: the forward streams them
         acquired = acquire_many(keys)
         for slot, t in zip(module_slots, acquired):
             if slot.kind == "parameter":
@@ -325,8 +343,28 @@ def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingSta
             table = module._parameters if slot.kind == "parameter" else module._buffers
             table[slot.attr] = placeholders[slot.key]
 
-    return [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook, always_call=True)] \
-        + _state_dict_hooks(module, module_slots, state)
+    handles = [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook, always_call=True)]
+    if streamed is not None:
+        handles.append(_streaming_forward(module, module_slots, streamed, state))
+    return handles + _state_dict_hooks(module, module_slots, state)
+
+
+def _streaming_forward(module: nn.Module, module_slots: list[_Slot], streamed: _Slot,
+                       state: _PagingState) -> _InstanceForward:
+    """A forward that computes the product with LayerPager.matmul while the weight is still a
+    placeholder (the pre-hook left it), and the class's forward over the acquired weights otherwise."""
+    matmul, acquire = state.pager.script_object.matmul, state.pager.script_object.acquire
+    placeholder = state.placeholders[streamed.key]
+    bias = next((slot for slot in module_slots if slot.attr == "bias" and slot.kind == "parameter"), None)
+    transposed = type(module) is not nn.Linear  # Conv1D stores (in, out)
+    class_forward = type(module).forward
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        if module._parameters["weight"] is not placeholder:
+            return class_forward(module, input)
+        return matmul(streamed.key, input, acquire(bias.key) if bias is not None else module.bias, transposed)
+
+    return _InstanceForward(module, forward)
 
 
 def _state_dict_hooks(module: nn.Module, module_slots: list[_Slot], state: _PagingState) -> list[Any]:

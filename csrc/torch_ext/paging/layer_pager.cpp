@@ -296,19 +296,23 @@ void LayerPager::wait_for_load_locked(std::unique_lock<std::mutex>& lock, Entry&
               "its read of ", source_->describe(), " may be stuck");
 }
 
-at::Tensor LayerPager::acquire(const std::string& id) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  check_usable_locked();
-  Entry& e = entry_locked(id);
+void LayerPager::note_access_locked(Entry& e) {
   if (recording_) {
-    recorded_.push_back(id);
+    recorded_.push_back(e.id);
     if (recorded_.size() > 16 * entries_.size() + 1024) {  // no second begin_pass(): stop recording
       recording_ = false;
       recorded_.clear();
     }
   }
-  if (advance_cursor_locked(id)) work_changed_locked();
+  if (advance_cursor_locked(e.id)) work_changed_locked();
   e.last_use = ++clock_;
+}
+
+at::Tensor LayerPager::acquire(const std::string& id) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  check_usable_locked();
+  Entry& e = entry_locked(id);
+  note_access_locked(e);
   bool counted = false;
   while (true) {
     if (e.state == State::Ready) {
@@ -646,6 +650,7 @@ void LayerPager::prefetch_ahead_locked(std::unique_lock<std::mutex>& lock) {
     if (cursor_generation_ != cursor_generation) return;  // the caller moved on: start from its new position
     Entry& e = entries_.at(order_[(cursor_ + k) % n]);
     if (e.state != State::Absent || e.error) continue;
+    if (e.streamed && resident_bytes_ + e.nbytes > budget_) continue;  // matmul() streams it: evict nothing for it  // matmul() streams it: evict nothing for it
     // Only evict entries needed later than this one; otherwise prefetching would cost a miss.
     at::Tensor recycled;
     std::vector<at::Tensor> dead;

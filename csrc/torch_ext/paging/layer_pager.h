@@ -119,6 +119,8 @@ struct PagerStats {
   int64_t largest_tensor_bytes = 0;
   bool budget_below_largest_tensor = false;
   int64_t release_evictions = 0;
+  int64_t streamed_matmuls = 0;
+  int64_t unstreamed_shapes = 0;
 
   static constexpr auto fields() {
     return std::make_tuple(
@@ -138,7 +140,12 @@ struct PagerStats {
         field("budget_below_largest_tensor", &PagerStats::budget_below_largest_tensor,
               "the budget is smaller than the largest tensor, which is loaded over budget (warned once)"),
         field("release_evictions", &PagerStats::release_evictions,
-              "evictions made when a caller released its tensors while the pager was over budget"));
+              "evictions made when a caller released its tensors while the pager was over budget"),
+        field("streamed_matmuls", &PagerStats::streamed_matmuls,
+              "matmul() calls served block by block from the file, the weight never loaded whole"),
+        field("unstreamed_shapes", &PagerStats::unstreamed_shapes,
+              "matmul() shapes whose blocked result differed from the whole weight's in some bit: served by "
+              "acquire() instead"));
   }
 };
 
@@ -210,6 +217,20 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   at::Tensor gather_rows(const std::string& id, const at::Tensor& indices);
   // Whether gather_rows() can serve `id`: a 2-D tensor, a CPU pager, a source with views.
   bool gathers_rows(const std::string& id) const;
+  // The product of `input` and the 2-D weight `id`, plus `bias`: torch.nn.functional.linear
+  // (weight stored (out, in)), or, with `transposed`, transformers' Conv1D (weight stored (in,
+  // out): addmm(bias, input, weight)). A weight converted from the file's dtype that is not
+  // resident, when the budget has no free room for it, is streamed: each block of output features
+  // is converted from the mapped file into a buffer that stays in cache and multiplied there, so
+  // the weight is never loaded or converted whole (the conversion writes and rereads the whole
+  // weight otherwise) and nothing is evicted for it. Streaming a shape is decided on its first
+  // call, which acquire()s the weight and compares the two products: a shape is streamed only if
+  // they are equal in every bit (a BLAS may block a narrower product differently), otherwise it
+  // keeps acquire()ing, as do calls where autograd needs the weight.
+  at::Tensor matmul(const std::string& id, const at::Tensor& input, const std::optional<at::Tensor>& bias,
+                    bool transposed);
+  // Whether matmul() can stream `id`: gathers_rows(id), and a tensor converted from the file's dtype.
+  bool streams(const std::string& id) const;
 
   // Marks the start of a pass (e.g. a forward). The accesses between the first two marks become
   // the recorded order that the scan-resistant policy and the prefetcher follow.
@@ -246,10 +267,15 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
     bool prefetched = false;  // loaded by the prefetcher and not yet acquired
     int64_t waiters = 0;      // acquire() calls loading it or waiting for it
     int64_t holders = 0;      // tensors handed out by acquire() and not yet released
+    bool streamed = false;    // matmul() streams it when absent: the prefetcher loads it only into free room
     std::exception_ptr error;
   };
 
   Entry& entry_locked(const std::string& id);
+  // An access to `e` in the recorded order: recording, the cursor and the LRU clock.
+  void note_access_locked(Entry& e);
+  // Whether matmul() may stream this call (no room for `e`, the served dtype); marks `e` as streamed.
+  bool stream_matmul_locked(Entry& e, const at::Tensor& input);
   // Evicts until `incoming` more bytes fit; only entries whose next use is farther than
   // `protect_within` positions of the order may go. False if it did not fit. A victim of exactly
   // `incoming` bytes is handed over in *recycled (when not null) so the load reuses its memory.
@@ -297,6 +323,7 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   int64_t cursor_ = -1;  // position in order_ of the last acquire
   uint64_t cursor_generation_ = 0;
   uint64_t work_generation_ = 0;  // counts work_changed_locked() calls
+  std::unordered_map<std::string, bool> exact_shapes_;  // matmul(): shape -> blocks equal the whole
 
   bool recycle_ = false;  // CPU target, copies, and a source that reads into any buffer
   std::optional<c10::Stream> copy_stream_;

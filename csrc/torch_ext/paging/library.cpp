@@ -98,6 +98,10 @@ void register_pager(torch::Library& m) {
       .def("gather_rows", &LayerPager::gather_rows,
            "Rows of a 2-D tensor (an embedding lookup) in the served dtype, without loading the tensor")
       .def("gathers_rows", &LayerPager::gathers_rows)
+      .def("matmul", &LayerPager::matmul,
+           "input @ weight.T + bias (transposed: input @ weight + bias, transformers' Conv1D), streamed from the "
+           "file where the weight converts and has no room (equal to the whole weight's product in every bit)")
+      .def("streams", &LayerPager::streams)
       .def("begin_pass", &LayerPager::begin_pass)
       .def("set_order", &LayerPager::set_order)
       .def("order", &LayerPager::order)

@@ -1,0 +1,127 @@
+// LayerPager::matmul: a linear layer's product with a paged weight, streamed from the mapped file
+// block by block where loading the weight would convert (and write, then reread) all of it.
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/Exception.h>
+
+#include "torch_ext/paging/layer_pager.h"
+
+namespace torch_ext::paging {
+namespace {
+
+// A block of converted weight stays in a core's L2 cache while it is multiplied.
+constexpr int64_t kBlockBytes = 512 << 10;
+
+at::Tensor whole_matmul(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        bool transposed) {
+  if (!transposed) return at::linear(input, weight, bias);
+  std::vector<int64_t> sizes = input.sizes().vec();  // transformers' Conv1D.forward
+  sizes.back() = weight.size(1);
+  const at::Tensor flat = input.view({-1, input.size(-1)});
+  return (bias ? at::addmm(*bias, flat, weight) : at::mm(flat, weight)).view(sizes);
+}
+
+// The product computed over blocks of output features, each converted from `stored` (the file's
+// dtype) into one reused buffer in `dtype`: the same addmm/mm calls at::linear makes, per block.
+at::Tensor blocked_matmul(const at::Tensor& input, const at::Tensor& stored, c10::ScalarType dtype,
+                          const std::optional<at::Tensor>& bias, bool transposed) {
+  const int64_t in = input.size(-1);
+  const int64_t out_features = stored.size(transposed ? 1 : 0);
+  const at::Tensor flat = input.reshape({-1, in});
+  at::Tensor out = at::empty({flat.size(0), out_features}, input.options());
+  const int64_t fit = kBlockBytes / (in * static_cast<int64_t>(c10::elementSize(dtype)));
+  const int64_t block = std::min(out_features, std::max<int64_t>(64, fit / 64 * 64));
+  const at::Tensor buffer = at::empty({block * in}, input.options());
+  for (int64_t start = 0; start < out_features; start += block) {
+    const int64_t n = std::min(block, out_features - start);
+    at::Tensor w = buffer.narrow(0, 0, n * in).view(transposed ? std::vector<int64_t>{in, n}
+                                                               : std::vector<int64_t>{n, in});
+    w.copy_(stored.narrow(transposed ? 1 : 0, start, n));
+    at::Tensor part = out.narrow(1, start, n);
+    const at::Tensor rhs = transposed ? w : w.t();
+    if (bias) {
+      at::addmm_out(part, bias->narrow(0, start, n), flat, rhs);
+    } else {
+      at::mm_out(part, flat, rhs);
+    }
+  }
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = out_features;
+  return out.view(sizes);
+}
+
+std::string shape_key(const at::Tensor& input, const std::vector<int64_t>& weight_shape,
+                      const std::optional<at::Tensor>& bias, bool transposed) {
+  std::ostringstream key;
+  // The alignment too: a BLAS may take another path for differently aligned rows.
+  key << input.numel() / input.size(-1) << 'x' << weight_shape[0] << 'x' << weight_shape[1] << (transposed ? 't' : 'n')
+      << (bias ? 'b' : '-') << c10::toString(input.scalar_type()) << '@'
+      << reinterpret_cast<uintptr_t>(input.data_ptr()) % 64;
+  return key.str();
+}
+
+}  // namespace
+
+bool LayerPager::streams(const std::string& id) const {
+  if (!gathers_rows(id)) return false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = entries_.find(id);
+  return it != entries_.end() && it->second.dtype != source_->info(id).dtype;
+}
+
+bool LayerPager::stream_matmul_locked(Entry& e, const at::Tensor& input) {
+  e.streamed = true;
+  // Room for it, or a dtype at::linear refuses: acquire() it.
+  return e.state == State::Absent && resident_bytes_ + e.nbytes > budget_ && input.scalar_type() == e.dtype;
+}
+
+at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, const std::optional<at::Tensor>& bias,
+                              bool transposed) {
+  const bool for_autograd = at::GradMode::is_enabled() && (input.requires_grad() || (bias && bias->requires_grad()));
+  bool stream = false;
+  std::optional<bool> exact;  // unknown: the first call of this shape
+  std::string shape;
+  c10::ScalarType dtype;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    check_usable_locked();
+    Entry& e = entry_locked(id);
+    const TensorInfo& info = source_->info(id);
+    dtype = e.dtype;
+    if (!for_autograd && e.dtype != info.dtype && gathers_rows(id) && input.dim() >= 2 && input.is_contiguous() &&
+        input.size(-1) == info.shape[transposed ? 0 : 1]) {
+      shape = shape_key(input, info.shape, bias, transposed);
+      const auto known = exact_shapes_.find(shape);
+      if (known != exact_shapes_.end()) exact = known->second;
+      stream = stream_matmul_locked(e, input);
+      if (stream && exact == true) note_access_locked(e);  // acquire() notes the others
+    }
+  }
+  if (stream && exact == true) {
+    at::Tensor out = blocked_matmul(input, source_->view(id), dtype, bias, transposed);
+    source_->release_pages(id);
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.streamed_matmuls;
+    return out;
+  }
+  // The loaded weight, within the budget as any acquire(); the first call of a shape compares
+  // the blocked product with it once.
+  at::Tensor whole = whole_matmul(input, acquire(id), bias, transposed);
+  if (stream && !exact) {
+    const bool equal = at::equal(blocked_matmul(input, source_->view(id), dtype, bias, transposed), whole);
+    source_->release_pages(id);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (exact_shapes_.emplace(shape, equal).second && !equal) ++stats_.unstreamed_shapes;
+  }
+  return whole;
+}
+
+}  // namespace torch_ext::paging
