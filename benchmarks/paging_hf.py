@@ -335,8 +335,8 @@ def inference_report(results: list[dict], weights: int, largest: int, sizes: dic
         report.notes.append(
             f"The folder holds {stored} weights ({format_bytes(weights // 2)}); every variant serves them as fp32. "
             f"torch_ext converts each tensor as it is paged in (from the mapped file into memory of its own); the "
-            f"budget counts the converted, resident bytes. Every forward converts again the weights the budget "
-            f"cannot keep.")
+            f"budget counts the converted, resident bytes. The weights it has no room for are streamed: each "
+            f"Conv1D and lm_head product converts them block by block from the file again (LayerPager.matmul).")
     return report
 
 
