@@ -63,6 +63,9 @@ def test_a_converted_weight_without_room_streams_and_equals_the_whole_product(bf
         assert stats.bytes_loaded == first.bytes_loaded and not any(pager.is_resident(k) for k in weight_keys(pager))
     with torch.no_grad():
         assert torch.equal(model(x[0, 0]), reference(x[0, 0]))  # 1-D input: the weights are acquired
+        assert torch.equal(model.layers[0](input=x), reference.layers[0](input=x))
+        wide = torch.randn(3, 2048)  # Conv1D(nf=512, nx=2048)
+        assert torch.equal(model.layers[1](x=wide), reference.layers[1](x=wide))
     assert pager.stats().bytes_loaded > stats.bytes_loaded
 
 

@@ -359,9 +359,10 @@ def _streaming_forward(module: nn.Module, module_slots: list[_Slot], streamed: _
     transposed = type(module) is not nn.Linear  # Conv1D stores (in, out)
     class_forward = type(module).forward
 
-    def forward(input: torch.Tensor) -> torch.Tensor:
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         if module._parameters["weight"] is not placeholder:
-            return class_forward(module, input)
+            return class_forward(module, *args, **kwargs)
+        (input,) = args + tuple(kwargs.values())  # Linear's `input`, Conv1D's `x`
         return matmul(streamed.key, input, acquire(bias.key) if bias is not None else module.bias, transposed)
 
     return _InstanceForward(module, forward)
