@@ -650,7 +650,7 @@ void LayerPager::prefetch_ahead_locked(std::unique_lock<std::mutex>& lock) {
     if (cursor_generation_ != cursor_generation) return;  // the caller moved on: start from its new position
     Entry& e = entries_.at(order_[(cursor_ + k) % n]);
     if (e.state != State::Absent || e.error) continue;
-    if (e.streamed && resident_bytes_ + e.nbytes > budget_) continue;  // matmul() streams it: evict nothing for it  // matmul() streams it: evict nothing for it
+    if (e.streamed && resident_bytes_ + e.nbytes > budget_) continue;  // matmul() streams it: evict nothing for it
     // Only evict entries needed later than this one; otherwise prefetching would cost a miss.
     at::Tensor recycled;
     std::vector<at::Tensor> dead;

@@ -274,6 +274,7 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   Entry& entry_locked(const std::string& id);
   // An access to `e` in the recorded order: recording, the cursor and the LRU clock.
   void note_access_locked(Entry& e);
+  bool streams_locked(const Entry& e) const;  // see streams()
   // Whether matmul() may stream this call (no room for `e`, the served dtype); marks `e` as streamed.
   bool stream_matmul_locked(Entry& e, const at::Tensor& input);
   // Evicts until `incoming` more bytes fit; only entries whose next use is farther than

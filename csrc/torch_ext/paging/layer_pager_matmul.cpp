@@ -70,11 +70,15 @@ std::string shape_key(const at::Tensor& input, const std::vector<int64_t>& weigh
 
 }  // namespace
 
+bool LayerPager::streams_locked(const Entry& e) const {
+  return e.dtype != source_->info(e.id).dtype && gathers_rows(e.id);
+}
+
 bool LayerPager::streams(const std::string& id) const {
-  if (!gathers_rows(id)) return false;
   std::lock_guard<std::mutex> lock(mutex_);
   const auto it = entries_.find(id);
-  return it != entries_.end() && it->second.dtype != source_->info(id).dtype;
+  TORCH_CHECK(it != entries_.end(), "LayerPager(", source_->describe(), "): no tensor \"", id, "\" in the source");
+  return streams_locked(it->second);
 }
 
 bool LayerPager::stream_matmul_locked(Entry& e, const at::Tensor& input) {
@@ -96,7 +100,7 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
     Entry& e = entry_locked(id);
     const TensorInfo& info = source_->info(id);
     dtype = e.dtype;
-    if (!for_autograd && e.dtype != info.dtype && gathers_rows(id) && input.dim() >= 2 && input.is_contiguous() &&
+    if (!for_autograd && streams_locked(e) && input.dim() >= 2 && input.is_contiguous() &&
         input.size(-1) == info.shape[transposed ? 0 : 1]) {
       shape = shape_key(input, info.shape, bias, transposed);
       const auto known = exact_shapes_.find(shape);
