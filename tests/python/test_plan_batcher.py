@@ -114,6 +114,20 @@ def test_bad_requests_fail_at_submit_and_never_join_a_batch(cache):
         assert batcher.stats().requests == 0
 
 
+def test_keyword_inputs_to_a_scripted_cache_raise_instead_of_being_dropped(cache):
+    # A TorchScript plan takes its inputs by position: a keyword one was silently left out before.
+    module, plans = cache
+    x = torch.randn(2, 8)
+    for call in (lambda: plans(x=x), lambda: plans.infer_batch(x=x)):
+        with pytest.raises(TypeError, match="by position; got keyword.s. x"):
+            call()
+    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
+        for call in (lambda: batcher(x=x), lambda: batcher.submit(x=x)):
+            with pytest.raises(TypeError, match="by position; got keyword.s. x"):
+                call()
+        assert batcher.stats().requests == 0
+
+
 def test_a_batch_that_raises_fails_its_requests_only():
     plans = PlanCache(torch.jit.script(Poisoned().eval()), max_batch_size=4, warmup_calls=1)
     plans(torch.randn(2, 8))

@@ -91,9 +91,12 @@ class Batcher(ScriptObjectFace):
         # through TorchScript's dispatch about 15 us, with the GIL held; infer_tensors is called directly.
         self._submit, self._infer_tensors = self.script_object.submit, _C.plan.batcher_infer(self.script_object)
         self._timeout = self.script_object.timeout_seconds
+        self._scripted = cache._in_spec is None  # inputs by position, outputs as they are
 
     def _flat(self, inputs: tuple, kwargs: dict) -> list:
-        return self.cache._flat(inputs, kwargs) if self.cache._in_spec is not None else list(inputs)
+        if self._scripted:
+            return list(self.cache._positional_inputs(inputs, kwargs))
+        return self.cache._flat(inputs, kwargs)
 
     def submit(self, *inputs: Any, deadline_ms: Optional[float] = None, **kwargs: Any) -> BatchFuture:
         """Queue one request (the model's arguments, any batch size up to max_batch_size); returns a

@@ -117,12 +117,21 @@ class PlanCache(ScriptObjectFace):
         """Run the model on inputs whose dynamic dimensions have one size each."""
         if self._in_spec is not None:
             return self._infer_program(inputs, kwargs)
+        inputs = self._positional_inputs(inputs, kwargs)
         # Tensors skip TorchScript's dispatch and the type inference of an Any argument (~20 us a call).
         if all(type(value) is torch.Tensor for value in inputs):
             return self._infer_tensors(list(inputs))
         return self._infer(tuple(inputs))
 
     __call__ = infer
+
+    @staticmethod
+    def _positional_inputs(inputs: tuple, kwargs: dict) -> tuple:
+        """A TorchScript model's inputs, which are passed by position only (never dropped silently)."""
+        if kwargs:
+            raise TypeError(f"PlanCache: a TorchScript model takes its inputs by position; got keyword(s) "
+                            f"{', '.join(sorted(kwargs))}")
+        return tuple(inputs)
 
     def _flat(self, inputs: tuple, kwargs: dict) -> list:
         if self._positional and not kwargs and len(inputs) == self._in_spec.num_leaves:
@@ -144,7 +153,7 @@ class PlanCache(ScriptObjectFace):
     def infer_batch(self, *inputs: Any, **kwargs: Any) -> Any:
         """Any number of elements: split into calls of select_batch_size(remaining), outputs concatenated."""
         if self._in_spec is None:
-            return self.script_object.infer_batch(tuple(inputs))
+            return self.script_object.infer_batch(self._positional_inputs(inputs, kwargs))
         return self._structured(self.script_object.infer_batch(self._flat(inputs, kwargs)))
 
     def preload(self, sizes: Iterable[Union[int, Sequence[int]]], example_inputs: Optional[Sequence[Any]] = None,
