@@ -67,5 +67,13 @@ class _PlanModule:
     ) -> Callable[[list[torch.Tensor], float, float], Any]:
         """batcher.infer_tensors(inputs, timeout_seconds=-1, deadline_ms=-1) called directly, without
         TorchScript's method dispatch; the GIL is released while it waits."""
+    def batcher_submit(
+        self, batcher: torch.ScriptObject
+    ) -> Callable[[list[torch.Tensor], float], torch.ScriptObject]:
+        """batcher.submit(inputs, deadline_ms=-1) for tensor inputs called directly, without TorchScript's
+        method dispatch; the GIL is released while it runs the batch it fills. Returns the BatchResult."""
+    def batch_result(self, result: torch.ScriptObject, timeout_seconds: float) -> Any:
+        """result.result(timeout_seconds) of a BatchResult called directly, without TorchScript's method
+        dispatch; the GIL is released while it waits."""
 
 plan: _PlanModule

@@ -117,16 +117,44 @@ py::cpp_function cache_infer(const py::object& script_object) {
       py::arg("inputs"));
 }
 
-py::cpp_function batcher_infer(const py::object& script_object) {
+c10::intrusive_ptr<plan::Batcher> batcher_of(const py::object& script_object) {
   static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::Batcher>>();
+  return torch::jit::toIValue(script_object, type).toCustomClass<plan::Batcher>();
+}
+
+py::cpp_function batcher_infer(const py::object& script_object) {
   return py::cpp_function(
-      [batcher = torch::jit::toIValue(script_object, type).toCustomClass<plan::Batcher>()](
-          const std::vector<at::Tensor>& inputs, double timeout_seconds, double deadline_ms) {
+      [batcher = batcher_of(script_object)](const std::vector<at::Tensor>& inputs, double timeout_seconds,
+                                            double deadline_ms) {
         return call_released(inputs, [&](std::vector<c10::IValue> values) {
           return batcher->infer(std::move(values), timeout_seconds, deadline_ms);
         });
       },
       py::arg("inputs"), py::arg("timeout_seconds") = -1.0, py::arg("deadline_ms") = -1.0);
+}
+
+py::cpp_function batcher_submit(const py::object& script_object) {
+  return py::cpp_function(
+      [batcher = batcher_of(script_object)](const std::vector<at::Tensor>& inputs, double deadline_ms) {
+        return call_released(inputs, [&](std::vector<c10::IValue> values) {
+          return c10::IValue(batcher->submit(std::move(values), deadline_ms));
+        });
+      },
+      py::arg("inputs"), py::arg("deadline_ms") = -1.0);
+}
+
+py::object batch_result(const py::object& script_object, double timeout_seconds) {
+  static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::BatchResult>>();
+  const auto result = torch::jit::toIValue(script_object, type).toCustomClass<plan::BatchResult>();
+  c10::IValue output;
+  try {
+    py::gil_scoped_release release;
+    output = result->result(timeout_seconds);
+  } catch (...) {
+    torch::translate_exception_to_python(std::current_exception());
+    throw py::error_already_set();
+  }
+  return torch::jit::toPyObject(std::move(output));
 }
 
 }  // namespace
@@ -145,6 +173,13 @@ void bind_plan(py::module_& m) {
   sub.def("batcher_infer", &batcher_infer, py::arg("batcher"),
           "Batcher.infer_tensors(inputs, timeout_seconds=-1, deadline_ms=-1) of a torch.classes.torch_ext.Batcher, "
           "called directly (no TorchScript method dispatch), the GIL released while it waits");
+  sub.def("batcher_submit", &batcher_submit, py::arg("batcher"),
+          "Batcher.submit(inputs, deadline_ms=-1) of a torch.classes.torch_ext.Batcher for tensor inputs, called "
+          "directly (no TorchScript method dispatch), the GIL released while it runs the batch it fills; returns the "
+          "BatchResult");
+  sub.def("batch_result", &batch_result, py::arg("result"), py::arg("timeout_seconds"),
+          "BatchResult.result(timeout_seconds) of a torch.classes.torch_ext.BatchResult, called directly (no "
+          "TorchScript method dispatch), the GIL released while it waits");
   // Joins and waits on threads that may be inside Python (a compiler, a future's callback) release
   // the GIL, or the waiting thread and the waited-for one would each hold what the other needs.
   torch_ext::set_blocking_section([](const std::function<void()>& wait) {

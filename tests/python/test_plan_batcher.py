@@ -88,6 +88,22 @@ def test_futures_and_requests_of_several_rows_keep_their_rows(cache):
         assert len(called) == 1 and torch.equal(called[0], module(inputs[0]))
 
 
+class Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x * scale
+
+
+def test_requests_with_a_plain_value_are_batched_with_requests_of_the_same_value():
+    # Tensor-only requests take a direct path into C++; a request with a plain value takes TorchScript's.
+    plans = PlanCache(torch.jit.script(Scaled().eval()), miss_mode="pad", max_batch_size=4)
+    rows, scales = [torch.randn(1, 8) for _ in range(4)], (2.0, 2.0, 3.0, 3.0)
+    with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS) as batcher:
+        futures = [batcher.submit(x, scale) for x, scale in zip(rows, scales)]
+        for x, scale, future in zip(rows, scales, futures):
+            assert torch.equal(future.result(timeout=60), x * scale)
+        assert batcher.stats().batches == 2 and batcher.stats().max_batch_rows == 2
+
+
 def test_a_full_queue_raises_at_once_and_close_runs_what_was_queued(cache):
     module, plans = cache
     batcher = Batcher(plans, max_batch_size=16, max_delay_ms=NEVER_MS, max_queue=4)

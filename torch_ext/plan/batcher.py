@@ -31,9 +31,8 @@ class BatchFuture:
     def result(self, timeout: Optional[float] = None) -> Any:
         """The output; raises the batch's error, or concurrent.futures.TimeoutError after timeout
         seconds (default: the batcher's timeout_seconds)."""
-        if not self._handle.wait(self._timeout if timeout is None else timeout):
-            raise concurrent.futures.TimeoutError(f"Batcher: no result after {timeout} s")
-        return self._structure(self._handle.result(0.0))
+        wait = self._timeout if timeout is None else timeout
+        return self._structure(_waiting(_C.plan.batch_result, self._handle, wait))
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         try:
@@ -59,6 +58,16 @@ class BatchFuture:
     def add_done_callback(self, fn: Callable[["BatchFuture"], Any]) -> None:
         """fn(self) once the result is in: at once if it is, else on the batcher's thread."""
         self._handle.future().add_done_callback(lambda _: fn(self))
+
+
+def _waiting(call: Callable[..., Any], *args: Any) -> Any:
+    """call(*args), a wait that ran out raised as concurrent.futures.TimeoutError."""
+    try:
+        return call(*args)
+    except RuntimeError as error:
+        if "Batcher: no result after" in str(error):
+            raise concurrent.futures.TimeoutError(str(error)) from None
+        raise
 
 
 def _deadline(deadline_ms: Optional[float]) -> float:
@@ -90,6 +99,7 @@ class Batcher(ScriptObjectFace):
         # Bound once: looking a method up on a ScriptObject costs about 1 us a call, and calling it
         # through TorchScript's dispatch about 15 us, with the GIL held; infer_tensors is called directly.
         self._submit, self._infer_tensors = self.script_object.submit, _C.plan.batcher_infer(self.script_object)
+        self._submit_tensors = _C.plan.batcher_submit(self.script_object)
         self._timeout = self.script_object.timeout_seconds
         self._scripted = cache._in_spec is None  # inputs by position, outputs as they are
 
@@ -101,8 +111,13 @@ class Batcher(ScriptObjectFace):
     def submit(self, *inputs: Any, deadline_ms: Optional[float] = None, **kwargs: Any) -> BatchFuture:
         """Queue one request (the model's arguments, any batch size up to max_batch_size); returns a
         future of its output. Raises RuntimeError at once when the queue is full or deadline_ms cannot be met."""
-        return BatchFuture(self._submit(self._flat(inputs, kwargs), _deadline(deadline_ms)), self.cache._structured,
-                           self._timeout)
+        flat = self._flat(inputs, kwargs)
+        deadline = _deadline(deadline_ms)
+        if all(type(value) is torch.Tensor for value in flat):
+            handle = self._submit_tensors(flat, deadline)
+        else:  # a tuple: TorchScript infers the type of a list of mixed values as no type at all
+            handle = self._submit(tuple(flat), deadline)
+        return BatchFuture(handle, self.cache._structured, self._timeout)
 
     def infer(self, *inputs: Any, timeout: Optional[float] = None, deadline_ms: Optional[float] = None,
               **kwargs: Any) -> Any:
@@ -110,15 +125,10 @@ class Batcher(ScriptObjectFace):
         flat = self._flat(inputs, kwargs)
         wait = self._timeout if timeout is None else timeout
         deadline = _deadline(deadline_ms)
-        try:
-            if all(type(value) is torch.Tensor for value in flat):
-                out = self._infer_tensors(flat, wait, deadline)
-            else:
-                out = self.script_object.infer(tuple(flat), wait, deadline)
-        except RuntimeError as error:
-            if "Batcher: no result after" in str(error):
-                raise concurrent.futures.TimeoutError(str(error)) from None
-            raise
+        if all(type(value) is torch.Tensor for value in flat):
+            out = _waiting(self._infer_tensors, flat, wait, deadline)
+        else:
+            out = _waiting(self.script_object.infer, tuple(flat), wait, deadline)
         return self.cache._structured(out)
 
     __call__ = infer
