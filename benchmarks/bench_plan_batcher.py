@@ -6,6 +6,7 @@ rows; one torch thread), REQUESTS single requests (one row each) are served thre
   preformed  the requests concatenated into batches of 8 beforehand, run one after another
   batcher    8 client threads, each sending its share one after another through
              Batcher(max_batch_size=8, max_delay_ms=2)
+  futures    one thread submitting every request (batcher.submit), then waiting for each future
   singles    the requests one at a time from one thread
 in ROUNDS interleaved rounds (the order rotated each round), so drift on the shared machine hits
 all alike; a round's ratio compares that round's runs, the table shows the median round.
@@ -72,12 +73,47 @@ def run_batcher(cache, requests: list) -> dict:
                 mean_rows=s.rows / s.batches, mean_batch_seconds=s.batch_seconds / s.batches)
 
 
+class Doubling(torch.nn.Module):
+    """A model that does next to nothing: the batcher's own round trip, measured without compute."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def round_trip_floor(n_requests: int, rounds: int) -> float:
+    """Seconds from one batch's start to the next's with a model that computes nearly nothing:
+    the closed loop's cost per batch of handing 8 results back and taking 8 new requests in, minus
+    the batch run (the median of `rounds`)."""
+    from torch_ext import PlanCache
+    requests = [torch.full((1, 16), float(i)) for i in range(n_requests)]
+    cache = PlanCache(torch.jit.script(Doubling().eval()), miss_mode="pad", max_batch_size=CLIENTS)
+    cache.preload([1, 2, 4, 8], example_inputs=(requests[0],), progress=False)
+    run_batcher(cache, requests[:80])  # warm-up
+    floors = []
+    for _ in range(rounds):
+        b = run_batcher(cache, requests)
+        floors.append(b["wall"] / b["batches"] - b["mean_batch_seconds"])
+    return statistics.median(floors)
+
+
+def run_futures(cache, requests: list) -> float:
+    from torch_ext import Batcher
+    with Batcher(cache, max_batch_size=CLIENTS, max_delay_ms=MAX_DELAY_MS, max_queue=len(requests)) as batcher:
+        start = time.perf_counter()
+        with torch.no_grad():
+            futures = [batcher.submit(x) for x in requests]
+            for future in futures:
+                future.result()
+        return time.perf_counter() - start
+
+
 def percentile(values: list, q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def bench_model(name: str, make, request, n_requests: int, rounds: int, report: Report, checks: list) -> None:
+def bench_model(name: str, make, request, n_requests: int, rounds: int, report: Report, checks: list,
+                floor: float) -> None:
     from torch_ext import PlanCache
     torch.manual_seed(0)
     scripted = torch.jit.script(make().eval())
@@ -87,27 +123,26 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
     cache = PlanCache(scripted, miss_mode="pad", max_batch_size=CLIENTS)
     cache.preload([1, 2, 4, 8], example_inputs=(requests[0],), progress=False)
     run_preformed(cache, batches[:20]), run_singles(cache, requests[:50]), run_batcher(cache, requests[:80])  # warm-up
-    runs: dict = {"preformed": [], "batcher": [], "singles": []}
+    run_futures(cache, requests[:80])
+    runs: dict = {"preformed": [], "batcher": [], "futures": [], "singles": []}
+    serve = {"preformed": lambda: run_preformed(cache, batches), "batcher": lambda: run_batcher(cache, requests),
+             "futures": lambda: run_futures(cache, requests), "singles": lambda: run_singles(cache, requests)}
     order = list(runs)
     for r in range(rounds):
-        for variant in order[r % 3:] + order[:r % 3]:
-            if variant == "preformed":
-                runs[variant].append(run_preformed(cache, batches))
-            elif variant == "singles":
-                runs[variant].append(run_singles(cache, requests))
-            else:
-                runs[variant].append(run_batcher(cache, requests))
+        for variant in order[r % len(order):] + order[:r % len(order)]:
+            runs[variant].append(serve[variant]())
     ratios = [p / b["wall"] for p, b in zip(runs["preformed"], runs["batcher"])]
     median_round = sorted(range(rounds), key=lambda i: ratios[i])[rounds // 2]
     b = runs["batcher"][median_round]
     rate = {"preformed": n_requests / runs["preformed"][median_round], "batcher": n_requests / b["wall"],
-            "singles": n_requests / runs["singles"][median_round]}
+            "futures": n_requests / runs["futures"][median_round], "singles": n_requests / runs["singles"][median_round]}
     p50, p99 = percentile(b["latencies"], 0.5), percentile(b["latencies"], 0.99)
     bound = MAX_DELAY_MS / 1000 + 2 * b["mean_batch_seconds"]
-    for variant in ("preformed", "batcher", "singles"):
+    for variant in runs:
         report.add_row({
             "model": name, "variant": {"preformed": "batches of 8 formed beforehand (the limit)",
                                        "batcher": f"Batcher, {CLIENTS} clients of single requests",
+                                       "futures": "Batcher, one thread submitting every request, then waiting",
                                        "singles": "single requests, one thread"}[variant],
             "requests/s": f"{rate[variant]:,.0f}", "vs the limit": f"{rate[variant] / rate['preformed']:.2f}x",
             "p50": format_seconds(p50) if variant == "batcher" else "-",
@@ -120,6 +155,12 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
     checks.append((f"{short}: the batcher at 0.9x or more of pre-formed batches: {rate['batcher']:,.0f} vs "
                    f"{rate['preformed']:,.0f} requests/s ({statistics.median(ratios):.2f}x, the median of {rounds} "
                    f"rounds; rounds {', '.join(f'{r:.2f}' for r in ratios)})", statistics.median(ratios) >= 0.9))
+    limit_batch = runs["preformed"][median_round] / len(batches)
+    report.notes.append(
+        f"- {short}: a batch of {CLIENTS} formed beforehand takes {format_seconds(limit_batch)} and the round trip "
+        f"between batches {format_seconds(floor)}, so {CLIENTS} clients that each wait for their result reach at most "
+        f"{limit_batch / (limit_batch + floor):.2f}x of the limit on this machine, with batches run as fast as the "
+        f"limit's; the batcher's ran {format_seconds(b['mean_batch_seconds'])} each.")
     checks.append((f"{short}: p99 at most max_delay + 2x one batch's service time: {format_seconds(p99)} vs "
                    f"{MAX_DELAY_MS:g} ms + 2 x {format_seconds(b['mean_batch_seconds'])}", p99 <= bound))
 
@@ -134,14 +175,18 @@ def main(argv: list[str]) -> None:
                     f"requests, {rounds} interleaved rounds",
                     ["model", "variant", "requests/s", "vs the limit", "p50", "p99", "batches"], command)
     checks: list = []
-    for name, (make, request) in models().items():
-        print(name, file=sys.stderr)
-        bench_model(name, make, request, n_requests, rounds, report, checks)
+    floor = round_trip_floor(n_requests, rounds)
     report.notes.append(
         f"\nThe limit: the same requests concatenated into batches of {CLIENTS} beforehand and served one after "
         f"another from one thread. The batcher: {CLIENTS} threads each send their share of single requests one "
         f"after another (max_batch_size={CLIENTS}, max_delay_ms={MAX_DELAY_MS:g}); the client whose request fills a "
         "batch runs it. Latencies: each batcher request from submit to result. Rows show the round with the median "
-        "batcher/limit ratio.")
+        "batcher/limit ratio. The round trip: the same batcher and clients serving a model that only doubles its "
+        f"input (wall time per batch less the batch's run, the median of {rounds} rounds): with {CLIENTS} clients and "
+        f"batches of {CLIENTS} every client waits in every batch, so no batch can start before the last result of the "
+        "one before is handed back and its client has sent its next request.\n")
+    for name, (make, request) in models().items():
+        print(name, file=sys.stderr)
+        bench_model(name, make, request, n_requests, rounds, report, checks, floor)
     report.add_checks(checks)
     report.write()
