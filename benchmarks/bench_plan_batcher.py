@@ -135,7 +135,8 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
     median_round = sorted(range(rounds), key=lambda i: ratios[i])[rounds // 2]
     b = runs["batcher"][median_round]
     rate = {"preformed": n_requests / runs["preformed"][median_round], "batcher": n_requests / b["wall"],
-            "futures": n_requests / runs["futures"][median_round], "singles": n_requests / runs["singles"][median_round]}
+            "futures": n_requests / runs["futures"][median_round],
+            "singles": n_requests / runs["singles"][median_round]}
     p50, p99 = percentile(b["latencies"], 0.5), percentile(b["latencies"], 0.99)
     bound = MAX_DELAY_MS / 1000 + 2 * b["mean_batch_seconds"]
     for variant in runs:

@@ -93,15 +93,15 @@ void set_source(const py::object& script_object, py::object fn) {
   });
 }
 
-// Tensor-only calls from Python without TorchScript's method dispatch, which builds a
-// schema-checked stack and looks up the compilation unit on every call: about 15 us with the GIL
-// held, per request (a batcher's clients serialize on it). The GIL is released while `run` runs.
+// Calls from Python without TorchScript's method dispatch, which builds a schema-checked stack and
+// looks up the compilation unit on every call: about 15 us with the GIL held, per request (a
+// batcher's clients serialize on it). The GIL is released while `run` runs.
 template <class Run>
-py::object call_released(const std::vector<at::Tensor>& inputs, Run&& run) {
+py::object call_released(Run&& run) {
   c10::IValue output;
   try {
     py::gil_scoped_release release;
-    output = run(std::vector<c10::IValue>(inputs.begin(), inputs.end()));
+    output = run();
   } catch (...) {  // as torch's own bindings raise them: ValueError, IndexError, ..., no C++ backtrace
     torch::translate_exception_to_python(std::current_exception());
     throw py::error_already_set();
@@ -109,10 +109,12 @@ py::object call_released(const std::vector<at::Tensor>& inputs, Run&& run) {
   return torch::jit::toPyObject(std::move(output));
 }
 
+std::vector<c10::IValue> values_of(const std::vector<at::Tensor>& inputs) { return {inputs.begin(), inputs.end()}; }
+
 py::cpp_function cache_infer(const py::object& script_object) {
   return py::cpp_function(
       [cache = cache_of(script_object)](const std::vector<at::Tensor>& inputs) {
-        return call_released(inputs, [&](std::vector<c10::IValue> values) { return cache->infer(std::move(values)); });
+        return call_released([&] { return cache->infer(values_of(inputs)); });
       },
       py::arg("inputs"));
 }
@@ -126,9 +128,7 @@ py::cpp_function batcher_infer(const py::object& script_object) {
   return py::cpp_function(
       [batcher = batcher_of(script_object)](const std::vector<at::Tensor>& inputs, double timeout_seconds,
                                             double deadline_ms) {
-        return call_released(inputs, [&](std::vector<c10::IValue> values) {
-          return batcher->infer(std::move(values), timeout_seconds, deadline_ms);
-        });
+        return call_released([&] { return batcher->infer(values_of(inputs), timeout_seconds, deadline_ms); });
       },
       py::arg("inputs"), py::arg("timeout_seconds") = -1.0, py::arg("deadline_ms") = -1.0);
 }
@@ -136,9 +136,7 @@ py::cpp_function batcher_infer(const py::object& script_object) {
 py::cpp_function batcher_submit(const py::object& script_object) {
   return py::cpp_function(
       [batcher = batcher_of(script_object)](const std::vector<at::Tensor>& inputs, double deadline_ms) {
-        return call_released(inputs, [&](std::vector<c10::IValue> values) {
-          return c10::IValue(batcher->submit(std::move(values), deadline_ms));
-        });
+        return call_released([&] { return c10::IValue(batcher->submit(values_of(inputs), deadline_ms)); });
       },
       py::arg("inputs"), py::arg("deadline_ms") = -1.0);
 }
@@ -146,15 +144,7 @@ py::cpp_function batcher_submit(const py::object& script_object) {
 py::object batch_result(const py::object& script_object, double timeout_seconds) {
   static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::BatchResult>>();
   const auto result = torch::jit::toIValue(script_object, type).toCustomClass<plan::BatchResult>();
-  c10::IValue output;
-  try {
-    py::gil_scoped_release release;
-    output = result->result(timeout_seconds);
-  } catch (...) {
-    torch::translate_exception_to_python(std::current_exception());
-    throw py::error_already_set();
-  }
-  return torch::jit::toPyObject(std::move(output));
+  return call_released([&] { return result->result(timeout_seconds); });
 }
 
 }  // namespace

@@ -97,7 +97,8 @@ class Batcher(ScriptObjectFace):
         self.cache = cache
         self.script_object = torch.classes.torch_ext.Batcher(cache.script_object, **options)
         # Bound once: looking a method up on a ScriptObject costs about 1 us a call, and calling it
-        # through TorchScript's dispatch about 15 us, with the GIL held; infer_tensors is called directly.
+        # through TorchScript's dispatch about 15 us, with the GIL held; requests of tensors (infer and
+        # submit) and a future's result are called directly.
         self._submit, self._infer_tensors = self.script_object.submit, _C.plan.batcher_infer(self.script_object)
         self._submit_tensors = _C.plan.batcher_submit(self.script_object)
         self._timeout = self.script_object.timeout_seconds
