@@ -8,12 +8,13 @@ lengths uniform in 8..128 with an attention mask), served by:
   (d) one AOTInductor package compiled with dynamic batch (and sequence) dimensions
   (e) PlanCache over the exported program: AOTInductor plans per bucket, preloaded (plan_shapes
       "auto": each bucket compiled static and dynamic, the faster kept)
-  (f) (e)'s cache saved, loaded in a fresh process, serving the same stream
+  (f) (e)'s cache saved, loaded by PlanCache(folder), serving the same stream
   (g) the dynamic batcher on (e)'s cache: 8 client threads sending single requests (one row each),
       against (e) serving the same single requests one at a time
-Each in-process variant serves the stream in a phase of its own, in two passes (forward, then
-reversed); (f) runs once per pass in a new process. Inductor compiles into a fresh cache folder,
-so start-up includes every compile cold.
+Each variant builds and serves the stream in a new process of its own (what one variant leaves in a
+process slows the next: after (b)'s optimize_for_inference the same loaded plans served 8% fewer
+items a second), in two passes (forward, then reversed). Inductor compiles into a fresh cache
+folder, so the first pass's start-up includes every compile cold. (g) runs in (e)'s first process.
 
     python benchmarks/bench_plan.py --export            # results in plan_export.{md,json}
     python benchmarks/bench_plan.py --export --quick    # 200 requests, fewer buckets: a smoke run
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -189,32 +190,64 @@ def make_plan_cache(module, model, work, quick):
     return cache
 
 
-# ---- (f): a fresh process serves the saved cache ----
+# ---- every variant serves in a process of its own ----
 
-def serve_saved(folder: str, model_name: str, requests: int, out: str) -> None:
-    """The child of (f): import, load the saved cache, serve the stream, write what it measured."""
-    t0 = time.perf_counter()
-    import torch_ext  # noqa: F401
-    t1 = time.perf_counter()
-    cache = torch_ext.PlanCache(folder, miss_mode="pad")
-    startup = time.perf_counter() - t1
-    ready_at = time.time()
+E_LABEL = "(e) PlanCache over export, buckets preloaded"
+F_LABEL = "(f) (e) saved, loaded in a fresh process"
+
+
+def build_variant(label: str, model: dict, quick: bool, work: str) -> tuple:
+    """(the callable that serves, what the row reports of it, seconds to start up)."""
+    if label == F_LABEL:
+        import torch_ext
+        t = time.perf_counter()
+        cache = torch_ext.PlanCache(os.path.join(work, "saved"), miss_mode="pad")
+        return cache, cache, time.perf_counter() - t
+    torch.manual_seed(0)
+    module = model["make"]().eval()
+    t = time.perf_counter()
+    if label == E_LABEL:
+        cache = make_plan_cache(module, model, work, quick)
+        return cache, cache, time.perf_counter() - t
+    fn, _ = BASELINES[label](module, model, work)
+    return fn, None, time.perf_counter() - t
+
+
+def serve_variant(label: str, model_name: str, requests: int, quick: bool, work: str, out: str,
+                  with_batcher: bool) -> None:
+    """The child: builds one variant (its start-up timed), serves the stream, writes what it measured.
+    (e) saves its cache for (f) and, with_batcher, runs (g) on it."""
     model = MODELS[model_name]
     stream = stream_of(model, requests)
-    latencies = serve(cache, model, stream)
-    s = cache.stats()
-    Path(out).write_text(json.dumps(dict(import_seconds=t1 - t0, startup_seconds=startup, ready_at=ready_at,
-                                         latencies=latencies, compiles=s.compiles, builds=s.builds, plans=s.plans)))
+    fn, cache, startup = build_variant(label, model, quick, work)
+    result: dict = dict(startup_seconds=startup, ready_at=time.time(), latencies=serve(fn, model, stream))
+    if cache is not None:
+        s = cache.stats()
+        result.update(compiles=s.compiles, builds=s.builds, plans=s.plans, sizes=[
+            dict(bucket=list(z.bucket), shapes=z.shapes, static_seconds=z.static_seconds,
+                 dynamic_seconds=z.dynamic_seconds) for z in s.sizes if z.cached])
+    if label == E_LABEL and not os.path.isdir(os.path.join(work, "saved")):
+        cache.save(os.path.join(work, "saved"))
+    if label == E_LABEL and with_batcher:
+        singles = [(1, length) for _, length in stream]
+        inputs_of = [model["request"](1, length, i) for i, (_, length) in enumerate(singles)]
+        result["singles"] = singles
+        result["serial"] = serve(cache, model, singles)
+        result["batched"] = run_batcher(cache, inputs_of, max_delay_ms=2.0)
+    Path(out).write_text(json.dumps(result))
 
 
-def run_saved(folder: str, model_name: str, requests: int, work: str) -> dict:
-    out = os.path.join(work, "saved.json")
-    code = [sys.executable, __file__, "--serve-saved", folder, model_name, str(requests), out]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run_variant(label: str, model_name: str, requests: int, quick: bool, work: str, with_batcher: bool) -> dict:
+    """serve_variant in a new process (the interpreter's start and imports before the clock starts)."""
+    out = os.path.join(work, "variant.json")
+    code = [sys.executable, __file__, "--serve", label, model_name, str(requests), str(int(quick)), work, out,
+            str(int(with_batcher))]
     launched = time.time()
-    subprocess.run(code, check=True, env=env, timeout=3600)
+    subprocess.run(code, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=3600)
     result = json.loads(Path(out).read_text())
-    result["launch_to_ready_seconds"] = result["ready_at"] - launched  # the interpreter, torch, torch_ext, the cache
+    result["launch_to_ready_seconds"] = result["ready_at"] - launched  # the interpreter, imports, start-up
+    print(f"  {label}: start-up {result['startup_seconds']:.2f} s, stream {sum(result['latencies']):.1f} s",
+          file=sys.stderr)
     return result
 
 
@@ -242,7 +275,7 @@ def run_batcher(cache, inputs_of: list, max_delay_ms: float) -> dict:
 
 # ---- the section ----
 
-IN_PROCESS = {
+BASELINES = {
     "(a) eager": variant_eager,
     "(b) TorchScript frozen": variant_torchscript,
     "(c) torch.compile(dynamic=True), warmed up": variant_compile,
@@ -250,65 +283,36 @@ IN_PROCESS = {
 }
 
 
-def phase(label: str, make: Callable[[], Any], model: dict, stream: list) -> dict:
-    torch._dynamo.reset()
-    t = time.perf_counter()
-    fn, keep = make()
-    startup = time.perf_counter() - t
-    wall = time.perf_counter()
-    latencies = serve(fn, model, stream)
-    wall = time.perf_counter() - wall
-    print(f"  {label}: start-up {startup:.2f} s, stream {wall:.1f} s", file=sys.stderr)
-    return dict(startup=startup, latencies=latencies, keep=keep)
-
-
 def bench_model(name: str, model: dict, requests: int, quick: bool, report: Report, work: str,
                 checks: list) -> None:
     """Runs (a)-(g) for one model: rows into report, targets into checks as (text, met)."""
-    torch.manual_seed(0)
-    module = model["make"]().eval()
     stream = stream_of(model, requests)
-    folder = os.path.join(work, "saved")
     results: dict = {}
-    e_label = "(e) PlanCache over export, buckets preloaded"
-    f_label = "(f) (e) saved, loaded in a fresh process"
-    cache_e = None
-
-    def make_e():
-        nonlocal cache_e
-        cache_e = make_plan_cache(module, model, work, quick)
-        return cache_e, cache_e
-
-    labels = list(IN_PROCESS) + [e_label, f_label]
+    e_label, f_label = E_LABEL, F_LABEL
+    labels = list(BASELINES) + [e_label, f_label]
+    batcher_run: dict = {}
     for order in (labels, labels[::-1]):
         for label in order:
-            if label == f_label:
-                if not os.path.isdir(folder):
-                    continue  # (e) runs first in the first pass: the folder exists by the second
-                saved = run_saved(folder, name, requests, work)
-                r = results.setdefault(label, dict(startup=[], latencies=[], extra=[]))
-                r["startup"].append(saved["startup_seconds"])
-                r["latencies"] += saved["latencies"]
-                r["extra"].append(saved)
-                continue
-            make = (lambda fn=IN_PROCESS[label]: fn(module, model, work)) if label in IN_PROCESS else make_e
-            out = phase(label, make, model, stream)
+            if label == f_label and not os.path.isdir(os.path.join(work, "saved")):
+                continue  # (e) has not run yet: the folder exists once it has
+            out = run_variant(label, name, requests, quick, work, with_batcher=label == e_label and not batcher_run)
+            if "batched" in out:
+                batcher_run = out
             r = results.setdefault(label, dict(startup=[], latencies=[], extra=[]))
-            r["startup"].append(out["startup"])
+            r["startup"].append(out["startup_seconds"])
             r["latencies"] += out["latencies"]
-            if label == e_label and not os.path.isdir(folder):
-                cache_e.save(folder)
+            r["extra"].append({k: v for k, v in out.items() if k not in ("latencies", "serial", "batched", "singles")})
     items = sum(n for n, _ in stream)
     throughput = {label: items * len(r["latencies"]) / len(stream) / sum(r["latencies"]) for label, r in results.items()}
-    best_ad = max(throughput[label] for label in IN_PROCESS)
-    stats_e = cache_e.stats()
+    best_ad = max(throughput[label] for label in BASELINES)
+    stats_e = results[e_label]["extra"][0]  # the first pass's: its compiles are cold
     for label, r in results.items():
         count, worst = spikes(r["latencies"], stream)
         extra = ""
         if label == e_label:
-            shapes = [z.shapes for z in stats_e.sizes if z.cached]
-            extra = (f"{stats_e.plans} plans ({shapes.count('static')} static, {shapes.count('dynamic')} dynamic), "
-                     f"{stats_e.compiles} compiles")
+            shapes = [z["shapes"] for z in stats_e["sizes"]]
+            extra = (f"{stats_e['plans']} plans ({shapes.count('static')} static, {shapes.count('dynamic')} dynamic), "
+                     f"{stats_e['compiles']} compiles")
         elif label == f_label:
             extra = f"{r['extra'][-1]['plans']} plans loaded, {max(x['compiles'] for x in r['extra'])} compiles"
         report.add_row({
@@ -329,8 +333,8 @@ def bench_model(name: str, model: dict, requests: int, quick: bool, report: Repo
                                                              for s in saved]
     notes = [f"\n{name}: (e) per bucket, the measured choice (static / dynamic mean latency over the bucket's "
              "probe sizes): " + "; ".join(
-                 f"{'x'.join(map(str, z.bucket))} {z.shapes} ({format_seconds(z.static_seconds)} / "
-                 f"{format_seconds(z.dynamic_seconds)})" for z in stats_e.sizes if z.cached) + "."]
+                 f"{'x'.join(map(str, z['bucket']))} {z['shapes']} ({format_seconds(z['static_seconds'])} / "
+                 f"{format_seconds(z['dynamic_seconds'])})" for z in stats_e["sizes"]) + "."]
     short = name.split(" (")[0]
     for label in (e_label, f_label):
         checks.append((f"{short}: {label[:3]} throughput at least the best of (a)-(d): {throughput[label]:,.0f} vs "
@@ -342,10 +346,7 @@ def bench_model(name: str, model: dict, requests: int, quick: bool, report: Repo
                    f"interpreter and imports included: {format_seconds(max(s['launch_to_ready_seconds'] for s in saved))})",
                    compiles == 0 and restart < 1.0))
     # (g): the batcher against (e) serving the same single requests one at a time.
-    singles = [(1, length) for _, length in stream]
-    inputs_of = [model["request"](1, length, i) for i, (_, length) in enumerate(singles)]
-    serial = serve(cache_e, model, singles)
-    batched = run_batcher(cache_e, inputs_of, max_delay_ms=2.0)
+    singles, serial, batched = batcher_run["singles"], batcher_run["serial"], batcher_run["batched"]
     serial_rate, batched_rate = len(singles) / sum(serial), len(singles) / batched["wall"]
     p99 = percentile(batched["latencies"], 0.99)
     bound = 2e-3 + batched["mean_batch_seconds"]
@@ -368,9 +369,9 @@ def bench_model(name: str, model: dict, requests: int, quick: bool, report: Repo
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--serve-saved"]:
+    if argv[:1] == ["--serve"]:
         torch.set_num_threads(1)
-        serve_saved(argv[1], argv[2], int(argv[3]), argv[4])
+        serve_variant(argv[1], argv[2], int(argv[3]), bool(int(argv[4])), argv[5], argv[6], bool(int(argv[7])))
         return
     quick = "--quick" in argv
     requests = 200 if quick else 2000
@@ -394,7 +395,7 @@ def main(argv: list[str]) -> None:
         "Inductor's cache): (b) script, freeze and optimise; (c) torch.compile and 4 warm-up calls; (d) export and one compile; (e) export, a static and a dynamic compile per bucket and their measurements, "
         "all with Inductor's caches empty (a fresh TORCHINDUCTOR_CACHE_DIR); (f) PlanCache(folder) in a new "
         "process after importing torch_ext. Latencies: each request timed alone, 2 passes over the variants "
-        "(forward, reversed), each a phase of its own; (f) a new process in each pass. Requests > 2x their "
+        "(forward, reversed), each variant in a new process of its own in each pass. Requests > 2x their "
         "size's median: against the median of the same batch size (CNN) or of the same cell of 8 batch sizes by "
         f"16 sequence lengths (encoder). (g): 8 threads each send single requests one after another ({requests} in all, "
         "made beforehand: the stream's sequence lengths), the batcher gathers up to 8 rows or 2 ms; (e)'s single requests are the "
