@@ -300,6 +300,7 @@ PyObject* run(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
     call->fn = std::make_unique<PyRef>(fn);
     if (kwargs != nullptr) call->kwargs = std::make_unique<PyRef>(kwargs);
     call->state = ck::ReplayState::capture(devices_of(args, kwargs), options->preserve_rng_state);
+    call->selective.rng_replayed = options->preserve_rng_state;
     frame->set_recompute([call](ck::Frame& f, int64_t graph_task) { replay(call, f, graph_task); });
     PyObject* pack = PyCFunction_New(&pack_def, capsule_of<FramePtr>(frame, kFrame));
     Py_DECREF(PyCFunction_GET_SELF(pack));

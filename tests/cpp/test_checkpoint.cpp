@@ -350,8 +350,36 @@ TEST(Checkpoint, SavedOpOutputsAreServedToTheReplayNotRecomputed) {
 }
 
 TEST(Checkpoint, SaveNamesOnlySavableOps) {
-  for (const char* item : {"aten::view", "aten::linear", "aten::bernoulli.default", "no_such_family"}) {
+  for (const char* item : {"aten::view", "aten::linear", "aten::bernoulli.default", "aten::normal_", "no_such_family"}) {
     EXPECT_THROW(ck::SaveSpec({item}), c10::ValueError) << item;
   }
   EXPECT_EQ(ck::save_rules(ck::SaveSpec({"matmul/2"})).size(), 4u);
+}
+
+// "dropout" through the C++ front door: the replay takes the forward's mask instead of drawing it
+// (a replay that moves the generator before its dropout still gets the forward's mask), and the
+// gradients and the RNG stream after backward equal the plain segment's.
+TEST(Checkpoint, AKeptDropoutMaskIsTheForwardsNotARedraw) {
+  torch::manual_seed(0);
+  auto weight = at::randn({8, 8}).requires_grad_();
+  auto x = at::randn({4, 8}).requires_grad_();
+  auto calls = std::make_shared<int>(0);
+  auto segment = [&, calls](const ck::TensorList& in) -> ck::TensorList {
+    if (++*calls == 2) at::randn({16});  // the replay only
+    auto y = torch::tanh(torch::mm(in[0], weight));
+    return {torch::dropout(y, 0.5, /*train=*/true).sin()};
+  };
+  torch::manual_seed(7);
+  auto plain_grads = torch::autograd::grad({torch::dropout(torch::tanh(torch::mm(x, weight)), 0.5, true).sin().sum()},
+                                           {x, weight});
+  const auto plain_next = at::randn({4});
+
+  ck::CheckpointOptions options;
+  options.save = ck::SaveSpec({"dropout"});
+  torch::manual_seed(7);
+  auto out = ck::checkpoint(segment, {x}, {weight}, options);
+  auto grads = torch::autograd::grad({out[0].sum()}, {x, weight});
+  EXPECT_EQ(*calls, 2);
+  EXPECT_TRUE(same(grads, plain_grads));
+  EXPECT_TRUE(at::randn({4}).equal(plain_next));
 }

@@ -335,3 +335,88 @@ def test_a_replay_under_another_dispatch_mode_setting_than_its_forward_runs_ever
         loss.backward()
     assert torch.equal(q.grad, expected)
     assert counter.counts["add"] >= 2  # the mask add (out of place under the mode) and the residual add, run
+
+
+class DropoutMLP(nn.Module):
+    """Two dropouts (CPU dropout draws its mask with bernoulli_) around matmuls."""
+
+    def __init__(self, n=16):
+        super().__init__()
+        self.a, self.b = nn.Linear(n, 2 * n), nn.Linear(2 * n, n)
+
+    def forward(self, x):
+        h = torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.3, self.training)
+        return torch.nn.functional.dropout(self.b(h), 0.2, self.training).sin()
+
+
+def dropout_run(**options):
+    """(bernoulli_ calls in backward, gradients of x and the parameters, the RNG's next draw after
+    backward) of two DropoutMLPs, checkpointed with options (unwrapped when none), from seed 3."""
+    torch.manual_seed(0)
+    blocks = [DropoutMLP() for _ in range(2)]
+    for block in blocks:
+        if options:
+            torch_ext.checkpoint(block, **options)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch.manual_seed(3)
+    counts, (grad,) = backward_counts(lambda: blocks[1](blocks[0](x)).sum(), x)
+    return counts["bernoulli_"], [grad] + [p.grad for block in blocks for p in block.parameters()], torch.rand(4)
+
+
+@pytest.mark.parametrize("save, drawn_again", [
+    ("dropout", 0), ("dropout#1", 2), (("dropout#0", "matmul"), 2), ("aten::bernoulli_", 0)])
+def test_a_saved_dropout_mask_is_not_drawn_again_and_later_draws_match_the_forward(save, drawn_again):
+    # Skipping a draw leaves the generator where the forward's was after it, so a dropout drawn
+    # again after a served one gets the forward's mask: the gradients are the unwrapped model's
+    # exactly, and so is the RNG's stream after backward.
+    _, expected, expected_next = dropout_run()
+    drawn, grads, next_draw = dropout_run(save=save)
+    assert_same(grads, expected)
+    assert torch.equal(next_draw, expected_next)
+    assert drawn == drawn_again
+
+
+def test_without_rng_replay_a_dropout_mask_is_drawn_again():
+    # preserve_rng_state=False: the replay draws new numbers (torch's semantics), so no mask is kept.
+    drawn, _, _ = dropout_run(save="dropout", preserve_rng_state=False)
+    assert drawn == 4
+
+
+def test_scripted_code_keeps_dropout_masks_through_the_cpp_front_door():
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = torch.jit.script(DropoutMLP())
+
+        def forward(self, x: torch.Tensor, save: list[str]) -> torch.Tensor:
+            return torch.ops.torch_ext.checkpoint_module(self.block, [x], save=save)[0]
+
+    model = torch.jit.script(Parent())
+    results = []
+    for save in ([], ["dropout"]):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        counts, (grad,) = backward_counts(lambda: model(x, save).sum(), x)
+        results.append(([grad] + [p.grad for p in model.parameters()], torch.rand(4), counts["bernoulli_"]))
+    assert_same(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    assert (results[0][2], results[1][2]) == (2, 0)
+
+
+def test_a_second_backward_through_a_retained_graph_draws_the_served_masks_again():
+    torch.manual_seed(0)
+    block = DropoutMLP()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch.manual_seed(3)
+    expected = torch.autograd.grad(block(x).sum(), x)[0]
+    torch_ext.checkpoint(block, save="dropout")
+    torch.manual_seed(3)
+    with OpCounter() as counter:
+        loss = block(x).sum()
+        first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+        counter.counts.clear()
+        second = torch.autograd.grad(loss, x)[0]
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert counter.counts["bernoulli_"] == 2

@@ -235,22 +235,54 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
         hf.checkpoint_layers(copy.deepcopy(reference), every=1, ops=True)
 
 
-def test_random_ops_are_never_saved_so_replays_draw_the_forwards_numbers():
+def test_plans_keep_dropout_masks_or_draw_them_again_and_gradients_stay_exact():
+    # A kept mask draw (bernoulli_) leaves the generator where the forward's was after it, so the
+    # draws a plan recomputes still get the forward's numbers whatever it keeps.
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(64, 128), nn.Dropout(0.3), nn.GELU(), nn.Dropout(0.3), nn.Linear(128, 64))
               for _ in range(4)]
     x = torch.randn(32, 64)
     loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)
-    names = {name for block in loose.ops for name, *_ in block}
-    assert "aten.addmm.default" in names and not any("dropout" in name or "bernoulli" in name for name in names)
+    assert [name for name, *_ in loose.ops[0]].count("aten.bernoulli_.float") == 2
+    assert all(["aten.bernoulli_.float", 1] in block for block in loose.saved)
     torch.manual_seed(3)
     _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
     for fraction in (0.0, 0.5, 1.0):
         plan = loose.with_budget(loose.min_budget_bytes + fraction * (loose.no_checkpoint_peak_bytes
                                                                       - loose.min_budget_bytes))
+        kept = sum(name == "aten.bernoulli_.float" for block in plan.saved for name, _ in block)
         torch.manual_seed(3)
-        _, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
+        with OpCounter() as counter:
+            _, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
         assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+        assert counter.counts["aten.bernoulli_.float"] == 8 + (8 - kept)  # the forward's draws, then those not kept
+
+
+class SelfAttention(nn.Module):
+    """Attention without dropout or mask: the CPU's fused kernel, an op tagged random (it takes a
+    dropout_p) that draws nothing when dropout_p is 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = self.proj(x).view(2, 8, 2, 8).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(2, 8, 16) + x
+
+
+def test_fused_attention_without_dropout_is_a_candidate_and_a_plan_that_keeps_it_does_not_rerun_it():
+    torch.manual_seed(0)
+    layers = [SelfAttention() for _ in range(3)]
+    x = torch.randn(2, 8, 16)
+    attention = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    plan = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)
+    assert all([attention, 0] in block for block in plan.saved)
+    _, expected = peak_and_grads(copy.deepcopy(layers), x)
+    with OpCounter() as counter:
+        _, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    assert counter.counts[attention] == 3  # the forward's calls only
 
 
 class MaskedAttention(nn.Module):

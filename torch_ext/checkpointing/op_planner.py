@@ -164,16 +164,26 @@ def _plan_contexts(saved: frozenset) -> tuple:
         name = str(op)
         index = seen[name]
         seen[name] += 1
-        return CheckpointPolicy.MUST_SAVE if (name, index) in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        # torch's policy would hand the replay the forward's mask tensor, which dropout then scales in
+        # place: it draws masks again (only the native policy keeps them).
+        keep = (name, index) in saved and op not in _KEPT_DRAWS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return create_selective_checkpoint_contexts(policy)
+
+
+# The draws of dropout masks (bernoulli_ in place): the native policy keeps the mask as bool (one
+# byte an element) and the generator's state after the draw (csrc/torch_ext/checkpoint/selective.h).
+_KEPT_DRAWS = (torch.ops.aten.bernoulli_.float, torch.ops.aten.bernoulli_.Tensor)
 
 
 class _OpRecorder(TorchDispatchMode):
     """Records each op of a forward as torch's selective checkpointing sees it (SAC_IGNORED_OPS
-    skipped): name, occurrence, the bytes of its outputs' new storages, its seconds. Ops whose
-    outputs alias an input (views, in-place), that return no tensor, or whose outputs a later op
-    of the forward mutates are not candidates, nor are random ops: a replay restores the forward's RNG state and draws every random op again in
-    order, which gives the forward's numbers only if none before them was skipped."""
+    skipped): name, occurrence, the bytes of its outputs' new storages (of a mask draw, its bool
+    copy), its seconds. Ops whose outputs alias an input (views, in-place), that return no tensor,
+    or whose outputs a later op of the forward mutates are not candidates, nor are random ops other
+    than mask draws: a replay restores the forward's RNG state and draws the random ops again in
+    order, which gives the forward's numbers only if the generator passes where it passed before
+    (a kept draw puts it there)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -202,14 +212,29 @@ class _OpRecorder(TorchDispatchMode):
             for ptr in inputs:
                 self.mutated.update(self.by_storage.get(ptr, ()))
         outputs, nbytes = _tensor_leaves(out), 0
+        if func in _KEPT_DRAWS:  # kept as a bool copy: later changes to the mask do not reach it
+            if args[0].device.type == "cpu" and kwargs.get("generator") is None:
+                self.records.append([name, index, args[0].numel(), seconds])
+            return out
         if outputs and not any(t.untyped_storage().data_ptr() in inputs for t in outputs):
             nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs}.values())
-        if nbytes > 0 and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        if nbytes > 0 and not _draws(func, args, kwargs):
             for t in outputs:
                 self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(len(self.records))
             self.records.append([name, index, int(nbytes), seconds])
             self.alive.append(outputs)
         return out
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the call draws random numbers: a random op, unless its dropout_p is 0 (attention)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    names = [argument.name for argument in func._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    index = names.index("dropout_p")
+    return kwargs.get("dropout_p", args[index] if index < len(args) else 0.0) != 0.0
 
 
 def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool) -> list[list]:

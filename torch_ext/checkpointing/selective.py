@@ -42,6 +42,8 @@ def _rules(items: tuple) -> dict:
             continue
         names = [argument.name for argument in op._schema.arguments]
         dropout = names.index("dropout_p") if "dropout_p" in names else None
+        if dropout is None and torch.Tag.nondeterministic_seeded in op.tags:
+            continue  # a mask draw: compiled, it is regenerated from its seed (and saving it would keep the float mask)
         rules[op] = (group, every, frozenset(occurrences), dropout)
     return rules
 

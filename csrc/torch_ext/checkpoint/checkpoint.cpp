@@ -262,6 +262,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       devices.push_back(t.device());
     }
     s.state = ReplayState::capture(devices, s.options.preserve_rng_state);
+    s.selective.rng_replayed = s.options.preserve_rng_state;
 
     TensorList outputs;
     {

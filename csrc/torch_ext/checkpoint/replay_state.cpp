@@ -9,16 +9,29 @@
 #include <ATen/core/Generator.h>
 
 namespace torch_ext::checkpoint {
-namespace {
-
-bool same_engine(const at::mt19937& a, const at::mt19937& b) {
-  const auto x = a.data();
-  const auto y = b.data();
-  return x.seed_ == y.seed_ && x.left_ == y.left_ && x.seeded_ == y.seeded_ && x.next_ == y.next_ &&
-         x.state_ == y.state_;
+CpuRng CpuRng::now() {
+  auto generator = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  auto* cpu = generator.get<at::CPUGeneratorImpl>();
+  return {cpu->engine(), cpu->next_float_normal_sample(), cpu->next_double_normal_sample()};
 }
 
-}  // namespace
+void CpuRng::apply() const {
+  auto generator = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  auto* cpu = generator.get<at::CPUGeneratorImpl>();
+  cpu->set_engine(engine);
+  cpu->set_next_float_normal_sample(next_float_normal);
+  cpu->set_next_double_normal_sample(next_double_normal);
+}
+
+bool CpuRng::operator==(const CpuRng& other) const {
+  const auto x = engine.data();
+  const auto y = other.engine.data();
+  return x.seed_ == y.seed_ && x.left_ == y.left_ && x.seeded_ == y.seeded_ && x.next_ == y.next_ &&
+         x.state_ == y.state_ && next_float_normal == other.next_float_normal &&
+         next_double_normal == other.next_double_normal;
+}
 
 ReplayState ReplayState::capture(const std::vector<c10::Device>& devices, bool with_rng) {
   ReplayState s;
@@ -31,16 +44,13 @@ ReplayState ReplayState::capture(const std::vector<c10::Device>& devices, bool w
   }
   if (with_rng) {
     for (const auto& device : all) {
-      auto generator = at::globalContext().defaultGenerator(device);
-      std::lock_guard<std::mutex> lock(generator.mutex());
       DeviceRng rng;
       rng.device = device;
       if (device.is_cpu()) {
-        auto* cpu = generator.get<at::CPUGeneratorImpl>();
-        rng.cpu_engine = cpu->engine();
-        rng.cpu_next_float_normal = cpu->next_float_normal_sample();
-        rng.cpu_next_double_normal = cpu->next_double_normal_sample();
+        rng.cpu = CpuRng::now();
       } else {
+        auto generator = at::globalContext().defaultGenerator(device);
+        std::lock_guard<std::mutex> lock(generator.mutex());
         rng.state = generator.get_state();
       }
       s.rng_.push_back(std::move(rng));
@@ -57,28 +67,19 @@ ReplayState ReplayState::capture(const std::vector<c10::Device>& devices, bool w
 
 void ReplayState::forget_rng_if_untouched() {
   for (const auto& s : rng_) {
-    if (!s.cpu_engine) return;  // another device: its generator cannot be compared cheaply
-    auto generator = at::globalContext().defaultGenerator(s.device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    auto* cpu = generator.get<at::CPUGeneratorImpl>();
-    if (!same_engine(cpu->engine(), *s.cpu_engine) || cpu->next_float_normal_sample() != s.cpu_next_float_normal ||
-        cpu->next_double_normal_sample() != s.cpu_next_double_normal) {
-      return;
-    }
+    if (!s.cpu) return;  // another device: its generator cannot be compared cheaply
+    if (!(CpuRng::now() == *s.cpu)) return;
   }
   rng_.clear();
 }
 
 void ReplayState::apply() const {
   for (const auto& s : rng_) {
-    auto generator = at::globalContext().defaultGenerator(s.device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    if (s.cpu_engine) {
-      auto* cpu = generator.get<at::CPUGeneratorImpl>();
-      cpu->set_engine(*s.cpu_engine);
-      cpu->set_next_float_normal_sample(s.cpu_next_float_normal);
-      cpu->set_next_double_normal_sample(s.cpu_next_double_normal);
+    if (s.cpu) {
+      s.cpu->apply();
     } else {
+      auto generator = at::globalContext().defaultGenerator(s.device);
+      std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_state(s.state);
     }
   }

@@ -15,6 +15,17 @@
 
 namespace torch_ext::checkpoint {
 
+// The default CPU generator's state, copied as its Mersenne Twister engine and its cached normal
+// samples (no tensor to allocate and parse). Takes the generator's mutex.
+struct CpuRng {
+  at::mt19937 engine;
+  std::optional<float> next_float_normal;
+  std::optional<double> next_double_normal;
+  static CpuRng now();
+  void apply() const;
+  bool operator==(const CpuRng& other) const;
+};
+
 class ReplayState {
  public:
   ReplayState() = default;
@@ -32,10 +43,8 @@ class ReplayState {
  private:
   struct DeviceRng {
     c10::Device device{c10::kCPU};
-    at::Tensor state;                      // devices other than the CPU
-    std::optional<at::mt19937> cpu_engine;  // the CPU
-    std::optional<float> cpu_next_float_normal;
-    std::optional<double> cpu_next_double_normal;
+    at::Tensor state;          // devices other than the CPU
+    std::optional<CpuRng> cpu;  // the CPU
   };
   struct Autocast {
     c10::DeviceType device_type;

@@ -7,6 +7,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/library.h>
@@ -30,6 +31,7 @@ class SavePolicy {
     c10::OperatorHandle op;
     size_t group;
     std::optional<size_t> dropout_argument;  // the op's dropout_p, if it has one
+    bool random = false;                     // a random in-place op (bernoulli_): its mask is kept
   };
   std::vector<Group> groups;
   std::vector<Rule> rules;
@@ -53,6 +55,24 @@ void selective_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, tor
     return;
   }
   active_scope->handle(op, below, stack);
+}
+
+// The kernel of a savable random in-place op, in place of its ADInplaceOrView kernel: it does what
+// that kernel does (runs the op below it, then bumps self's version) around the scope's work.
+void random_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const at::Tensor self = (*stack)[stack->size() - op.schema().arguments().size()].toTensor();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    selective_kernel(op, ks, stack);
+  }
+  self.unsafeGetTensorImpl()->bump_version();
+}
+
+// bernoulli_ overwrites every element of self with a draw, so its result is a mask that can be
+// kept compactly and copied back; other in-place random ops are not savable.
+bool savable_random(const c10::OperatorHandle& op) {
+  const auto& name = op.operator_name();
+  return name.name == "aten::bernoulli_" && (name.overload_name == "float" || name.overload_name == "Tensor");
 }
 
 std::string qualified(const c10::OperatorName& name) {
@@ -80,12 +100,24 @@ bool aliases_input(const c10::OperatorHandle& op) {
   return op.hasKernelForDispatchKey(c10::DispatchKey::ADInplaceOrView) && !has_selective_kernel(op);
 }
 
+// Drops the warning the dispatcher gives when random_kernel replaces an op's ADInplaceOrView kernel
+// (it does that kernel's work itself).
+struct QuietOverride : c10::WarningHandler {
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find("Overriding a previously registered kernel") == std::string::npos) {
+      previous->process(warning);
+    }
+  }
+  c10::WarningHandler* previous = c10::WarningUtils::get_warning_handler();
+};
+
 void ensure_registered(const c10::OperatorHandle& op, const std::string& item) {
   const c10::OperatorName& name = op.operator_name();
   const std::string what = "checkpoint: save: " + item + " names " + qualified(name);
+  const bool random = savable_random(op);
   TORCH_CHECK_VALUE(!op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd), what,
                     ", which decomposes before autograd (CompositeImplicitAutograd): name the ops it runs instead");
-  TORCH_CHECK_VALUE(!aliases_input(op), what,
+  TORCH_CHECK_VALUE(random || !aliases_input(op), what,
                     ", a view or in-place op: its output aliases an input, so saving it would keep that input");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -94,7 +126,13 @@ void ensure_registered(const c10::OperatorHandle& op, const std::string& item) {
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, name.name.substr(0, separator),
                                                   c10::DispatchKey::ADInplaceOrView, __FILE__, __LINE__);
   const std::string local = name.name.substr(separator + 2) + (name.overload_name.empty() ? "" : "." + name.overload_name);
-  library->impl(local.c_str(), torch::CppFunction::makeFromBoxedFunction<&selective_kernel>());
+  if (random) {
+    QuietOverride quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    library->impl(local.c_str(), torch::CppFunction::makeFromBoxedFunction<&random_kernel>());
+  } else {
+    library->impl(local.c_str(), torch::CppFunction::makeFromBoxedFunction<&selective_kernel>());
+  }
   r.libraries.push_back(std::move(library));
 }
 
@@ -141,9 +179,9 @@ std::vector<c10::OperatorHandle> ops_named(const std::string& spelled) {
   for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
     if (name.name != full) continue;
     auto op = c10::Dispatcher::singleton().findOp(name);
-    if (!op || !op->hasSchema() || is_out_variant(op->schema())) continue;
-    const bool savable =
-        !aliases_input(*op) && !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+    if (!op || !op->hasSchema() || (is_out_variant(op->schema()) && !savable_random(*op))) continue;
+    const bool savable = (savable_random(*op) || !aliases_input(*op)) &&
+                         !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
     (savable ? found : unsavable).push_back(*op);
   }
   return found.empty() ? unsavable : found;
@@ -160,6 +198,7 @@ std::vector<std::string> family(const std::string& name) {
             "aten::_flash_attention_forward.default",
             "aten::_efficient_attention_forward.default"};
   }
+  if (name == "dropout") return {"aten::bernoulli_.float", "aten::bernoulli_.Tensor"};
   return {};
 }
 
@@ -196,7 +235,7 @@ void add_item(SavePolicy& policy, const std::string& item) {
   }
   if (members.empty()) ops = ops_named(std::string(spelled));
   TORCH_CHECK_VALUE(!ops.empty(), "checkpoint: save: '", item, "' names no operator; expected 'matmul', 'attention', "
-                    "'torchtitan' or an op such as 'aten::mm' or 'aten.mul.Tensor', optionally with '/N' (every N-th "
+                    "'dropout', 'torchtitan' or an op such as 'aten::mm' or 'aten.mul.Tensor', optionally with '/N' (every N-th "
                     "occurrence) or '#i,j' (those occurrences, from 0)");
   const size_t index = policy.groups.size();
   policy.groups.push_back(std::move(group));
@@ -208,10 +247,13 @@ void add_item(SavePolicy& policy, const std::string& item) {
     for (size_t i = 0; i < arguments.size(); ++i) {
       if (arguments[i].name() == "dropout_p") dropout = i;
     }
-    TORCH_CHECK_VALUE(dropout || !op.hasTag(at::Tag::nondeterministic_seeded), "checkpoint: save: ", item, " names ",
-                      qualified(op.operator_name()), ", a random op: its replay must draw the forward's numbers again");
+    const bool random = savable_random(op);
+    TORCH_CHECK_VALUE(dropout || random || !op.hasTag(at::Tag::nondeterministic_seeded), "checkpoint: save: ", item,
+                      " names ", qualified(op.operator_name()),
+                      ", a random op: its replay must draw the forward's numbers again (of the random ops only "
+                      "bernoulli_, 'dropout', can be saved)");
     ensure_registered(op, item);
-    policy.rules.push_back({op, index, dropout});
+    policy.rules.push_back({op, index, dropout, random});
   }
 }
 
@@ -270,10 +312,12 @@ void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet b
   }
   const int64_t occurrence = counts_[rule->group]++;
   const size_t n_arguments = op.schema().arguments().size();
+  const c10::IValue* arguments = stack->data() + (stack->size() - n_arguments);
   if (mode_ == Mode::kProbe) {
+    // What a save keeps: a random op's mask as bool, an op's output storages.
+    int64_t bytes = rule->random ? arguments[0].toTensor().numel() : 0;
     op.redispatchBoxed(below, stack);
-    int64_t bytes = 0;
-    for (size_t i = stack->size() - op.schema().returns().size(); i < stack->size(); ++i) {
+    for (size_t i = stack->size() - op.schema().returns().size(); !rule->random && i < stack->size(); ++i) {
       if ((*stack)[i].isTensor() && (*stack)[i].toTensor().defined()) {
         bytes += static_cast<int64_t>((*stack)[i].toTensor().storage().nbytes());
       }
@@ -283,11 +327,21 @@ void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet b
   }
   bool save = policy_->groups[rule->group].saves(occurrence);
   if (save && rule->dropout_argument) {
-    const c10::IValue& p = (*stack)[stack->size() - n_arguments + *rule->dropout_argument];
+    const c10::IValue& p = arguments[*rule->dropout_argument];
     save = p.isDouble() && p.toDouble() == 0.0;
+  }
+  if (save && rule->random) {  // the default CPU generator's draw, replayed from the forward's state
+    save = saved_->rng_replayed && arguments[0].toTensor().is_cpu() && arguments[n_arguments - 1].isNone();
   }
   if (!save) {
     op.redispatchBoxed(below, stack);
+    return;
+  }
+  if (rule->random) {
+    if (mode_ == Mode::kServe && serve_random(op, occurrence, *stack)) return;
+    const at::Tensor self = arguments[0].toTensor();
+    op.redispatchBoxed(below, stack);
+    if (mode_ == Mode::kRecord) record_random(op, self);
     return;
   }
   if (mode_ == Mode::kServe && serve(op, occurrence, *stack)) {
@@ -300,7 +354,7 @@ void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet b
 }
 
 void SelectiveScope::record(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
-  SavedOutputs::Entry entry{&op.schema(), {}, {}};
+  SavedOutputs::Entry entry{&op.schema(), {}, {}, false, std::nullopt};
   const size_t n_returns = op.schema().returns().size();
   for (size_t i = stack.size() - n_returns; i < stack.size(); ++i) {
     const c10::IValue& value = stack[i];
@@ -319,7 +373,28 @@ void SelectiveScope::record(const c10::OperatorHandle& op, const torch::jit::Sta
   saved_->entries.push_back(std::move(entry));
 }
 
-bool SelectiveScope::serve(const c10::OperatorHandle& op, int64_t occurrence, torch::jit::Stack& stack) {
+void SelectiveScope::record_random(const c10::OperatorHandle& op, const at::Tensor& self) {
+  at::Tensor mask = self.to(at::kBool);
+  const uint32_t version = mask._version();
+  saved_->entries.push_back({&op.schema(), {c10::IValue(std::move(mask))}, {version}, false, CpuRng::now()});
+}
+
+bool SelectiveScope::serve_random(const c10::OperatorHandle& op, int64_t occurrence, torch::jit::Stack& stack) {
+  SavedOutputs::Entry& entry = next_entry(op, occurrence);
+  at::Tensor self = stack[stack.size() - op.schema().arguments().size()].toTensor();
+  if (entry.served || !entry.rng_after || entry.outputs[0].toTensor().sizes() != self.sizes()) {
+    return false;  // drawn again: the generator is where the forward's was before this draw
+  }
+  self.copy_(entry.outputs[0].toTensor());
+  entry.rng_after->apply();
+  entry.served = true;
+  entry.outputs.clear();
+  torch::jit::drop(stack, op.schema().arguments().size());
+  stack.emplace_back(std::move(self));
+  return true;
+}
+
+SavedOutputs::Entry& SelectiveScope::next_entry(const c10::OperatorHandle& op, int64_t occurrence) {
   if (cursor_ >= saved_->entries.size() || saved_->entries[cursor_].op != &op.schema()) {
     throw CheckpointError("checkpoint: the replay of " + segment_ + " departs from its forward at " +
                           qualified(op.operator_name()) + " (occurrence " + std::to_string(occurrence) +
@@ -327,7 +402,11 @@ bool SelectiveScope::serve(const c10::OperatorHandle& op, int64_t occurrence, to
                           (cursor_ < saved_->entries.size() ? "another op there" : "no more outputs") +
                           "; a segment must run the same ops on each call");
   }
-  SavedOutputs::Entry& entry = saved_->entries[cursor_++];
+  return saved_->entries[cursor_++];
+}
+
+bool SelectiveScope::serve(const c10::OperatorHandle& op, int64_t occurrence, torch::jit::Stack& stack) {
+  SavedOutputs::Entry& entry = next_entry(op, occurrence);
   bool servable = !entry.served;  // a second replay (a retained graph) runs the op again
   for (size_t i = 0; servable && i < entry.outputs.size(); ++i) {
     const c10::IValue& value = entry.outputs[i];

@@ -17,11 +17,17 @@
 //   "aten::mul.Tensor", "aten.mul.Tensor", "mul.Tensor", "aten::mul"  one op, or every overload
 //   ITEM/N        every N-th occurrence of ITEM's ops in a call (the N-th, 2N-th, ...)
 //   ITEM#i,j      only occurrences i, j (0-based) in a call
+//   "dropout"     aten::bernoulli_ (float and Tensor p): the draw of the CPU's dropout mask
 //   "torchtitan"  the preset torchtitan uses: "attention" and "matmul/2"
-// An op called with dropout_p > 0 is never saved (its replay must draw the forward's random numbers
-// again, in order); random ops, views, in-place ops and ops that decompose before autograd cannot be
-// named. An output changed in place after the forward saved it is recomputed instead of served, and
-// so is every saved op in a second replay (a retained graph): the first replay takes the outputs.
+// A saved bernoulli_ (on the CPU, default generator) keeps its mask as bool, one byte an element,
+// and the CPU generator's state after the draw; the replay copies the mask in and moves the
+// generator to that state, so the random ops after it draw the forward's numbers. That needs a
+// replay that restores the forward's RNG state (preserve_rng_state, the default): without it the
+// mask is drawn again. An op called with dropout_p > 0 is never saved (its replay must draw the
+// forward's random numbers again, in order); other random ops, views, other in-place ops and ops
+// that decompose before autograd cannot be named. An output changed in place after the forward
+// saved it is recomputed instead of served, and so is every saved op in a second replay (a
+// retained graph): the first replay takes the outputs.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -34,6 +40,7 @@
 #include <ATen/core/stack.h>
 #include <c10/core/DispatchKeySet.h>
 
+#include "torch_ext/checkpoint/replay_state.h"
 #include "torch_ext/fields.h"
 
 namespace c10 {
@@ -78,7 +85,11 @@ class SavedOutputs {
     std::vector<c10::IValue> outputs;
     std::vector<uint32_t> versions;  // of each tensor output when saved
     bool served = false;             // handed to a replay (outputs then empty)
+    std::optional<CpuRng> rng_after;  // a random op's: the generator's state after its draw
   };
+  // Set by the caller before the forward: the replay restores the forward's RNG state, so a random
+  // op's draw may be kept (without it the replay draws anew and must not be handed old numbers).
+  bool rng_replayed = false;
   // A Python dispatch mode changes which ops some kernels call (torch's math attention adds its mask
   // in place unless a mode or a subclass is about); a replay under another setting than its forward
   // serves nothing.
@@ -109,6 +120,11 @@ class SelectiveScope {
   // Replaces the arguments on the stack by the forward's outputs; false when they cannot be served
   // (the op must run).
   bool serve(const c10::OperatorHandle& op, int64_t occurrence, torch::jit::Stack& stack);
+  // The same for a random in-place op (its mask copied into `self`, the generator moved on).
+  void record_random(const c10::OperatorHandle& op, const at::Tensor& self);
+  bool serve_random(const c10::OperatorHandle& op, int64_t occurrence, torch::jit::Stack& stack);
+  // The forward's entry for this call of `op`; raises CheckpointError when the replay departs.
+  SavedOutputs::Entry& next_entry(const c10::OperatorHandle& op, int64_t occurrence);
 
   const SavePolicy* policy_;
   SavedOutputs* saved_;
