@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import torch_ext
+from torch_ext import memory
 from torch_ext.checkpointing import hf
 from test_checkpoint_selective import OpCounter, assert_same, qwen2  # noqa: E402
 
@@ -243,6 +244,32 @@ def test_compiled_the_same_decisions_reach_torch_compile():
         grads.append([x.grad] + [p.grad for p in block.parameters()])
     torch._dynamo.reset()
     assert_same(*grads)
+
+
+def kept_by_compiled(save):
+    """Bytes a compiled forward of a checkpointed MLP keeps for backward (its second step)."""
+    torch.manual_seed(0)
+    block = torch_ext.checkpoint(MLP(64), save=save)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    step = torch.compile(block, fullgraph=True, backend="aot_eager")
+    for _ in range(2):  # the first compiles
+        start = memory.stats().current_bytes
+        out = step(x)
+        kept = memory.stats().current_bytes - start
+        out.sum().backward()
+    return kept
+
+
+def test_compiled_policies_on_the_same_code_do_not_share_a_graph():
+    # Dynamo takes a plain function passed as context_fn without a guard: a second model with
+    # another policy would run the first one's graph and keep what that policy keeps.
+    torch._dynamo.reset()
+    alone = kept_by_compiled("aten::addmm#0")
+    torch._dynamo.reset()
+    everything = kept_by_compiled("matmul")
+    after = kept_by_compiled("aten::addmm#0")
+    torch._dynamo.reset()
+    assert everything > alone and after == alone
 
 
 def test_a_hugging_face_model_with_the_torchtitan_preset_matches_torchs_policy():

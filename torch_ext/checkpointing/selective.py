@@ -50,27 +50,29 @@ def _rules(items: tuple) -> dict:
 
 def compiled_context_fn(items: tuple) -> Callable:
     """A context_fn for torch.utils.checkpoint under torch.compile that saves what `save=items`
-    saves in eager: the same groups, periods, occurrences and dropout rule."""
+    saves in eager: the same groups, periods, occurrences and dropout rule. A functools.partial:
+    dynamo guards on a partial's arguments, while a plain function passed as context_fn is taken
+    without a guard, so two policies on the same code would share one compiled graph."""
+    return functools.partial(_compiled_contexts, tuple(items))
+
+
+def _compiled_contexts(items: tuple) -> tuple:
     rules = _rules(items)
     groups = 1 + max((rule[0] for rule in rules.values()), default=0)
+    counts = {False: [0] * groups, True: [0] * groups}
 
-    def context_fn():
-        counts = {False: [0] * groups, True: [0] * groups}
+    def policy(ctx, op, *args, **kwargs):
+        rule = rules.get(op)
+        if rule is None:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        group, every, occurrences, dropout = rule
+        seen = counts[ctx.is_recompute]
+        occurrence = seen[group]
+        seen[group] += 1
+        saved = occurrence in occurrences if occurrences else (occurrence + 1) % every == 0
+        if saved and dropout is not None:
+            p = kwargs.get("dropout_p", args[dropout] if dropout < len(args) else 0.0)
+            saved = p == 0.0
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
-        def policy(ctx, op, *args, **kwargs):
-            rule = rules.get(op)
-            if rule is None:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-            group, every, occurrences, dropout = rule
-            seen = counts[ctx.is_recompute]
-            occurrence = seen[group]
-            seen[group] += 1
-            saved = occurrence in occurrences if occurrences else (occurrence + 1) % every == 0
-            if saved and dropout is not None:
-                p = kwargs.get("dropout_p", args[dropout] if dropout < len(args) else 0.0)
-                saved = p == 0.0
-            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy)
-
-    return context_fn
+    return create_selective_checkpoint_contexts(policy)
