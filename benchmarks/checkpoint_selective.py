@@ -14,7 +14,9 @@ use_cache), eager, CPU:
       (hf.checkpoint_layers(model, budget_bytes=..., inputs=batch, ops=True); eager only: a
       compiled step keeps the plan's saved bytes but its backward graph returns the weight
       gradients together, docs/checkpoint.md); the plans save through (g)'s mechanism
-  compiled (torch.compile(model), inductor): (a), (c), (e) and (g)
+  compiled (torch.compile(model), inductor): (a), (c), (e), (g) and the (f) plans
+  (h) torch.compile of the unwrapped model with torch._functorch.config.activation_memory_budget
+      at 0.25, 0.5 and 0.75 (Inductor's partitioner chooses what to recompute)
 
 Step: model(**batch).loss.backward(), gradients preallocated; compiled rows run with
 torch._inductor.config.fallback_random, so their dropout draws eager's masks, and are compiled by
@@ -22,13 +24,16 @@ their first step (not timed). Step peak: the highest live memory
 above the step's start (torch_ext.memory). Grad diff: max |g - g_(a)| / max |g_(a)| after one step
 from the same seed. Step time: rounds of every variant (harness.measure_interleaved), then (e)
 against (c) in rounds of their own, alternating which runs first, judged by a 95% sign-test
-interval on the per-round difference, and (g) against (c) the same way. A plot of step peak against step time, one point per
-variant: docs/checkpoint_selective.png.
+interval on the per-round difference, and (g) against (c) the same way. Each plan is compared with
+the fastest anchor ((a), (b), (c); compiled: (a), (c), (h)) whose step peak is not above the
+plan's, eager with eager and compiled with compiled. A plot of step peak against step time, one
+point per variant: docs/checkpoint_selective.png.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import textwrap
 import time
 from pathlib import Path
 
@@ -45,6 +50,9 @@ NONE, HF, TORCH_SAC, OURS, OURS_SAC, NATIVE = (
     "(d) torch_ext per layer", "(e) torch_ext + the same policy", "(g) torch_ext native policy (save='torchtitan')")
 COMPILED = (NONE, TORCH_SAC, OURS_SAC, NATIVE)
 PLANNED = {fraction: f"(f) torch_ext op-level plan, {fraction:.0%} budget" for fraction in (0.25, 0.5, 0.75)}
+BUDGETED = {fraction: f"(h) torch.compile, activation_memory_budget={fraction}" for fraction in PLANNED}
+ANCHORS = (NONE, HF, TORCH_SAC)
+COMPILED_ANCHORS = (f"{NONE}, compiled", f"{TORCH_SAC}, compiled", *BUDGETED.values())
 PLOT = Path(__file__).resolve().parent.parent / "docs" / "checkpoint_selective.png"
 
 _MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
@@ -97,11 +105,39 @@ def planned(base: torch.nn.Module, batch: dict, device, built: dict) -> tuple[di
     return budgets, plans, recorded
 
 
-def compiled_steps(built: dict, batch: dict) -> dict:
+def budget_backend(fraction: float):
+    """Inductor with the partitioner's activation_memory_budget set while it compiles (a backend of
+    its own, so dynamo compiles each budget separately instead of reusing another row's graph)."""
+    def backend(graph, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            return compile_fx(graph, example_inputs)
+    return backend
+
+
+def inductor_dropout_step(compiled, batch: dict) -> None:
+    """A step with Inductor's own dropout (torch's default; its backward compiles in the first
+    step): with fallback_random, as the other compiled rows run, the budgeted partitioner recomputes
+    dropout with new numbers (GPT-2's gradients then differ from (a)'s by 0.7 of their largest)."""
+    with torch._inductor.config.patch(fallback_random=False):
+        compiled(**batch).loss.backward()
+
+
+def compiled_steps(base: torch.nn.Module, built: dict, batch: dict) -> dict:
     """The compiled rows: name -> (model, step)."""
-    return {f"{name}, compiled": (built[name], functools.partial(lambda c: c(**batch).loss.backward(),
-                                                                 torch.compile(built[name])))
-            for name in COMPILED}
+    def step(compiled):
+        return functools.partial(lambda c: c(**batch).loss.backward(), compiled)
+
+    rows = {f"{name}, compiled": (built[name], step(torch.compile(built[name])))
+            for name in (*COMPILED, *PLANNED.values()) if name in built}
+    for fraction, name in BUDGETED.items():
+        model = copy.deepcopy(base)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        compiled = torch.compile(model, backend=budget_backend(fraction))
+        rows[name] = (model, functools.partial(inductor_dropout_step, compiled, batch))
+    return rows
 
 
 def run_model(label: str, build, quick: bool, device, report: harness.Report, checks: list, points: dict) -> None:
@@ -115,7 +151,7 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
             p.grad = torch.zeros_like(p)
     rows = {name: (model, functools.partial(lambda m: m(**batch).loss.backward(), model))
             for name, model in built.items()}
-    rows.update(compiled_steps(built, batch))
+    rows.update(compiled_steps(base, built, batch))
     steps, grad_diffs, peaks, reference = {}, {}, {}, None
     for name, (model, step) in rows.items():
         steps[name] = step
@@ -157,6 +193,7 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
                        f"{harness.format_bytes(budget)} (predicted {harness.format_bytes(plans[name].predicted_peak_bytes)}"
                        f", {sum(map(len, plans[name].saved))} of {sum(map(len, plans[name].ops))} ops saved); "
                        f"step {timings[name].median_seconds / base_time:.2f}x (a)'s", peak <= budget))
+    checks += anchor_checks(label, timings, peaks)
     half = PLANNED[0.5]
     if half in timings:
         ratio = timings[half].median_seconds / base_time
@@ -166,6 +203,26 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
         compiled = f"{ours}, compiled"
         checks.append((f"{label}, compiled: ({letter}) at (c)'s step peak memory ({harness.format_bytes(peaks[compiled])} "
                        f"vs {harness.format_bytes(peaks[compiled_c])})", peaks[compiled] <= peaks[compiled_c] * 1.02))
+
+
+def anchor_checks(label: str, timings: dict, peaks: dict) -> list:
+    """Each plan (eager, compiled) against the fastest anchor of its kind whose peak is not above its own."""
+    checks = []
+    for plan in PLANNED.values():
+        for name, anchors in ((plan, ANCHORS), (f"{plan}, compiled", COMPILED_ANCHORS)):
+            if name not in timings:
+                continue
+            fits = [a for a in anchors if peaks[a] <= peaks[name]]
+            if not fits:
+                checks.append((f"{label}: {name}: no anchor peaks at or below its {harness.format_bytes(peaks[name])}",
+                               True))
+                continue
+            fastest = min(fits, key=lambda a: timings[a].median_seconds)
+            ours, theirs = timings[name].median_seconds, timings[fastest].median_seconds
+            checks.append((f"{label}: {name} ({harness.format_bytes(peaks[name])}, {harness.format_seconds(ours)}) "
+                           f"no slower than the fastest anchor at or below its peak, {fastest} "
+                           f"({harness.format_bytes(peaks[fastest])}, {harness.format_seconds(theirs)})", ours <= theirs))
+    return checks
 
 
 def scaling_check() -> tuple[str, bool]:
@@ -193,17 +250,24 @@ def plot(points: dict) -> None:
     fig, axes = plt.subplots(1, len(points), figsize=(6 * len(points), 4.5), squeeze=False)
     for ax, (label, by_variant) in zip(axes[0], points.items()):
         for name, (time_ratio, peak_ratio) in by_variant.items():
-            compiled = name.endswith("compiled")
+            variant = name.removesuffix(", compiled")
+            compiled = variant != name or variant in BUDGETED.values()
             ax.scatter(time_ratio, peak_ratio, s=40, marker="s" if compiled else "o")
-            short = name.split(")")[0] + ")" + (" " + name.split(", ")[-1].split()[0] if name in PLANNED.values() else "")
-            ax.annotate(short + (" compiled" if compiled else ""), (time_ratio, peak_ratio),
+            short = variant.split(")")[0] + ")"
+            if variant in PLANNED.values():
+                short += " " + variant.split(", ")[-1].split()[0]
+            elif variant in BUDGETED.values():
+                short += " " + variant.split("=")[-1]
+            ax.annotate(short + (" compiled" if variant != name else ""), (time_ratio, peak_ratio),
                         textcoords="offset points", xytext=(5, 4), fontsize=8)
         ax.set_title(label)
         ax.set_xlabel("step time / (a) eager")
         ax.set_ylabel("step peak memory / (a) eager")
         ax.grid(alpha=0.3)
-    fig.suptitle("Selective checkpointing, CPU (squares: compiled): " + "; ".join(
-        name for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC, NATIVE, "(f) torch_ext op-level plans")), fontsize=7)
+    legend = "; ".join((NONE, HF, TORCH_SAC, OURS, OURS_SAC, NATIVE, "(f) torch_ext op-level plans",
+                        "(h) torch.compile, activation_memory_budget"))
+    fig.suptitle("\n".join(textwrap.wrap("Selective checkpointing, CPU (squares: compiled): " + legend, 150)),
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(PLOT, dpi=110)
     plt.close(fig)
@@ -226,7 +290,9 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     report.notes.append("")
     report.notes.append(f"transformers {transformers.__version__}; {torch.get_num_threads()} torch thread(s). "
                         f"Policy of (c) and (e): torchtitan's (attention saved, every second matmul of a layer's "
-                        f"forward saved); (g) the same choice through save='torchtitan'. Plot: docs/{PLOT.name}.")
+                        f"forward saved); (g) the same choice through save='torchtitan'. (h) draws dropout with "
+                        f"Inductor's generator, so its gradients differ from (a)'s where the model has dropout. "
+                        f"Plot: docs/{PLOT.name}.")
     checks.append(scaling_check())
     report.add_checks(checks)
     report.write()
