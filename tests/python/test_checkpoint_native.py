@@ -304,19 +304,25 @@ def test_a_hugging_face_model_with_the_torchtitan_preset_matches_torchs_policy()
     assert counts["_scaled_dot_product_flash_attention_for_cpu"] == 0
 
 
-def test_a_second_backward_through_a_retained_graph_recomputes_what_the_first_replay_took():
+@pytest.mark.parametrize("block_type, save, op, runs", [
+    ("MLP", "matmul", "addmm", 3),  # the forward's matmuls, served once, run again
+    ("DropoutMLP", "dropout", "bernoulli_", 2),  # the masks, served once, drawn again (the RNG replayed)
+])
+def test_a_second_backward_through_a_retained_graph_recomputes_what_the_first_replay_took(block_type, save, op, runs):
     torch.manual_seed(0)
-    block = MLP()
+    block = globals()[block_type]()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch.manual_seed(3)
     expected = torch.autograd.grad(block(x).sum(), x)[0]
-    torch_ext.checkpoint(block, save="matmul")
+    torch_ext.checkpoint(block, save=save)
+    torch.manual_seed(3)
     with OpCounter() as counter:
         loss = block(x).sum()
         first = torch.autograd.grad(loss, x, retain_graph=True)[0]
         counter.counts.clear()
         second = torch.autograd.grad(loss, x)[0]
     assert torch.equal(first, expected) and torch.equal(second, expected)
-    assert counter.counts["addmm"] == 3  # the forward's matmuls, served once, run again
+    assert counter.counts[op] == runs
 
 
 def test_a_layer_budget_with_save_is_refused_as_with_context_fn():
@@ -430,20 +436,3 @@ def test_scripted_code_keeps_dropout_masks_through_the_cpp_front_door():
     assert_same(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
     assert (results[0][2], results[1][2]) == (2, 0)
-
-
-def test_a_second_backward_through_a_retained_graph_draws_the_served_masks_again():
-    torch.manual_seed(0)
-    block = DropoutMLP()
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    torch.manual_seed(3)
-    expected = torch.autograd.grad(block(x).sum(), x)[0]
-    torch_ext.checkpoint(block, save="dropout")
-    torch.manual_seed(3)
-    with OpCounter() as counter:
-        loss = block(x).sum()
-        first = torch.autograd.grad(loss, x, retain_graph=True)[0]
-        counter.counts.clear()
-        second = torch.autograd.grad(loss, x)[0]
-    assert torch.equal(first, expected) and torch.equal(second, expected)
-    assert counter.counts["bernoulli_"] == 2
