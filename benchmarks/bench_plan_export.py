@@ -288,14 +288,13 @@ def bench_model(name: str, model: dict, requests: int, quick: bool, report: Repo
     """Runs (a)-(g) for one model: rows into report, targets into checks as (text, met)."""
     stream = stream_of(model, requests)
     results: dict = {}
-    e_label, f_label = E_LABEL, F_LABEL
-    labels = list(BASELINES) + [e_label, f_label]
+    labels = list(BASELINES) + [E_LABEL, F_LABEL]
     batcher_run: dict = {}
     for order in (labels, labels[::-1]):
         for label in order:
-            if label == f_label and not os.path.isdir(os.path.join(work, "saved")):
+            if label == F_LABEL and not os.path.isdir(os.path.join(work, "saved")):
                 continue  # (e) has not run yet: the folder exists once it has
-            out = run_variant(label, name, requests, quick, work, with_batcher=label == e_label and not batcher_run)
+            out = run_variant(label, name, requests, quick, work, with_batcher=label == E_LABEL and not batcher_run)
             if "batched" in out:
                 batcher_run = out
             r = results.setdefault(label, dict(startup=[], latencies=[], extra=[]))
@@ -305,15 +304,15 @@ def bench_model(name: str, model: dict, requests: int, quick: bool, report: Repo
     items = sum(n for n, _ in stream)
     throughput = {label: items * len(r["latencies"]) / len(stream) / sum(r["latencies"]) for label, r in results.items()}
     best_ad = max(throughput[label] for label in BASELINES)
-    stats_e = results[e_label]["extra"][0]  # the first pass's: its compiles are cold
+    stats_e = results[E_LABEL]["extra"][0]  # the first pass's: its compiles are cold
     for label, r in results.items():
         count, worst = spikes(r["latencies"], stream)
         extra = ""
-        if label == e_label:
+        if label == E_LABEL:
             shapes = [z["shapes"] for z in stats_e["sizes"]]
             extra = (f"{stats_e['plans']} plans ({shapes.count('static')} static, {shapes.count('dynamic')} dynamic), "
                      f"{stats_e['compiles']} compiles")
-        elif label == f_label:
+        elif label == F_LABEL:
             extra = f"{r['extra'][-1]['plans']} plans loaded, {max(x['compiles'] for x in r['extra'])} compiles"
         report.add_row({
             "model": name, "variant": label,
@@ -328,7 +327,7 @@ def bench_model(name: str, model: dict, requests: int, quick: bool, report: Repo
         }, model=name, variant=label, startup_seconds=r["startup"], throughput=throughput[label],
             p50_seconds=percentile(r["latencies"], 0.5), p99_seconds=percentile(r["latencies"], 0.99),
             max_seconds=max(r["latencies"]), spikes=count, worst_ratio=worst)
-    saved = results[f_label]["extra"]
+    saved = results[F_LABEL]["extra"]
     report.data.setdefault("restart", {})[name] = saved and [{k: v for k, v in s.items() if k != "latencies"}
                                                              for s in saved]
     notes = [f"\n{name}: (e) per bucket, the measured choice (static / dynamic mean latency over the bucket's "
@@ -336,7 +335,7 @@ def bench_model(name: str, model: dict, requests: int, quick: bool, report: Repo
                  f"{'x'.join(map(str, z['bucket']))} {z['shapes']} ({format_seconds(z['static_seconds'])} / "
                  f"{format_seconds(z['dynamic_seconds'])})" for z in stats_e["sizes"]) + "."]
     short = name.split(" (")[0]
-    for label in (e_label, f_label):
+    for label in (E_LABEL, F_LABEL):
         checks.append((f"{short}: {label[:3]} throughput at least the best of (a)-(d): {throughput[label]:,.0f} vs "
                        f"{best_ad:,.0f} items/s ({throughput[label] / best_ad:.2f}x)", throughput[label] >= best_ad))
     restart = max(s["startup_seconds"] for s in saved) if saved else float("nan")

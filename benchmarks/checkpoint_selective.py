@@ -11,9 +11,8 @@ use_cache), eager, CPU:
   (g) torch_ext's native policy, the same choice decided in C++:
       hf.gradient_checkpointing_enable(model, save="torchtitan")
   (f) torch_ext's op-level planner at 25%, 50% and 75% of (a)'s layer activation memory
-      (hf.checkpoint_layers(model, budget_bytes=..., inputs=batch, ops=True); eager only: a
-      compiled step keeps the plan's saved bytes but its backward graph returns the weight
-      gradients together, docs/checkpoint.md); the plans save through (g)'s mechanism
+      (hf.checkpoint_layers(model, budget_bytes=..., inputs=batch, ops=True)); the plans save
+      through (g)'s mechanism
   compiled (torch.compile(model), inductor): (a), (c), (e), (g) and the (f) plans
   (h) torch.compile of the unwrapped model with torch._functorch.config.activation_memory_budget
       at 0.25, 0.5 and 0.75 (Inductor's partitioner chooses what to recompute)

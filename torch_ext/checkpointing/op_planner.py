@@ -27,6 +27,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 from .. import _C
 from .api import _CheckpointedForward, checkpoint
 from .planner import _call, _detach_like, _evaluate, _measure_once, _tensor_leaves, _trainable_parameters
+from .selective import dropout_p
 
 
 @dataclass
@@ -230,11 +231,8 @@ def _draws(func, args: tuple, kwargs: dict) -> bool:
     """Whether the call draws random numbers: a random op, unless its dropout_p is 0 (attention)."""
     if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
         return False
-    names = [argument.name for argument in func._schema.arguments]
-    if "dropout_p" not in names:
-        return True
-    index = names.index("dropout_p")
-    return kwargs.get("dropout_p", args[index] if index < len(args) else 0.0) != 0.0
+    p = dropout_p(func, args, kwargs)
+    return p is None or p != 0.0
 
 
 def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool) -> list[list]:

@@ -31,20 +31,33 @@ def _overload(qualified: str):
     return getattr(packet, overload)
 
 
+@functools.lru_cache(maxsize=None)
+def _dropout_index(op) -> Optional[int]:
+    names = [argument.name for argument in op._schema.arguments]
+    return names.index("dropout_p") if "dropout_p" in names else None
+
+
+def dropout_p(op, args: tuple, kwargs: dict) -> Optional[float]:
+    """The call's dropout_p (its schema default 0 when not given), or None when op takes none."""
+    index = _dropout_index(op)
+    if index is None:
+        return None
+    return kwargs.get("dropout_p", args[index] if index < len(args) else 0.0)
+
+
 @functools.lru_cache(maxsize=64)
 def _rules(items: tuple) -> dict:
-    """op overload -> (group, every, occurrences, index of its dropout_p argument or None)."""
+    """op overload -> (group, every, occurrences, whether it takes a dropout_p)."""
     rules = {}
     for qualified, group, every, occurrences in _C.checkpoint.save_rules(list(items)):
         try:
             op = _overload(qualified)
         except AttributeError:  # not in this build
             continue
-        names = [argument.name for argument in op._schema.arguments]
-        dropout = names.index("dropout_p") if "dropout_p" in names else None
-        if dropout is None and torch.Tag.nondeterministic_seeded in op.tags:
+        takes_dropout = _dropout_index(op) is not None
+        if not takes_dropout and torch.Tag.nondeterministic_seeded in op.tags:
             continue  # a mask draw: compiled, it is regenerated from its seed (and saving it would keep the float mask)
-        rules[op] = (group, every, frozenset(occurrences), dropout)
+        rules[op] = (group, every, frozenset(occurrences), takes_dropout)
     return rules
 
 
@@ -65,14 +78,13 @@ def _compiled_contexts(items: tuple) -> tuple:
         rule = rules.get(op)
         if rule is None:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        group, every, occurrences, dropout = rule
+        group, every, occurrences, takes_dropout = rule
         seen = counts[ctx.is_recompute]
         occurrence = seen[group]
         seen[group] += 1
         saved = occurrence in occurrences if occurrences else (occurrence + 1) % every == 0
-        if saved and dropout is not None:
-            p = kwargs.get("dropout_p", args[dropout] if dropout < len(args) else 0.0)
-            saved = p == 0.0
+        if saved and takes_dropout:
+            saved = dropout_p(op, args, kwargs) == 0.0
         return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)

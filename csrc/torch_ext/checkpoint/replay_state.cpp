@@ -68,7 +68,7 @@ ReplayState ReplayState::capture(const std::vector<c10::Device>& devices, bool w
 void ReplayState::forget_rng_if_untouched() {
   for (const auto& s : rng_) {
     if (!s.cpu) return;  // another device: its generator cannot be compared cheaply
-    if (!(CpuRng::now() == *s.cpu)) return;
+    if (CpuRng::now() != *s.cpu) return;
   }
   rng_.clear();
 }
