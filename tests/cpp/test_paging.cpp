@@ -28,6 +28,7 @@
 
 #include "torch_ext/paging/layer_pager.h"
 #include "torch_ext/paging/source.h"
+#include "torch_ext/paging/streamed_blocks.h"
 #include "reliability_helpers.h"
 
 namespace pg = torch_ext::paging;
@@ -489,6 +490,34 @@ TEST(Paging, MatmulStreamsAConvertedWeightWithoutLoadingItAndEqualsTheWholeProdu
   expect_error([&] { pager->matmul("nope", x, std::nullopt, false); }, {"nope"});
   // A float32 input is not the served dtype: acquired, and at::linear raises torch's error.
   EXPECT_ANY_THROW(pager->matmul("w", at::randn({2, 96}), std::nullopt, false));
+}
+
+TEST(Paging, StreamedBlocksMadeByAHelperThreadGiveTheCallersProduct) {
+  // Stored bfloat16, served float32, in both layouts, 6 to 7 blocks of 512 KiB each. A product
+  // whose blocks the helper made, all or some, equals in every bit the one the caller made alone.
+  const at::Tensor x = at::randn({3, 64});
+  const at::Tensor bias = at::randn({13000});
+  for (const bool transposed : {false, true}) {
+    const at::Tensor stored = (transposed ? at::randn({64, 13000}) : at::randn({13000, 64})).to(at::kBFloat16);
+    const auto blocks_of = [&] {
+      return std::make_shared<pg::StreamedBlocks>(stored, x, std::optional<at::Tensor>(bias), transposed);
+    };
+    const auto alone = blocks_of();
+    const at::Tensor expected = alone->multiply();
+    EXPECT_EQ(alone->made_by_helper(), 0);
+    ASSERT_GE(alone->blocks(), 6);
+
+    const auto helped_first = blocks_of();  // the helper claims every block before the caller starts
+    std::thread([&] { helped_first->help(); }).join();
+    EXPECT_TRUE(at::equal(helped_first->multiply(), expected));
+    EXPECT_EQ(helped_first->made_by_helper(), helped_first->blocks());
+
+    const auto together = blocks_of();  // both at once: any split
+    std::thread helper([&] { together->help(); });
+    const at::Tensor both = together->multiply();
+    helper.join();
+    EXPECT_TRUE(at::equal(both, expected));
+  }
 }
 
 TEST(Paging, AConvertedLoadNeverReusesAViewsPages) {

@@ -1,4 +1,5 @@
 #include "torch_ext/paging/layer_pager.h"
+#include "torch_ext/paging/streamed_blocks.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -633,9 +634,18 @@ void LayerPager::prefetch_loop() {
     // has glibc 2.36), the likely cause of what the former 50 ms poll papered over;
     // pthread_cond_broadcast is not affected, and this condition has one waiter.
     prefetcher_idle_ = true;
-    prefetch_wake_.wait(lock, [&] { return stop_ || work_generation_ != handled; });
+    prefetch_wake_.wait(lock, [&] { return stop_ || work_generation_ != handled || helped_blocks_; });
     prefetcher_idle_ = false;
     if (stop_) return;
+    if (helped_blocks_) {  // a streamed product under way: help its caller make the blocks
+      std::shared_ptr<StreamedBlocks> blocks = std::move(helped_blocks_);
+      helped_blocks_.reset();
+      lock.unlock();
+      blocks->help();
+      blocks.reset();  // unlocked: the last reference frees the caller's tensors, which may be the pager's
+      lock.lock();
+      continue;
+    }
     handled = work_generation_;
     prefetch_ahead_locked(lock);
   }
@@ -753,6 +763,9 @@ void LayerPager::fork_child() {
     }
     e.waiters = 0;
   }
+  // A product another thread of the parent was making: its state may be mid-change, so forget it
+  // without destroying it.
+  new (&helped_blocks_) std::shared_ptr<StreamedBlocks>();
   if (prefetcher_.joinable()) {
     new (&prefetcher_) std::thread();  // the parent's thread: forget it, never join or detach it
     prefetcher_lost_ = true;

@@ -44,6 +44,8 @@ class IValue;
 
 namespace torch_ext::paging {
 
+class StreamedBlocks;
+
 // PagerOptions.budget_bytes: a byte count, or a share of the source's bytes ("30%") that the
 // pager resolves. Parsed from ints, floats and strings such as "1GB", "512MiB", "1.5 GiB", "30%".
 struct ByteBudget {
@@ -120,6 +122,7 @@ struct PagerStats {
   bool budget_below_largest_tensor = false;
   int64_t release_evictions = 0;
   int64_t streamed_matmuls = 0;
+  int64_t streamed_blocks_by_prefetcher = 0;
   int64_t unstreamed_shapes = 0;
 
   static constexpr auto fields() {
@@ -143,6 +146,8 @@ struct PagerStats {
               "evictions made when a caller released its tensors while the pager was over budget"),
         field("streamed_matmuls", &PagerStats::streamed_matmuls,
               "matmul() calls served block by block from the file, the weight never loaded whole"),
+        field("streamed_blocks_by_prefetcher", &PagerStats::streamed_blocks_by_prefetcher,
+              "blocks of those products that the prefetch thread made (converted and multiplied) beside the caller"),
         field("unstreamed_shapes", &PagerStats::unstreamed_shapes,
               "matmul() shapes whose blocked result differed from the whole weight's in some bit: served by "
               "acquire() instead"));
@@ -223,7 +228,8 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // resident, when the budget has no free room for it, is streamed: each block of output features
   // is converted from the mapped file into a buffer that stays in cache and multiplied there, so
   // the weight is never loaded or converted whole (the conversion writes and rereads the whole
-  // weight otherwise) and nothing is evicted for it. Streaming a shape is decided on its first
+  // weight otherwise) and nothing is evicted for it; the prefetch thread, which has nothing to
+  // load then, makes blocks too (streamed_blocks.h). Streaming a shape is decided on its first
   // call, which acquire()s the weight and compares the two products: a shape is streamed only if
   // they are equal in every bit (a BLAS may block a narrower product differently), otherwise it
   // keeps acquire()ing, as do calls where autograd needs the weight.
@@ -298,6 +304,9 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // load failed): counts it, and wakes the thread when it is idle and has work ahead.
   void work_changed_locked();
   void prefetch_loop();
+  // Lets the prefetch thread help convert `blocks` (a streamed product the caller is about to
+  // make), unless another product has it or there is no thread.
+  void offer_to_prefetcher(const std::shared_ptr<StreamedBlocks>& blocks);
   void prefetch_ahead_locked(std::unique_lock<std::mutex>& lock);
 
   // ForkParticipant (torch_ext/common/fork.h): pthread_atfork handlers.
@@ -325,6 +334,7 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   uint64_t cursor_generation_ = 0;
   uint64_t work_generation_ = 0;  // counts work_changed_locked() calls
   std::unordered_map<std::string, bool> exact_shapes_;  // matmul(): shape -> blocks equal the whole
+  std::shared_ptr<StreamedBlocks> helped_blocks_;  // offered to the prefetch thread, not yet taken
 
   bool recycle_ = false;  // CPU target, copies, and a source that reads into any buffer
   std::optional<c10::Stream> copy_stream_;

@@ -6,19 +6,16 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/addmm.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/Exception.h>
 
 #include "torch_ext/paging/layer_pager.h"
+#include "torch_ext/paging/streamed_blocks.h"
 
 namespace torch_ext::paging {
 namespace {
-
-// A block of converted weight stays in a core's L2 cache while it is multiplied.
-constexpr int64_t kBlockBytes = 512 << 10;
 
 at::Tensor whole_matmul(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         bool transposed) {
@@ -29,32 +26,16 @@ at::Tensor whole_matmul(const at::Tensor& input, const at::Tensor& weight, const
   return (bias ? at::addmm(*bias, flat, weight) : at::mm(flat, weight)).view(sizes);
 }
 
-// The product computed over blocks of output features, each converted from `stored` (the file's
-// dtype) into one reused buffer in `dtype`: the same addmm/mm calls at::linear makes, per block.
-at::Tensor blocked_matmul(const at::Tensor& input, const at::Tensor& stored, c10::ScalarType dtype,
-                          const std::optional<at::Tensor>& bias, bool transposed) {
-  const int64_t in = input.size(-1);
-  const int64_t out_features = stored.size(transposed ? 1 : 0);
-  const at::Tensor flat = input.reshape({-1, in});
-  at::Tensor out = at::empty({flat.size(0), out_features}, input.options());
-  const int64_t fit = kBlockBytes / (in * static_cast<int64_t>(c10::elementSize(dtype)));
-  const int64_t block = std::min(out_features, std::max<int64_t>(64, fit / 64 * 64));
-  const at::Tensor buffer = at::empty({block * in}, input.options());
-  for (int64_t start = 0; start < out_features; start += block) {
-    const int64_t n = std::min(block, out_features - start);
-    at::Tensor w = buffer.narrow(0, 0, n * in).view(transposed ? std::vector<int64_t>{in, n}
-                                                               : std::vector<int64_t>{n, in});
-    w.copy_(stored.narrow(transposed ? 1 : 0, start, n));
-    at::Tensor part = out.narrow(1, start, n);
-    const at::Tensor rhs = transposed ? w : w.t();
-    if (bias) {
-      at::addmm_out(part, bias->narrow(0, start, n), flat, rhs);
-    } else {
-      at::mm_out(part, flat, rhs);
-    }
-  }
+// The product computed over blocks of output features (streamed_blocks.h), shaped as the input.
+std::shared_ptr<StreamedBlocks> streamed_blocks(const at::Tensor& input, at::Tensor stored,
+                                                const std::optional<at::Tensor>& bias, bool transposed) {
+  return std::make_shared<StreamedBlocks>(std::move(stored), input.reshape({-1, input.size(-1)}), bias, transposed);
+}
+
+at::Tensor blocked_product(const at::Tensor& input, StreamedBlocks& blocks) {
+  const at::Tensor out = blocks.multiply();
   std::vector<int64_t> sizes = input.sizes().vec();
-  sizes.back() = out_features;
+  sizes.back() = out.size(1);
   return out.view(sizes);
 }
 
@@ -87,19 +68,25 @@ bool LayerPager::stream_matmul_locked(Entry& e, const at::Tensor& input) {
   return e.state == State::Absent && resident_bytes_ + e.nbytes > budget_ && input.scalar_type() == e.dtype;
 }
 
+void LayerPager::offer_to_prefetcher(const std::shared_ptr<StreamedBlocks>& blocks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // One product at a time: another thread's may be under way.
+  if (blocks->blocks() < 2 || !prefetcher_.joinable() || helped_blocks_) return;
+  helped_blocks_ = blocks;
+  prefetch_wake_.notify_all();
+}
+
 at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, const std::optional<at::Tensor>& bias,
                               bool transposed) {
   const bool for_autograd = at::GradMode::is_enabled() && (input.requires_grad() || (bias && bias->requires_grad()));
   bool stream = false;
   std::optional<bool> exact;  // unknown: the first call of this shape
   std::string shape;
-  c10::ScalarType dtype;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     check_usable_locked();
     Entry& e = entry_locked(id);
     const TensorInfo& info = source_->info(id);
-    dtype = e.dtype;
     if (!for_autograd && streams_locked(e) && input.dim() >= 2 && input.is_contiguous() &&
         input.size(-1) == info.shape[transposed ? 0 : 1]) {
       shape = shape_key(input, info.shape, bias, transposed);
@@ -110,17 +97,21 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
     }
   }
   if (stream && exact == true) {
-    at::Tensor out = blocked_matmul(input, source_->view(id), dtype, bias, transposed);
+    const auto blocks = streamed_blocks(input, source_->view(id), bias, transposed);
+    offer_to_prefetcher(blocks);
+    at::Tensor out = blocked_product(input, *blocks);
     source_->release_pages(id);
     std::lock_guard<std::mutex> lock(mutex_);
+    if (helped_blocks_ == blocks) helped_blocks_.reset();  // the thread did not take it
     ++stats_.streamed_matmuls;
+    stats_.streamed_blocks_by_prefetcher += blocks->made_by_helper();
     return out;
   }
   // The loaded weight, within the budget as any acquire(); the first call of a shape compares
   // the blocked product with it once.
   at::Tensor whole = whole_matmul(input, acquire(id), bias, transposed);
   if (stream && !exact) {
-    const bool equal = at::equal(blocked_matmul(input, source_->view(id), dtype, bias, transposed), whole);
+    const bool equal = at::equal(blocked_product(input, *streamed_blocks(input, source_->view(id), bias, transposed)), whole);
     source_->release_pages(id);
     std::lock_guard<std::mutex> lock(mutex_);
     if (exact_shapes_.emplace(shape, equal).second && !equal) ++stats_.unstreamed_shapes;

@@ -1,0 +1,101 @@
+#include "torch_ext/paging/streamed_blocks.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+
+namespace torch_ext::paging {
+namespace {
+
+// A block of converted weight stays in a core's L2 cache while it is multiplied.
+constexpr int64_t kBlockBytes = 512 << 10;
+
+}  // namespace
+
+StreamedBlocks::StreamedBlocks(at::Tensor stored, at::Tensor flat, std::optional<at::Tensor> bias, bool transposed)
+    : stored_(std::move(stored)), flat_(std::move(flat)), bias_(std::move(bias)), transposed_(transposed) {
+  in_ = stored_.size(transposed_ ? 0 : 1);
+  out_features_ = stored_.size(transposed_ ? 1 : 0);
+  const int64_t fit = kBlockBytes / (in_ * static_cast<int64_t>(flat_.element_size()));
+  block_ = std::min(out_features_, std::max<int64_t>(64, fit / 64 * 64));
+  blocks_ = block_ == 0 ? 0 : (out_features_ + block_ - 1) / block_;
+  out_ = at::empty({flat_.size(0), out_features_}, flat_.options());
+}
+
+// The same addmm/mm calls at::linear makes, for the block's output features.
+void StreamedBlocks::make(int64_t index, const at::Tensor& buffer) {
+  const int64_t start = index * block_, n = std::min(block_, out_features_ - start);
+  at::Tensor w = buffer.narrow(0, 0, n * in_).view(transposed_ ? std::vector<int64_t>{in_, n}
+                                                             : std::vector<int64_t>{n, in_});
+  w.copy_(stored_.narrow(transposed_ ? 1 : 0, start, n));
+  at::Tensor part = out_.narrow(1, start, n);
+  const at::Tensor rhs = transposed_ ? w : w.t();
+  if (bias_) {
+    at::addmm_out(part, bias_->narrow(0, start, n), flat_, rhs);
+  } else {
+    at::mm_out(part, flat_, rhs);
+  }
+}
+
+at::Tensor StreamedBlocks::multiply() {
+  const at::Tensor buffer = at::empty({block_ * in_}, flat_.options());
+  while (true) {
+    int64_t index;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (next_ >= blocks_) break;
+      index = next_++;
+    }
+    make(index, buffer);
+  }
+  std::vector<int64_t> failed;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    finished_.wait(lock, [&] { return helper_done_ == helper_claimed_; });
+    failed = std::move(failed_);
+  }
+  for (const int64_t index : failed) make(index, buffer);  // raises here if it fails again
+  return out_;
+}
+
+void StreamedBlocks::help() {
+  at::init_num_threads();  // this thread's OpenMP and MKL settings, as torch's threads take them
+  at::Tensor buffer;
+  while (true) {
+    int64_t index;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (next_ >= blocks_) return;
+      index = next_++;
+      ++helper_claimed_;
+    }
+    bool made = false;
+    try {
+      if (!buffer.defined()) buffer = at::empty({block_ * in_}, flat_.options());
+      make(index, buffer);
+      made = true;
+    } catch (...) {  // the calling thread makes it again, and raises there if it fails again
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++helper_done_;
+      if (made) {
+        ++made_by_helper_;
+      } else {
+        failed_.push_back(index);
+      }
+    }
+    finished_.notify_all();
+  }
+}
+
+int64_t StreamedBlocks::made_by_helper() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return made_by_helper_;
+}
+
+}  // namespace torch_ext::paging

@@ -1,0 +1,54 @@
+#pragma once
+// StreamedBlocks: one streamed product (LayerPager::matmul) of an input with a weight that stays
+// in the file's dtype, made block by block: each block of output features is converted into a
+// buffer that stays in the core's cache and multiplied there, into its own columns of the output.
+// The calling thread makes blocks until none is left to claim; one other thread may help() at
+// the same time (the pager's prefetch thread, which has nothing to load then: the budget has no
+// room). Each block is made by the same calls whoever makes it (the helper first takes torch's
+// thread settings), and blocks write disjoint columns, so the product does not depend on which
+// thread made which block, or on whether a helper came.
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace torch_ext::paging {
+
+class StreamedBlocks {
+ public:
+  // `stored`: the weight as the file holds it, (out, in), or (in, out) when `transposed`
+  // (transformers' Conv1D). `flat`: the input, rows x in, in the dtype the weight is served in.
+  // The product is at::linear's (or Conv1D's addmm with `bias`).
+  StreamedBlocks(at::Tensor stored, at::Tensor flat, std::optional<at::Tensor> bias, bool transposed);
+
+  // Calling thread: makes blocks until none is left, waits for the helper's, and returns the
+  // product (rows x out). A block whose conversion failed on the helper is made again here.
+  at::Tensor multiply();
+  // Helper thread: makes blocks until none is left to claim.
+  void help();
+
+  int64_t blocks() const { return blocks_; }
+  int64_t made_by_helper() const;  // final once multiply() has returned
+
+ private:
+  void make(int64_t index, const at::Tensor& buffer);
+
+  const at::Tensor stored_, flat_;
+  const std::optional<at::Tensor> bias_;
+  const bool transposed_;
+  int64_t in_ = 0, out_features_ = 0, block_ = 0, blocks_ = 0;
+  at::Tensor out_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable finished_;
+  int64_t next_ = 0;          // the next block either thread may claim
+  int64_t helper_claimed_ = 0;
+  int64_t helper_done_ = 0;   // made, or failed (listed in failed_)
+  int64_t made_by_helper_ = 0;
+  std::vector<int64_t> failed_;
+};
+
+}  // namespace torch_ext::paging
