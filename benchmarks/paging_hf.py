@@ -336,7 +336,9 @@ def inference_report(results: list[dict], weights: int, largest: int, sizes: dic
             f"The folder holds {stored} weights ({format_bytes(weights // 2)}); every variant serves them as fp32. "
             f"torch_ext converts each tensor as it is paged in (from the mapped file into memory of its own); the "
             f"budget counts the converted, resident bytes. The weights it has no room for are streamed: each "
-            f"Conv1D and lm_head product converts them block by block from the file again (LayerPager.matmul).")
+            f"Conv1D and lm_head product converts them block by block from the file again (LayerPager.matmul), "
+            f"the pager's prefetch thread making part of the blocks on the core the benchmark leaves it: the "
+            f"streamed products use two cores where every other row's products use one.")
     return report
 
 
