@@ -304,8 +304,9 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // load failed): counts it, and wakes the thread when it is idle and has work ahead.
   void work_changed_locked();
   void prefetch_loop();
-  // Lets the prefetch thread help convert `blocks` (a streamed product the caller is about to
-  // make), unless another product has it or there is no thread.
+  // Lets the prefetch thread help make `blocks` (a streamed product the caller is about to make),
+  // unless another product has it or there is no thread. The first call of a shape, which checks
+  // the blocked product against the whole one, makes its blocks alone.
   void offer_to_prefetcher(const std::shared_ptr<StreamedBlocks>& blocks);
   void prefetch_ahead_locked(std::unique_lock<std::mutex>& lock);
 
