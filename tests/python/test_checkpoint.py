@@ -752,6 +752,23 @@ def test_fullgraph_compile_traces_the_checkpoints_and_matches_eager_gradients():
         torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
+@pytest.mark.parametrize("options", [{}, {"preserve_rng_state": False, "use_reentrant": False}, {"save": ("matmul",)}])
+def test_checkpoint_call_inside_a_compiled_forward_is_one_graph(options):
+    """The drop-in as Hugging Face's checkpointing calls it, once per layer inside the forward that
+    torch.compile traces: reading the option names from the C++ options there was a graph break,
+    which split the model's compiled backward in two."""
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    reference = copy.deepcopy(layer)
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: torch_ext.checkpoint_call(layer, x, **options).sum(), fullgraph=True,
+                         backend="aot_eager")
+    step(x).backward()
+    reference(x).sum().backward()
+    for (name, p), q in zip(layer.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def _ddp_worker(rank, world_size, port, results):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -30,7 +30,7 @@ class Options:
     its), `compiled` the keywords torch.utils.checkpoint takes under torch.compile (plain Python
     values, which dynamo traces without a graph break)."""
 
-    script: torch.ScriptObject
+    script: Optional[torch.ScriptObject]  # None (and native None) where made inside a compiled forward
     native: Any  # what _C.checkpoint.run takes
     compiled: tuple
     # torch's selective checkpointing: a callable returning (forward context, recompute context), as
@@ -51,12 +51,14 @@ class Options:
         return values
 
 
-_DEFAULT_OPTIONS = torch.classes.torch_ext.CheckpointOptions()
 _OPTIONS_CACHE: dict = {}
+# Read once: a call on a torch.classes object inside a compiled forward (checkpoint_call, which
+# Hugging Face's checkpointing calls per layer) is a graph break.
+_OPTION_NAMES = (*torch.classes.torch_ext.CheckpointOptions().fields(), "context_fn")
 
 
-def option_names() -> list[str]:
-    return _DEFAULT_OPTIONS.fields() + ["context_fn"]
+def option_names() -> tuple[str, ...]:
+    return _OPTION_NAMES
 
 
 def _context_fn(owner: str, context_fn: Any) -> Optional[Callable]:
@@ -90,6 +92,23 @@ def _native_options(owner: str, options: dict) -> Options:
         return _OPTIONS_CACHE[key]
     except (KeyError, TypeError):  # TypeError: an unhashable value, validated below
         pass
+    if torch.compiler.is_compiling():  # first seen in a traced forward: what a compiled run takes
+        compiled = _compiled_keywords(owner, key)
+        if options.get("save"):
+            compiled += (("context_fn", compiled_context_fn(options["save"])),)
+        return Options(None, None, compiled)
+    return _resolved_options(owner, key)
+
+
+@torch.compiler.assume_constant_result  # run, not traced: building a torch.classes object is a graph break
+def _compiled_keywords(owner: str, key: tuple) -> tuple:
+    """The plain keywords torch.utils.checkpoint takes under torch.compile for these options,
+    validated (and cached) as in eager; save's context_fn, not a constant, is the caller's."""
+    return tuple(item for item in _resolved_options(owner, key).compiled if item[0] != "context_fn")
+
+
+def _resolved_options(owner: str, key: tuple) -> Options:
+    options = dict(key)
     unknown = sorted(set(options) - set(option_names()))
     if unknown:
         raise TypeError(f"{owner}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(option_names())}")
