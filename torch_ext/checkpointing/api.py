@@ -93,18 +93,24 @@ def _native_options(owner: str, options: dict) -> Options:
     except (KeyError, TypeError):  # TypeError: an unhashable value, validated below
         pass
     if torch.compiler.is_compiling():  # first seen in a traced forward: what a compiled run takes
-        compiled = _compiled_keywords(owner, key)
-        if options.get("save"):
-            compiled += (("context_fn", compiled_context_fn(options["save"])),)
-        return Options(None, None, compiled)
+        return Options(None, None, _compiled(_plain_keywords(owner, key), options.get("save")))
     return _resolved_options(owner, key)
 
 
+def _compiled(plain: tuple, save: Optional[tuple]) -> tuple:
+    """torch.utils.checkpoint's keywords under torch.compile: the plain ones, and save's policy as
+    a context_fn (Inductor's partitioner takes the same decisions as its recompute tags)."""
+    return plain + ((("context_fn", compiled_context_fn(save)),) if save else ())
+
+
 @torch.compiler.assume_constant_result  # run, not traced: building a torch.classes object is a graph break
-def _compiled_keywords(owner: str, key: tuple) -> tuple:
-    """The plain keywords torch.utils.checkpoint takes under torch.compile for these options,
-    validated (and cached) as in eager; save's context_fn, not a constant, is the caller's."""
-    return tuple(item for item in _resolved_options(owner, key).compiled if item[0] != "context_fn")
+def _plain_keywords(owner: str, key: tuple) -> tuple:
+    """The plain compiled keywords for these options, validated and cached as in eager."""
+    return _plain_of(_resolved_options(owner, key).script)
+
+
+def _plain_of(script: torch.ScriptObject) -> tuple:
+    return (("preserve_rng_state", script.preserve_rng_state), ("early_stop", script.early_stop))
 
 
 def _resolved_options(owner: str, key: tuple) -> Options:
@@ -114,10 +120,7 @@ def _resolved_options(owner: str, key: tuple) -> Options:
         raise TypeError(f"{owner}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(option_names())}")
     save = options.get("save")
     script = torch.classes.torch_ext.CheckpointOptions(**dict(options, save=list(save) if save else None))
-    compiled = (("preserve_rng_state", script.preserve_rng_state), ("early_stop", script.early_stop))
-    if save:  # torch.compile's partitioner takes the same decisions as a policy's recompute tags
-        compiled += (("context_fn", compiled_context_fn(save)),)
-    resolved = Options(script, _C.checkpoint.native_options(script), compiled)
+    resolved = Options(script, _C.checkpoint.native_options(script), _compiled(_plain_of(script), save))
     _OPTIONS_CACHE[key] = resolved
     return resolved
 
