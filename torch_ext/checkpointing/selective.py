@@ -47,17 +47,16 @@ def dropout_p(op, args: tuple, kwargs: dict) -> Optional[float]:
 
 @functools.lru_cache(maxsize=64)
 def _rules(items: tuple) -> dict:
-    """op overload -> (group, every, occurrences, whether it takes a dropout_p)."""
+    """op overload -> (group, every, occurrences)."""
     rules = {}
     for qualified, group, every, occurrences in _C.checkpoint.save_rules(list(items)):
         try:
             op = _overload(qualified)
         except AttributeError:  # not in this build
             continue
-        takes_dropout = _dropout_index(op) is not None
-        if not takes_dropout and torch.Tag.nondeterministic_seeded in op.tags:
+        if _dropout_index(op) is None and torch.Tag.nondeterministic_seeded in op.tags:
             continue  # a mask draw: compiled, it is regenerated from its seed (and saving it would keep the float mask)
-        rules[op] = (group, every, frozenset(occurrences), takes_dropout)
+        rules[op] = (group, every, frozenset(occurrences))
     return rules
 
 
@@ -78,13 +77,13 @@ def _compiled_contexts(items: tuple) -> tuple:
         rule = rules.get(op)
         if rule is None:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        group, every, occurrences, takes_dropout = rule
+        group, every, occurrences = rule
         seen = counts[ctx.is_recompute]
         occurrence = seen[group]
         seen[group] += 1
         saved = occurrence in occurrences if occurrences else (occurrence + 1) % every == 0
-        if saved and takes_dropout:
-            saved = dropout_p(op, args, kwargs) == 0.0
+        if saved:  # an op that drops out only where its dropout_p is 0
+            saved = dropout_p(op, args, kwargs) in (None, 0.0)
         return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
