@@ -86,8 +86,8 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     receives, measures each layer's forward and backward on it, and checkpoints the layers a plan
     of least recompute within B bytes of layer activations chooses; returns the CheckpointPlan.
     budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured on what
-    each layer receives): every layer is checkpointed, saving the ops the plan chooses (through
-    the native policy, save=); returns the OpPlan.
+    each layer receives): the layers the plan checkpoints save the ops it chooses (through the
+    native policy, save=), the others are left unwrapped; returns the OpPlan.
     Hugging Face's own gradient checkpointing must be off (the layers would be checkpointed twice)."""
     if (every is None) == (budget_bytes is None):
         raise ValueError("checkpoint_layers: give exactly one of every or budget_bytes")

@@ -1,18 +1,24 @@
 """The op-level planner: measure every op inside each block of a chain on real inputs (a
-TorchDispatchMode over one forward: the bytes of its output, the time it takes), then choose which
-ops' outputs to save, per block, so that the predicted peak fits a byte budget, saving first the
-ops of most recompute time per byte (greedy: the least-recompute choice is a knapsack problem).
-Every block is checkpointed; the ops a plan saves are kept by torch_ext's native selective
-checkpointing (the `save` option, decided in C++), the others are recomputed in backward.
+TorchDispatchMode over one forward: the bytes of its output, the time it takes), then choose, per
+block, whether to checkpoint it and which of its ops' outputs a checkpointed block saves, so that
+the predicted peak fits a byte budget at the least predicted recompute time (greedy: the exact
+choice is a knapsack problem). The ops a plan saves are kept by torch_ext's native selective
+checkpointing (the `save` option, decided in C++), the others are recomputed in backward; a block
+left unwrapped keeps all its activations and costs no replay.
 
-The choice is O(N log N) in the number N of candidate ops: one sort by recompute seconds per byte
-saved, then a binary search for the longest prefix of that order whose predicted peak fits the
-budget (each evaluation O(N)). Because plans for different budgets are prefixes of one order, a
-lower budget saves a subset of what a higher one saves (the plans are monotonic)."""
+Each block's choices form a curve of recompute seconds against bytes kept: nothing saved, then
+its ops in order of seconds per byte, then the block left unwrapped (its activations kept, its
+replay's fixed cost saved too); the steps of the curve's lower convex hull are the items. The
+choice is O(N log N) in the number N of candidate ops: a heap of all blocks' steps by seconds
+saved per byte, each step taken when the predicted peak with it fits (a segment tree over the
+blocks keeps the peak, O(log n) a step). The plans are monotonic: a lower budget never predicts
+a higher peak."""
 from __future__ import annotations
 
 import functools
+import heapq
 import json
+import math
 import statistics
 import time
 from collections import Counter, OrderedDict
@@ -32,11 +38,16 @@ from .selective import dropout_p
 
 @dataclass
 class OpPlan:
-    """Which ops each checkpointed block saves, with what the plan measured and predicts.
+    """Which blocks are checkpointed and which ops each saves, with what the plan measured and
+    predicts.
 
-    saved[k]: the ops block k saves, as [op name, occurrence] (the occurrence-th call of that
-    aten overload in the block's forward, from 0). ops[k]: every candidate op measured in block
-    k, as [op name, occurrence, output bytes, seconds]. Bytes are activation bytes as
+    checkpointed[k]: whether block k is checkpointed (a block left unwrapped keeps all its
+    activations; empty: every block, as plans made before this field). saved[k]: the ops block k
+    saves, as [op name, occurrence] (the occurrence-th call of that aten overload in the block's
+    forward, from 0); empty for a block left unwrapped. ops[k]: every candidate op measured in
+    block k, as [op name, occurrence, output bytes, seconds]. block_replay_seconds[k]: what a
+    replay of block k costs beyond its candidate ops (its forward's time less theirs: the Python
+    code, views, the other ops). Bytes are activation bytes as
     plan_checkpoints counts them (parameters and their gradients excluded). Thread safety: a
     plan is not changed by its methods (with_budget returns a new one), and context_fn gives
     each checkpointed call a policy of its own, so planned layers may run in several threads."""
@@ -55,6 +66,13 @@ class OpPlan:
     block_workspace_bytes: list[int] = field(default_factory=list)
     block_parameter_bytes: list[int] = field(default_factory=list)
     native_ops: list[list[str]] = field(default_factory=list)
+    checkpointed: list[bool] = field(default_factory=list)
+    block_replay_seconds: list[float] = field(default_factory=list)
+
+    def is_checkpointed(self, block: int) -> bool:
+        """Whether apply() checkpoints block (else it leaves it unwrapped)."""
+        self._check_block("is_checkpointed", block)
+        return not self.checkpointed or self.checkpointed[block]
 
     @property
     def predicted_overhead(self) -> float:
@@ -94,18 +112,18 @@ class OpPlan:
 
     def with_budget(self, budget_bytes: int) -> "OpPlan":
         """The plan for another budget from this plan's measurements (nothing is measured again).
-        Plans from one measurement are nested: a lower budget saves a subset of the ops a higher
-        one saves, so its peak is never higher."""
+        Plans from one measurement are monotonic: a lower budget never predicts a higher peak."""
         _check_budget(budget_bytes)
         return _op_plan({"ops": self.ops, "native": self.native_ops, "inputs": self.block_input_bytes,
                          "outputs": self.block_output_bytes, "activations": self.block_activation_bytes,
                          "workspace": self.block_workspace_bytes, "params": self.block_parameter_bytes,
+                         "replay": self.block_replay_seconds or [0.0] * len(self.ops),
                          "seconds": [self.step_seconds]}, budget_bytes)
 
     def apply(self, layers: Iterable[nn.Module]) -> list[nn.Module]:
-        """Checkpoint each layer in place with torch_ext.checkpoint(layer, save=save_items(k)) (the
-        plan's block of the same index); returns the layers. They must be the plan's blocks, not
-        checkpointed already."""
+        """Checkpoint each layer the plan checkpoints in place with torch_ext.checkpoint(layer,
+        save=save_items(k)) (the plan's block of the same index) and leave the others as they are;
+        returns the layers. They must be the plan's blocks, not checkpointed already."""
         layers = list(layers.values() if isinstance(layers, (dict, OrderedDict)) else layers)
         if len(layers) != len(self.saved):
             raise ValueError(f"OpPlan.apply: the plan has {len(self.saved)} blocks, got {len(layers)} layers")
@@ -116,6 +134,8 @@ class OpPlan:
                     type(layer).forward, "_torch_ext_checkpoint", None) is not None:
                 raise ValueError(f"OpPlan.apply: layer {index} ({type(layer).__name__}) is already checkpointed")
         for index, layer in enumerate(layers):
+            if not self.is_checkpointed(index):
+                continue
             if self.saves_natively(index):
                 checkpoint(layer, save=self.save_items(index) or None)
             else:
@@ -149,7 +169,9 @@ class OpPlan:
 
     def __str__(self) -> str:
         mib = 2.0 ** 20
-        return (f"OpPlan(blocks={len(self.saved)}, saved_ops={sum(map(len, self.saved))} of "
+        checkpointed = sum(self.is_checkpointed(k) for k in range(len(self.saved)))
+        return (f"OpPlan(blocks={len(self.saved)}, checkpointed={checkpointed}, "
+                f"saved_ops={sum(map(len, self.saved))} of "
                 f"{sum(map(len, self.ops))}, predicted_peak={self.predicted_peak_bytes / mib:.1f} MiB of budget "
                 f"{self.budget_bytes / mib:.1f} MiB, predicted_overhead={self.predicted_overhead:.1%}, "
                 f"min_budget={self.min_budget_bytes / mib:.1f} MiB)")
@@ -278,17 +300,24 @@ def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, record
     return sorted(consistent)
 
 
-def _peak(saved_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], activations: Sequence[int],
+def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], activations: Sequence[int],
           workspace: Sequence[int], params: Sequence[int]) -> int:
-    """Predicted peak with every block checkpointed, block i saving saved_per_block[i] bytes:
-    while block k runs backward, the blocks before it hold their inputs and saved outputs, block
-    k its input, its activations (recomputed or saved), its backward workspace, the gradient of
-    its output and its parameters' gradients. O(number of blocks)."""
+    """Predicted peak with block i keeping kept_per_block[i] bytes for backward (a checkpointed
+    block: the outputs it saves; an unwrapped one: its activations): while block k runs backward,
+    the blocks before it hold their inputs and what they keep, block k its input, its activations
+    (recomputed or kept), its backward workspace, the gradient of its output and its parameters'
+    gradients. After the last block, what consumes the chain's output (a model's head, the loss)
+    runs while every block holds its input and what it keeps; the plan does not see it and counts
+    it as needing what the last block's backward needs. O(number of blocks)."""
     held, peak = 0, 0
     for k in range(len(inputs)):
         peak = max(peak, held + inputs[k] + activations[k] + workspace[k] + outputs[k] + params[k])
-        held += inputs[k] + saved_per_block[k]
-    return peak
+        held += inputs[k] + kept_per_block[k]
+    return max(peak, held + _after_chain(outputs, activations, workspace, params)) if inputs else peak
+
+
+def _after_chain(outputs, activations, workspace, params) -> int:
+    return activations[-1] + workspace[-1] + outputs[-1] + params[-1]
 
 
 class _Counted:
@@ -303,40 +332,142 @@ class _Counted:
         return self.key < other.key
 
 
-def _choose(ops: Sequence[Sequence[list]], inputs, outputs, activations, workspace, params, budget: float):
-    """The longest prefix, in order of recompute seconds per byte (highest first), of the
-    candidate ops whose predicted peak fits budget. Returns (saved per block, peak, steps):
-    steps counts the sort's comparisons and the peak evaluations' block visits, O(N log N)."""
-    steps = [0]
-    flat = [(k, i) for k, block in enumerate(ops) for i in range(len(block))]
-    order = sorted(flat, key=lambda ki: _Counted((-ops[ki[0]][ki[1]][3] / ops[ki[0]][ki[1]][2], ki), steps))
+class _Peaks:
+    """The predicted peak of _peak, kept up to date as blocks keep more: value k is what the blocks
+    before k hold plus what block k's backward holds, and block j keeping `nbytes` more adds them
+    to every value after j. A segment tree (range add, range maximum): O(log n) an operation in n
+    blocks; `counter` counts the nodes visited."""
+
+    def __init__(self, values: Sequence[int], counter: list) -> None:
+        self.n, self.counter = len(values), counter
+        self.top = [0] * (4 * self.n)  # the maximum below a node, its own additions included
+        self.added = [0] * (4 * self.n)  # added to every value below a node
+        self._build(1, 0, self.n, values)
+
+    def _build(self, node: int, low: int, high: int, values: Sequence[int]) -> None:
+        if high - low == 1:
+            self.top[node] = values[low]
+            return
+        mid = (low + high) // 2
+        self._build(2 * node, low, mid, values)
+        self._build(2 * node + 1, mid, high, values)
+        self.top[node] = max(self.top[2 * node], self.top[2 * node + 1])
+
+    def _apply(self, node: int, low: int, high: int, start: int, nbytes: int) -> None:
+        self.counter[0] += 1
+        if high <= start:
+            return
+        if low >= start:
+            self.top[node] += nbytes
+            self.added[node] += nbytes
+            return
+        mid = (low + high) // 2
+        self._apply(2 * node, low, mid, start, nbytes)
+        self._apply(2 * node + 1, mid, high, start, nbytes)
+        self.top[node] = max(self.top[2 * node], self.top[2 * node + 1]) + self.added[node]
+
+    def _max(self, node: int, low: int, high: int, start: int, end: int) -> float:
+        self.counter[0] += 1
+        if high <= start or low >= end:
+            return -math.inf
+        if start <= low and high <= end:
+            return self.top[node]
+        mid = (low + high) // 2
+        return max(self._max(2 * node, low, mid, start, end),
+                   self._max(2 * node + 1, mid, high, start, end)) + self.added[node]
+
+    @property
+    def peak(self) -> int:
+        return self.top[1]
+
+    def peak_if(self, block: int, nbytes: int) -> float:
+        """The peak if block kept nbytes more."""
+        return max(self._max(1, 0, self.n, 0, block + 1), self._max(1, 0, self.n, block + 1, self.n) + nbytes)
+
+    def keep(self, block: int, nbytes: int) -> None:
+        self._apply(1, 0, self.n, block + 1, nbytes)
+
+
+_UNWRAP = -1  # a step that leaves its block unwrapped
+
+
+def _steps(block: Sequence[list], activations: int, replay: float) -> tuple[list, list]:
+    """Block's choices as steps (op index or _UNWRAP, bytes, seconds saved) along the lower convex
+    hull of its curve: from nothing saved, its ops in order of seconds per byte, then the block
+    unwrapped (activations bytes, no recompute), which replaces the op steps it beats per byte
+    (and any that keep as many bytes as it does). Returns (the hull's steps, the op steps it
+    replaced: the block's next choices when unwrapping it does not fit). O(n log n) in its n ops."""
+    ops = sorted(range(len(block)), key=lambda i: (-block[i][3] / block[i][2], i))
+    points = [(0, sum(op[3] for op in block) + replay, None)]  # (bytes kept, recompute seconds, op)
+    for i in ops:
+        kept, seconds, _ = points[-1]
+        if kept + block[i][2] >= activations:
+            break
+        points.append((kept + block[i][2], seconds - block[i][3], i))
+
+    def saving_per_byte(a, b):  # from point a to point b
+        return (a[1] - b[1]) / (b[0] - a[0]) if b[0] > a[0] else math.inf
+
+    unwrapped = (activations, 0.0, _UNWRAP)
+    while len(points) > 1 and saving_per_byte(points[-2], unwrapped) >= saving_per_byte(points[-2], points[-1]):
+        points.pop()
+    points.append(unwrapped)
+    replaced = [(i, block[i][2], block[i][3]) for i in ops[len(points) - 2:]]
+    return [(b[2], b[0] - a[0], a[1] - b[1]) for a, b in zip(points, points[1:])], replaced
+
+
+def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations, workspace, params, budget: float):
+    """Every block's steps (_steps), in order of recompute seconds saved per byte kept (highest
+    first), each taken when the predicted peak (_peak's) with it fits budget. A block whose step
+    does not fit takes none of its later steps (they build on it), except that a block that cannot be
+    unwrapped goes on with the op steps its unwrapping replaced. A checkpointed block therefore
+    saves a prefix of its ops in order of seconds per byte. Returns (saved per block, checkpointed
+    per block, peak, steps): steps counts the heap's comparisons and the peak updates' tree
+    nodes, O(N log N). A higher budget never predicts a lower peak: at the first step the two
+    budgets take differently, the higher one takes a step the lower one could not fit."""
+    count = [0]
     blocks = len(ops)
 
-    def peak_of(m: int) -> int:
-        per_block = [0] * blocks
-        for k, i in order[:m]:
-            per_block[k] += ops[k][i][2]
-        steps[0] += m + blocks
-        return _peak(per_block, inputs, outputs, activations, workspace, params)
+    def entry(k: int, j: int, step: tuple) -> tuple:
+        _, nbytes, seconds = step
+        return (_Counted((-seconds / nbytes if nbytes > 0 else -math.inf, k, j), count), k, step)
 
-    low, high = 0, len(order)  # peak_of(low) fits (the caller checked the minimum); find the largest m that does
-    while low < high:
-        mid = (low + high + 1) // 2
-        if peak_of(mid) <= budget:
-            low = mid
+    heap, replaced = [], []
+    for k in range(blocks):
+        steps, rest = _steps(ops[k], activations[k], replay[k])
+        heap += [entry(k, j, step) for j, step in enumerate(steps)]
+        replaced.append([entry(k, len(steps) + j, step) for j, step in enumerate(rest)])
+    heapq.heapify(heap)
+    held, own = 0, []
+    for k in range(blocks):
+        own.append(held + inputs[k] + activations[k] + workspace[k] + outputs[k] + params[k])
+        held += inputs[k]
+    peaks = _Peaks(own + [held + _after_chain(outputs, activations, workspace, params)], count)
+    saved: list[list[int]] = [[] for _ in range(blocks)]
+    wrapped, closed = [True] * blocks, [False] * blocks
+    while heap:
+        _, k, (op, nbytes, _) = heapq.heappop(heap)
+        if closed[k]:
+            continue
+        if peaks.peak_if(k, nbytes) > budget:
+            closed[k] = op != _UNWRAP
+            for later in replaced[k] if op == _UNWRAP else ():
+                heapq.heappush(heap, later)
+        elif op == _UNWRAP:
+            peaks.keep(k, nbytes)
+            wrapped[k], saved[k] = False, []
         else:
-            high = mid - 1
-    saved: list[list[list]] = [[] for _ in range(blocks)]
-    for k, i in sorted(order[:low]):
-        saved[k].append(ops[k][i][:2])
-    return saved, peak_of(low), steps[0]
+            peaks.keep(k, nbytes)
+            saved[k].append(op)
+    return [[ops[k][i][:2] for i in sorted(block)] for k, block in enumerate(saved)], wrapped, peaks.peak, count[0]
 
 
 def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, repeat: int = 3,
              progress: Optional[Callable] = None, **kwargs: Any) -> OpPlan:
-    """Measure a chain of blocks on sample inputs, op by op, and choose the ops each checkpointed
-    block saves so that the predicted peak activation memory stays within budget_bytes, saving
-    first the ops of most recompute seconds per byte. Each block runs on the previous one's output (RNG state and buffers
+    """Measure a chain of blocks on sample inputs, op by op, and choose which blocks to checkpoint
+    and the ops each checkpointed block saves so that the predicted peak activation memory stays
+    within budget_bytes, keeping first what saves the most recompute seconds per byte. Each block
+    runs on the previous one's output (RNG state and buffers
     restored afterwards): forward and backward `repeat` times (its saved and workspace bytes, as
     plan_checkpoints measures them) and `repeat` forwards under a dispatch mode that times every
     op and counts its output bytes. Raises ValueError, stating the minimum, when no plan fits.
@@ -371,7 +502,7 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
     device = leaves[0].device if leaves else torch.device("cpu")
     devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
     m: dict = {key: [] for key in ("ops", "native", "inputs", "outputs", "activations", "workspace", "params",
-                                   "seconds")}
+                                   "replay", "seconds")}
     buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
     value: Any = inputs
     with torch.random.fork_rng(devices=devices):
@@ -390,6 +521,8 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
                 samples = [_measure_once(layer, value, kwargs, first, device, recorded is not None)
                            for _ in range(repeat)]
                 m["seconds"].append(statistics.median(s[0] + s[1] for s in samples))
+                forward = statistics.median(s[0] for s in samples)
+                m["replay"].append(max(0.0, forward - sum(op[3] for op in m["ops"][-1])))
                 m["activations"].append(samples[-1][2])
                 m["workspace"].append(samples[-1][3])
                 out = _tensor_leaves(samples[-1][4])
@@ -425,9 +558,10 @@ def _op_plan(m: dict, budget_bytes: float) -> OpPlan:
         raise ValueError(f"plan_ops: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below the "
                          f"minimum any op-level plan of these {n} blocks can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB, every block checkpointed, nothing saved)")
-    saved, peak, _ = _choose(m["ops"], *shape, float(budget_bytes))
+    saved, checkpointed, peak, _ = _choose(m["ops"], m["replay"], *shape, float(budget_bytes))
     kept = [{tuple(op) for op in block} for block in saved]
-    recompute = sum(op[3] for k, block in enumerate(m["ops"]) for op in block if tuple(op[:2]) not in kept[k])
+    recompute = sum(m["replay"][k] + sum(op[3] for op in block if tuple(op[:2]) not in kept[k])
+                    for k, block in enumerate(m["ops"]) if checkpointed[k])
     no_checkpoint = _evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], m["params"],
                               m["inputs"][0])
     return OpPlan(saved=saved, budget_bytes=int(budget_bytes), predicted_peak_bytes=int(peak),
@@ -435,4 +569,5 @@ def _op_plan(m: dict, budget_bytes: float) -> OpPlan:
                   predicted_recompute_seconds=recompute, step_seconds=sum(m["seconds"]), ops=m["ops"],
                   block_input_bytes=m["inputs"], block_output_bytes=m["outputs"],
                   block_activation_bytes=m["activations"], block_workspace_bytes=m["workspace"],
-                  block_parameter_bytes=m["params"], native_ops=m["native"])
+                  block_parameter_bytes=m["params"], native_ops=m["native"], checkpointed=checkpointed,
+                  block_replay_seconds=m["replay"])
