@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -9,6 +10,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -30,6 +32,8 @@
 #include "torch_ext/common/sha256.h"
 #include "torch_ext/plan/layout.h"
 #include "torch_ext/plan/persistence.h"
+#include "torch_ext/plan/plan.h"
+#include "torch_ext/plan/plan_table.h"
 #include "torch_ext/plan/router.h"
 #include "torch_ext/plan/plan_cache.h"
 #include "reliability_helpers.h"
@@ -808,6 +812,102 @@ TEST(PlanManifest, RoundTripsChecksFilesAndRefusesAManifestThatIsNotThePinnedOne
 
 // The router alone, over plain plan descriptions: pad to the smallest run that holds the
 // request, split into the fewest pieces, auto by the estimated seconds, nothing when none serves.
+namespace {
+
+// A plan as the table sees it: a bucket, its constants (storage -> bytes) and its record.
+std::shared_ptr<PlanCache::Plan> table_plan(plan::PlanTable& table, int64_t batch, plan::Constants constants = {}) {
+  auto p = std::make_shared<PlanCache::Plan>();
+  p->spec.upper = p->spec.lower = plan::Bucket::of({batch});
+  p->constants = std::move(constants);
+  p->record = table.record(p->spec.upper);
+  return p;
+}
+
+}  // namespace
+
+TEST(PlanTable, MaxPlansEvictsTheLeastRecentlyUsedNeverTheOneInserted) {
+  plan::PlanTable table(/*max_plans=*/2, /*max_bytes=*/0);
+  auto a = table_plan(table, 1), b = table_plan(table, 2), c = table_plan(table, 4);
+  table.insert(a);
+  table.insert(b);
+  table.touch(*a);  // b is now the least recently used
+  table.insert(c);
+  EXPECT_TRUE(table.contains(a->bucket()));
+  EXPECT_FALSE(table.contains(b->bucket()));
+  EXPECT_TRUE(table.contains(c->bucket()));
+  EXPECT_EQ(b->record->evictions.load(), 1);
+  EXPECT_EQ(table.find(b->bucket()), nullptr);
+  ASSERT_EQ(table.plans().size(), 2u);
+  EXPECT_EQ(table.plans()[0], a);  // in bucket order
+  EXPECT_EQ(table.totals().plans, 2);
+}
+
+TEST(PlanTable, SharedConstantsCountOnceAndTheByteBudgetEvictsUntilItHolds) {
+  static const int w = 0, x = 0, y = 0;
+  plan::PlanTable table(/*max_plans=*/0, /*max_bytes=*/150);
+  auto a = table_plan(table, 1, {{&w, 100}}), b = table_plan(table, 2, {{&w, 100}, {&x, 40}});
+  table.insert(a);
+  table.insert(b);
+  EXPECT_EQ(table.totals().plan_bytes, 140);  // w once
+  // 200 bytes with c: evicting a frees nothing (b still holds w), so b goes too.
+  auto c = table_plan(table, 4, {{&y, 60}});
+  table.insert(c);
+  EXPECT_EQ(table.totals().plans, 1);
+  EXPECT_EQ(table.totals().plan_bytes, 60);
+  EXPECT_TRUE(table.contains(c->bucket()));
+  // A plan over the budget on its own is kept: the table never evicts the plan it inserts.
+  static const int z = 0;
+  auto big = table_plan(table, 8, {{&z, 500}});
+  table.insert(big);
+  EXPECT_TRUE(table.contains(big->bucket()));
+  EXPECT_EQ(table.totals().plan_bytes, 500);
+  table.clear();
+  EXPECT_TRUE(table.empty());
+  EXPECT_EQ(table.totals().plan_bytes, 0);
+}
+
+TEST(PlanTable, OneBuilderPerBucketOthersGetItsFutureAndAnAbandonedBuildCanStartAgain) {
+  plan::PlanTable table(0, 0);
+  const auto bucket = plan::Bucket::of({8});
+  std::promise<std::shared_ptr<PlanCache::Plan>> first, second, third;
+  auto claim = table.claim(bucket, first.get_future().share());
+  EXPECT_TRUE(claim.owner);
+  EXPECT_EQ(table.totals().pending_builds, 1);
+  auto waiter = table.claim(bucket, second.get_future().share());
+  EXPECT_FALSE(waiter.owner);
+  EXPECT_EQ(waiter.plan, nullptr);
+  auto peek = table.claim(bucket, {});  // no start: the build in progress, never a new one
+  EXPECT_FALSE(peek.owner);
+  EXPECT_TRUE(peek.future.valid());
+  table.abandon(bucket);
+  EXPECT_EQ(table.totals().pending_builds, 0);
+  EXPECT_FALSE(table.claim(bucket, {}).future.valid());
+  auto again = table.claim(bucket, third.get_future().share());
+  EXPECT_TRUE(again.owner);
+  auto plan = table_plan(table, 8);
+  table.insert(plan);  // ends the build
+  EXPECT_EQ(table.totals().pending_builds, 0);
+  first.set_value(plan);
+  EXPECT_EQ(waiter.future.get(), plan);  // the first builder's future, which its waiter holds
+  auto hit = table.claim(bucket, {});
+  EXPECT_EQ(hit.plan, plan);
+  EXPECT_FALSE(hit.owner);
+}
+
+TEST(PlanTable, VisitSeesEveryRecordWithItsCachedPlan) {
+  plan::PlanTable table(0, 0);
+  auto cached = table_plan(table, 2);
+  table.insert(cached);
+  auto seen_only = table.record(plan::Bucket::of({3}));
+  EXPECT_EQ(table.record(plan::Bucket::of({3})), seen_only);  // one record a bucket
+  std::vector<std::pair<int64_t, bool>> visited;
+  table.visit([&](PlanCache::SizeRecord& rec, const PlanCache::Plan* p) {
+    visited.emplace_back(rec.bucket[0], p == cached.get());
+  });
+  std::sort(visited.begin(), visited.end());
+  EXPECT_EQ(visited, (std::vector<std::pair<int64_t, bool>>{{2, true}, {3, false}}));
+}
+
 TEST(PlanRouter, PadsToTheSmallestHoldingRunSplitsIntoFewestPiecesAndAutoTakesTheCheaper) {
   EXPECT_EQ(plan::fewest_pieces({2, 3, 8}, 13), (std::vector<int64_t>{8, 3, 2}));
   EXPECT_EQ(plan::fewest_pieces({4, 8}, 6), (std::vector<int64_t>{}));

@@ -2,24 +2,18 @@
 // splitting; this runs its choice.
 #include "torch_ext/plan/plan.h"
 
-#include <algorithm>
 #include <memory>
 #include <optional>
-#include <shared_mutex>
 #include <utility>
 #include <vector>
 
+#include "torch_ext/plan/plan_table.h"
 #include "torch_ext/plan/router.h"
 
 namespace torch_ext::plan {
 
 std::optional<PlanCache::Route> PlanCache::choose_route(const Bucket& sizes) const {
-  std::vector<std::shared_ptr<Plan>> cached;
-  {
-    std::shared_lock<std::shared_mutex> lock(mutex_);
-    for (const auto& entry : plans_) cached.push_back(entry.second);
-  }
-  std::sort(cached.begin(), cached.end(), [](const auto& a, const auto& b) { return a->bucket() < b->bucket(); });
+  const auto cached = table_->plans();
   std::vector<RoutePlan> views;
   for (const auto& plan : cached) {
     views.push_back(RoutePlan{plan->spec.upper, plan->spec.lower, plan->spec.dynamic, plan->estimated_seconds()});
@@ -32,10 +26,10 @@ std::optional<PlanCache::Route> PlanCache::choose_route(const Bucket& sizes) con
 }
 
 c10::IValue PlanCache::run_route(const Route& route, const std::vector<c10::IValue>& inputs, const Bucket& sizes) {
-  auto rec = record(layout_->bucket_of(sizes));
+  auto rec = table_->record(layout_->bucket_of(sizes));
   if (route.pad) {
     Plan& plan = *route.plans[0];
-    plan.last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    table_->touch(plan);
     rec->padded_calls.fetch_add(1, std::memory_order_relaxed);
     return run_on(plan, inputs, sizes, *rec);
   }
@@ -44,7 +38,7 @@ c10::IValue PlanCache::run_route(const Route& route, const std::vector<c10::IVal
   int64_t offset = 0;
   for (size_t p = 0; p < route.plans.size(); ++p) {
     Plan& plan = *route.plans[p];
-    plan.last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    table_->touch(plan);
     Bucket piece = sizes;
     piece[0] = route.pieces[p];
     outputs.push_back(run_on(plan, layout_->slice_batch(inputs, offset, piece[0]), piece, *rec));

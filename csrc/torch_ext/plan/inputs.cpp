@@ -35,7 +35,7 @@ Bucket PlanCache::check_request(const std::vector<c10::IValue>& inputs) const {
 void PlanCache::check_signature(const std::vector<c10::IValue>& inputs, const Bucket& sizes) const {
   std::shared_ptr<const Signature> signature;
   {
-    std::shared_lock<std::shared_mutex> lock(mutex_);
+    std::shared_lock<std::shared_mutex> lock(example_mutex_);
     signature = signature_;
   }
   check_signature(signature.get(), inputs, sizes);
@@ -79,7 +79,7 @@ void PlanCache::check_signature(const Signature* signature, const std::vector<c1
 
 void PlanCache::remember_example(const std::vector<c10::IValue>& inputs) {
   {
-    std::shared_lock<std::shared_mutex> lock(mutex_);
+    std::shared_lock<std::shared_mutex> lock(example_mutex_);
     if (signature_) return;
   }
   auto signature = std::make_shared<Signature>();
@@ -104,7 +104,7 @@ void PlanCache::remember_example(const std::vector<c10::IValue>& inputs) {
     }
     signature->inputs.push_back(std::move(input));
   }
-  std::unique_lock<std::shared_mutex> lock(mutex_);
+  std::unique_lock<std::shared_mutex> lock(example_mutex_);
   if (!signature_) {
     signature_ = std::move(signature);
     example_ = std::move(example);
@@ -114,7 +114,7 @@ void PlanCache::remember_example(const std::vector<c10::IValue>& inputs) {
 std::vector<c10::IValue> PlanCache::example_at(const Bucket& sizes) const {
   std::vector<c10::IValue> example;
   {
-    std::shared_lock<std::shared_mutex> lock(mutex_);
+    std::shared_lock<std::shared_mutex> lock(example_mutex_);
     example = example_;
   }
   TORCH_CHECK(!example.empty(), "PlanCache: no example inputs yet; pass example inputs or call infer() first");

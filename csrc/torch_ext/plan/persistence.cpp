@@ -19,6 +19,7 @@
 
 #include "torch_ext/plan/plan.h"
 #include "torch_ext/common/sha256.h"
+#include "torch_ext/plan/plan_table.h"
 
 namespace torch_ext::plan {
 
@@ -67,15 +68,13 @@ void check_plans(const Layout& layout, const Manifest& manifest) {
 }  // namespace
 
 void PlanCache::save(const std::string& dir) const {
-  std::vector<std::shared_ptr<Plan>> plans;
+  const auto plans = table_->plans();
   std::vector<c10::IValue> example;
   {
-    std::shared_lock<std::shared_mutex> lock(mutex_);
-    for (const auto& entry : plans_) plans.push_back(entry.second);
+    std::shared_lock<std::shared_mutex> lock(example_mutex_);
     example = example_;
   }
   TORCH_CHECK(!example.empty(), "PlanCache.save: nothing to save to ", dir, "; no plan was built yet");
-  std::sort(plans.begin(), plans.end(), [](const auto& a, const auto& b) { return a->bucket() < b->bucket(); });
   fs::create_directories(fs::path(dir) / "plans");
   Manifest manifest;
   manifest.kind = source_->kind();
@@ -134,12 +133,7 @@ int64_t PlanCache::load_folder(const std::string& dir, const ProgressFn& progres
   const auto total = static_cast<int64_t>(manifest.plans.size());
   for (int64_t i = 0; i < total; ++i) {
     const ManifestPlan& entry = manifest.plans[i];
-    bool cached = false;
-    {
-      std::shared_lock<std::shared_mutex> lock(mutex_);
-      cached = plans_.count(entry.upper) > 0;
-    }
-    if (!cached) {
+    if (!table_->contains(entry.upper)) {
       load_plan(dir, entry);
       ++loaded;
     }
@@ -152,7 +146,7 @@ void PlanCache::load_plan(const std::string& dir, const ManifestPlan& entry) {
   const auto start = Clock::now();
   auto plan = std::make_shared<Plan>();
   plan->spec = PlanSpec{entry.upper, entry.lower, entry.dynamic};
-  plan->record = record(entry.upper);
+  plan->record = table_->record(entry.upper);
   const auto example = example_at(entry.upper);
   try {
     plan->exec = source_->load_plan(dir, entry, example);
@@ -169,7 +163,7 @@ void PlanCache::load_plan(const std::string& dir, const ManifestPlan& entry) {
   plan->build_ns = elapsed_ns(start);
   plan->record->builds.fetch_add(1, std::memory_order_relaxed);
   plan->record->build_ns.fetch_add(plan->build_ns, std::memory_order_relaxed);
-  insert_plan(plan);
+  table_->insert(plan);
 }
 
 }  // namespace torch_ext::plan

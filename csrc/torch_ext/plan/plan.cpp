@@ -8,12 +8,13 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <shared_mutex>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <c10/core/GradMode.h>
+
+#include "torch_ext/plan/plan_table.h"
 
 namespace torch_ext::plan {
 
@@ -97,7 +98,7 @@ std::shared_ptr<PlanCache::Plan> PlanCache::build_plan(const Bucket& bucket, con
   plan->spec.upper = bucket;
   plan->spec.lower = layout_->lower_of(bucket);
   plan->spec.background = background;
-  plan->record = record(bucket);
+  plan->record = table_->record(bucket);
   try {
     make_executable(*plan, example);
     plan->constants = plan->exec->constants();
@@ -162,19 +163,7 @@ void PlanCache::capture_graph(Plan& plan, const std::vector<c10::IValue>& inputs
                message_of(e));
   }
   plan.record->build_ns.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  if (graph) {
-    const int64_t bytes = graph->bytes();
-    plan.graph = std::move(graph);
-    auto it = plans_.find(plan.bucket());
-    if (it != plans_.end() && it->second.get() == &plan) {  // an evicted plan's bytes are no longer counted
-      plan.constants.emplace(plan.graph.get(), bytes);
-      plan.bytes += bytes;
-      constant_plans_[plan.graph.get()] = 1;
-      plan_bytes_ += bytes;
-      evict_locked(plan.bucket());
-    }
-  }
+  if (graph) table_->attach_graph(plan, std::move(graph));
   plan.capture_pending.store(false, std::memory_order_release);
 }
 

@@ -1,6 +1,5 @@
-// The cache's bookkeeping: its plans by bucket, one build per bucket however many calls miss
-// it, eviction (least recently used, by max_plans / max_bytes), per-bucket records and stats,
-// and the entry points that route a call to its plan, to a pad / split route or to a build.
+// The entry points that route a call to its plan (in the PlanTable), to a pad / split route or to
+// a build, and the options' checks.
 #include "torch_ext/plan/plan.h"
 
 #include <algorithm>
@@ -10,9 +9,7 @@
 #include <filesystem>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <optional>
-#include <shared_mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -20,6 +17,7 @@
 #include <vector>
 
 #include "torch_ext/plan/build_worker.h"
+#include "torch_ext/plan/plan_table.h"
 
 namespace torch_ext::plan {
 
@@ -105,13 +103,15 @@ void PlanCacheOptions::validate() const {
                     "PlanCache: manifest_sha256 must be 64 lowercase hex digits (a SHA-256), got '", manifest_sha256, "'");
 }
 
-PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options) : options_(std::move(options)) {
+PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options)
+    : options_(std::move(options)), table_(std::make_unique<PlanTable>(options_.max_plans, options_.max_bytes)) {
   options_.validate();
   source_ = make_script_source(std::move(module), options_);
   start();
 }
 
-PlanCache::PlanCache(ExportSource source, PlanCacheOptions options) : options_(std::move(options)) {
+PlanCache::PlanCache(ExportSource source, PlanCacheOptions options)
+    : options_(std::move(options)), table_(std::make_unique<PlanTable>(options_.max_plans, options_.max_bytes)) {
   options_.validate();
   const bool folder = std::filesystem::is_directory(source.path);
   std::string program = source.path;
@@ -144,63 +144,6 @@ void PlanCache::set_compiler(CompileFn compiler) { set_export_compiler(*source_,
 
 void PlanCache::set_source(SourceFn source) { set_export_runner(*source_, std::move(source)); }
 
-std::shared_ptr<PlanCache::SizeRecord> PlanCache::record(const Bucket& bucket) {
-  {
-    std::shared_lock<std::shared_mutex> lock(mutex_);
-    auto it = records_.find(bucket);
-    if (it != records_.end()) return it->second;
-  }
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  auto& slot = records_[bucket];
-  if (!slot) slot = std::make_shared<SizeRecord>(bucket);
-  return slot;
-}
-
-void PlanCache::insert_plan(const std::shared_ptr<Plan>& plan) {
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  plan->last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-  auto& slot = plans_[plan->bucket()];
-  if (slot) release_constants_locked(*slot);
-  slot = plan;
-  for (const auto& [storage, bytes] : plan->constants) {
-    if (constant_plans_[storage]++ == 0) plan_bytes_ += bytes;
-  }
-  pending_.erase(plan->bucket());
-  evict_locked(plan->bucket());
-}
-
-void PlanCache::release_constants_locked(const Plan& plan) {
-  for (const auto& [storage, bytes] : plan.constants) {
-    auto it = constant_plans_.find(storage);
-    if (--it->second == 0) {
-      plan_bytes_ -= bytes;
-      constant_plans_.erase(it);
-    }
-  }
-}
-
-void PlanCache::evict_locked(const Bucket& keep) {
-  auto over = [this] {
-    const auto count = static_cast<int64_t>(plans_.size());
-    return (options_.max_plans > 0 && count > options_.max_plans) ||
-           (options_.max_bytes > 0 && plan_bytes_ > options_.max_bytes && count > 1);
-  };
-  while (over()) {
-    auto victim = plans_.end();
-    for (auto it = plans_.begin(); it != plans_.end(); ++it) {
-      if (it->first == keep) continue;
-      if (victim == plans_.end() ||
-          it->second->last_used.load(std::memory_order_relaxed) < victim->second->last_used.load(std::memory_order_relaxed)) {
-        victim = it;
-      }
-    }
-    if (victim == plans_.end()) break;
-    release_constants_locked(*victim->second);
-    victim->second->record->evictions.fetch_add(1, std::memory_order_relaxed);
-    plans_.erase(victim);  // calls running it hold their own reference
-  }
-}
-
 std::shared_ptr<PlanCache::Plan> PlanCache::wait_for_plan(const Bucket& bucket,
                                                           std::shared_future<std::shared_ptr<Plan>> future) {
   // The builder always fulfils the future (value or error: build_plan's callers catch
@@ -218,34 +161,20 @@ std::shared_ptr<PlanCache::Plan> PlanCache::wait_for_plan(const Bucket& bucket,
 
 std::shared_ptr<PlanCache::Plan> PlanCache::get_or_build(const Bucket& bucket, const std::vector<c10::IValue>& example) {
   std::promise<std::shared_ptr<Plan>> promise;
-  std::shared_future<std::shared_ptr<Plan>> future;
-  bool owner = false;
-  {
-    std::unique_lock<std::shared_mutex> lock(mutex_);
-    if (auto it = plans_.find(bucket); it != plans_.end()) return it->second;
-    if (auto it = pending_.find(bucket); it != pending_.end()) {
-      future = it->second;
-    } else {
-      future = promise.get_future().share();
-      pending_.emplace(bucket, future);
-      owner = true;
-    }
-  }
-  if (!owner) return wait_for_plan(bucket, future);  // only callers of this bucket wait
+  const auto claim = table_->claim(bucket, promise.get_future().share());
+  if (claim.plan) return claim.plan;
+  if (!claim.owner) return wait_for_plan(bucket, claim.future);  // only callers of this bucket wait
   std::shared_ptr<Plan> plan;
   try {
     plan = build_plan(bucket, example);
   } catch (...) {
-    {
-      std::unique_lock<std::shared_mutex> lock(mutex_);
-      pending_.erase(bucket);
-    }
+    table_->abandon(bucket);
     build_failures_.fetch_add(1, std::memory_order_relaxed);
     promise.set_exception(std::current_exception());
     throw;
   }
   remember_example(example);
-  insert_plan(plan);
+  table_->insert(plan);
   promise.set_value(plan);
   if (plan->capture_pending.load(std::memory_order_acquire)) capture_graph(*plan, example);
   return plan;
@@ -294,24 +223,18 @@ c10::IValue PlanCache::serve_miss(const Bucket& bucket, const Bucket& sizes, con
 c10::IValue PlanCache::run_request(const Bucket& sizes, const std::vector<c10::IValue>& inputs, bool count_call) {
   const auto start = Clock::now();
   const Bucket bucket = layout_->bucket_of(sizes);
-  std::shared_ptr<Plan> plan;
+  std::shared_ptr<Plan> plan = table_->find(bucket);
   std::shared_ptr<SizeRecord> rec;
-  std::shared_ptr<const Signature> signature;
-  {
-    std::shared_lock<std::shared_mutex> lock(mutex_);
-    if (auto it = plans_.find(bucket); it != plans_.end()) plan = it->second;
-    signature = signature_;
-  }
-  check_signature(signature.get(), inputs, sizes);
+  check_signature(inputs, sizes);
   c10::IValue output;
   if (plan) {
     rec = plan->record;
-    plan->last_used.store(clock_.fetch_add(1, std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    table_->touch(*plan);
     rec->hits.fetch_add(1, std::memory_order_relaxed);
     hit_lookup_ns_.fetch_add(elapsed_ns(start), std::memory_order_relaxed);
     output = run_on(*plan, inputs, sizes, *rec);
   } else {
-    rec = record(bucket);
+    rec = table_->record(bucket);
     rec->misses.fetch_add(1, std::memory_order_relaxed);
     output = serve_miss(bucket, sizes, inputs, *rec);
   }
@@ -362,9 +285,8 @@ int64_t PlanCache::select_batch_size(int64_t max_count) const {
   const int64_t limit = layout_->max_size(0);
   const int64_t cap = limit > 0 ? std::min(max_count, limit) : max_count;
   int64_t best = 0;
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  for (const auto& entry : plans_) {
-    if (entry.first[0] <= cap && entry.first[0] > best) best = entry.first[0];
+  for (const auto& plan : table_->plans()) {
+    if (plan->bucket()[0] <= cap && plan->bucket()[0] > best) best = plan->bucket()[0];
   }
   return best > 0 ? best : cap;
 }

@@ -15,8 +15,13 @@
 // miss builds that plan, pads to a larger cached bucket, splits the batch into cached ones, or runs
 // the source while the plan builds in the background.
 //
-// Thread safety: every public method may be called from many threads at once. Hits take a shared
-// lock only and never wait for a build. Concurrent misses of one bucket build once; waits for
+// Made of parts, each a unit of its own: the plan table (plan_table.h: plans by bucket, builds in
+// progress, records, eviction), the build worker (build_worker.h), the router (router.h: pad,
+// split), persistence (persistence.h: manifest, packages), the layout (layout.h) and the plan
+// kinds (plan.h); this class routes each call through them.
+//
+// Thread safety: every public method may be called from many threads at once. Hits take shared
+// locks only and never wait for a build. Concurrent misses of one bucket build once; waits for
 // another thread's build are bounded by timeout_seconds. Evicted plans stay alive until the calls
 // running them finish. A forked child may destroy an inherited cache; it cannot use background
 // builds (their thread is not in the child) and gets an error saying so.
@@ -31,7 +36,6 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
@@ -367,6 +371,7 @@ struct ExportSource {
 };
 
 class PlanSource;     // plan.h
+class PlanTable;      // plan_table.h
 struct ManifestPlan;  // persistence.h
 class BuildWorker;    // build_worker.h
 
@@ -441,14 +446,10 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
  private:
   struct Signature;  // inputs.cpp
 
-  // The cache's bookkeeping and routing (plan_cache.cpp).
+  // Routing a call to its plan, a route or a build (plan_cache.cpp).
   void start();
-  std::shared_ptr<SizeRecord> record(const Bucket& bucket);
   std::shared_ptr<Plan> get_or_build(const Bucket& bucket, const std::vector<c10::IValue>& example);
   std::shared_ptr<Plan> wait_for_plan(const Bucket& bucket, std::shared_future<std::shared_ptr<Plan>> future);
-  void insert_plan(const std::shared_ptr<Plan>& plan);
-  void evict_locked(const Bucket& keep);
-  void release_constants_locked(const Plan& plan);
   c10::IValue serve_miss(const Bucket& bucket, const Bucket& sizes, const std::vector<c10::IValue>& inputs,
                          SizeRecord& rec);
   c10::IValue run_request(const Bucket& sizes, const std::vector<c10::IValue>& inputs, bool count_call);
@@ -498,16 +499,12 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   PlanCacheOptions options_;
   std::unique_ptr<Layout> layout_;
 
-  mutable std::shared_mutex mutex_;  // guards everything below up to the worker state
-  std::unordered_map<Bucket, std::shared_ptr<Plan>, BucketHash> plans_;
-  std::unordered_map<Bucket, std::shared_future<std::shared_ptr<Plan>>, BucketHash> pending_;
-  std::unordered_map<Bucket, std::shared_ptr<SizeRecord>, BucketHash> records_;
+  std::unique_ptr<PlanTable> table_;  // the plans, builds in progress, records; its own lock
+
+  mutable std::shared_mutex example_mutex_;  // guards the two below
   std::shared_ptr<const Signature> signature_;
   std::vector<c10::IValue> example_;  // one row of each input, the batch size 1
-  int64_t plan_bytes_ = 0;  // distinct constants of the cached plans
-  std::unordered_map<const void*, int64_t> constant_plans_;  // constant -> cached plans referencing it
 
-  std::atomic<uint64_t> clock_{0};  // LRU ticks
   std::atomic<int64_t> build_failures_{0};
   std::atomic<int64_t> graph_capture_failures_{0};
   std::atomic<int64_t> hit_lookup_ns_{0};

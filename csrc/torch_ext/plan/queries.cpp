@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "torch_ext/plan/plan_table.h"
+
 namespace torch_ext::plan {
 
 void PlanCache::preload(const std::vector<int64_t>& batch_sizes, const std::vector<c10::IValue>& example_inputs,
@@ -51,24 +53,19 @@ void PlanCache::preload_bucket_list(const std::vector<Bucket>& buckets, const st
     check_signature(example_inputs, layout_->sizes_of(example_inputs));
     std::shared_ptr<const Signature> before;
     {
-      std::shared_lock<std::shared_mutex> lock(mutex_);
+      std::shared_lock<std::shared_mutex> lock(example_mutex_);
       before = signature_;
     }
     if (!before) {
       remember_example(example_inputs);
-      std::shared_lock<std::shared_mutex> lock(mutex_);
+      std::shared_lock<std::shared_mutex> lock(example_mutex_);
       tentative = signature_;
     }
   }
   const auto total = static_cast<int64_t>(buckets.size());
   int64_t done = 0;
   for (const Bucket& b : buckets) {
-    bool cached = false;
-    {
-      std::shared_lock<std::shared_mutex> lock(mutex_);
-      cached = plans_.count(b) > 0;
-    }
-    if (!cached) {
+    if (!table_->contains(b)) {
       try {
         std::string why;
         TORCH_CHECK(source_->can_build(why), "PlanCache.preload: cannot build the plan for ", layout_->describe(b),
@@ -77,8 +74,8 @@ void PlanCache::preload_bucket_list(const std::vector<Bucket>& buckets, const st
       } catch (...) {
         if (tentative && done == 0) {
           // The example never produced a plan: it must not define the cache's inputs.
-          std::unique_lock<std::shared_mutex> lock(mutex_);
-          if (signature_ == tentative && plans_.empty()) {
+          std::unique_lock<std::shared_mutex> lock(example_mutex_);
+          if (signature_ == tentative && table_->empty()) {
             signature_.reset();
             example_.clear();
           }
@@ -93,11 +90,7 @@ void PlanCache::preload_bucket_list(const std::vector<Bucket>& buckets, const st
 
 std::vector<std::vector<int64_t>> PlanCache::cached_buckets() const {
   std::vector<std::vector<int64_t>> out;
-  {
-    std::shared_lock<std::shared_mutex> lock(mutex_);
-    for (const auto& entry : plans_) out.push_back(entry.first.vec());
-  }
-  std::sort(out.begin(), out.end());
+  for (const auto& plan : table_->plans()) out.push_back(plan->bucket().vec());
   return out;
 }
 
@@ -110,30 +103,25 @@ std::vector<int64_t> PlanCache::cached_sizes() const {
 }
 
 bool PlanCache::contains(int64_t batch_size) const {
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  for (const auto& entry : plans_) {
-    if (entry.first[0] == batch_size) return true;
+  for (const auto& plan : table_->plans()) {
+    if (plan->bucket()[0] == batch_size) return true;
   }
   return false;
 }
 
 bool PlanCache::contains_bucket(const std::vector<int64_t>& bucket) const {
-  const Bucket b = Bucket::of(bucket);
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  return plans_.count(b) > 0;
+  return table_->contains(Bucket::of(bucket));
 }
 
 std::optional<torch::jit::Module> PlanCache::plan_module(int64_t batch_size) const {
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  for (const auto& entry : plans_) {
-    if (entry.first[0] == batch_size) return entry.second->exec->module();
+  for (const auto& plan : table_->plans()) {
+    if (plan->bucket()[0] == batch_size) return plan->exec->module();
   }
   return std::nullopt;
 }
 
 std::vector<std::string> PlanCache::call_spec() const {
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  for (const auto& entry : plans_) return entry.second->exec->call_spec();
+  for (const auto& plan : table_->plans()) return plan->exec->call_spec();
   return {};
 }
 
@@ -167,19 +155,17 @@ SizeStats size_stats(const PlanCache::SizeRecord& rec) {
 PlanCacheStats PlanCache::stats() const {
   PlanCacheStats out;
   out.kind = source_->kind();
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  out.plans = static_cast<int64_t>(plans_.size());
-  out.plan_bytes = plan_bytes_;
-  for (const auto& entry : pending_) {
-    if (!plans_.count(entry.first)) ++out.pending_builds;
-  }
+  const auto totals = table_->totals();
+  out.plans = totals.plans;
+  out.plan_bytes = totals.plan_bytes;
+  out.pending_builds = totals.pending_builds;
   out.build_failures = build_failures_.load();
   out.graph_capture_failures = graph_capture_failures_.load();
   out.hit_lookup_seconds = seconds(hit_lookup_ns_.load());
-  for (const auto& [bucket, rec] : records_) {
-    SizeStats s = size_stats(*rec);
-    if (auto it = plans_.find(bucket); it != plans_.end()) {
-      const Plan& plan = *it->second;
+  table_->visit([&](SizeRecord& rec, const Plan* cached) {
+    SizeStats s = size_stats(rec);
+    if (cached) {
+      const Plan& plan = *cached;
       s.cached = true;
       s.plan_bytes = plan.bytes;
       if (source_->builds_dynamic()) s.shapes = plan.spec.dynamic ? "dynamic" : "static";
@@ -203,31 +189,24 @@ PlanCacheStats PlanCache::stats() const {
     out.padded_elements += s.padded_elements;
     out.build_seconds += s.build_seconds;
     out.sizes.push_back(std::move(s));
-  }
+  });
   std::sort(out.sizes.begin(), out.sizes.end(), [](const auto& a, const auto& b) { return a.bucket < b.bucket; });
   return out;
 }
 
 void PlanCache::reset_stats() {
-  std::shared_lock<std::shared_mutex> lock(mutex_);
-  for (const auto& entry : records_) {
-    auto& r = *entry.second;
+  table_->visit([](SizeRecord& r, const Plan*) {
     for (auto* counter : {&r.calls, &r.hits, &r.misses, &r.padded_calls, &r.split_calls, &r.fallback_calls, &r.builds,
                           &r.compiles, &r.evictions, &r.plan_runs, &r.graph_replays, &r.padded_elements, &r.build_ns,
                           &r.total_ns, &r.max_ns, &r.plan_ns}) {
       counter->store(0);
     }
-  }
+  });
   build_failures_.store(0);
   graph_capture_failures_.store(0);
   hit_lookup_ns_.store(0);
 }
 
-void PlanCache::clear() {
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  plans_.clear();
-  constant_plans_.clear();
-  plan_bytes_ = 0;
-}
+void PlanCache::clear() { table_->clear(); }
 
 }  // namespace torch_ext::plan

@@ -4,8 +4,9 @@
 
 #include <exception>
 #include <memory>
-#include <mutex>
+#include <future>
 #include <new>
+#include <shared_mutex>
 #include <string>
 #include <utility>
 
@@ -13,25 +14,19 @@
 
 #include "torch_ext/common/wait.h"
 #include "torch_ext/plan/build_worker.h"
+#include "torch_ext/plan/plan_table.h"
 
 namespace torch_ext::plan {
 
 void PlanCache::enqueue_build(const Bucket& bucket, std::vector<c10::IValue> example) {
   check_usable("infer");
   auto promise = std::make_shared<std::promise<std::shared_ptr<Plan>>>();
-  {
-    std::unique_lock<std::shared_mutex> lock(mutex_);
-    if (plans_.count(bucket) || pending_.count(bucket)) return;
-    pending_.emplace(bucket, promise->get_future().share());
-  }
+  if (!table_->claim(bucket, promise->get_future().share()).owner) return;  // cached, or building already
   BuildWorker::Job job;
   job.what = "bucket " + bucket.str();
   job.run = [this, bucket, example = std::move(example), promise] { build_job(bucket, example, *promise); };
   job.abandon = [this, bucket, promise](std::exception_ptr error) {
-    {
-      std::unique_lock<std::shared_mutex> lock(mutex_);
-      pending_.erase(bucket);
-    }
+    table_->abandon(bucket);
     promise->set_exception(error);
   };
   worker_->push(std::move(job));
@@ -44,13 +39,10 @@ void PlanCache::build_job(const Bucket& bucket, const std::vector<c10::IValue>& 
     // threads (a CUDA rule), and request threads may be synchronising right now.
     auto plan = build_plan(bucket, example, /*background=*/true);
     remember_example(example);
-    insert_plan(plan);
+    table_->insert(plan);
     promise.set_value(plan);
   } catch (...) {
-    {
-      std::unique_lock<std::shared_mutex> cache_lock(mutex_);
-      pending_.erase(bucket);
-    }
+    table_->abandon(bucket);
     build_failures_.fetch_add(1, std::memory_order_relaxed);
     promise.set_exception(std::current_exception());
   }
@@ -75,19 +67,25 @@ void PlanCache::stop_worker() {
 }
 
 void PlanCache::fork_prepare() {
-  // Held across fork(), so the child's copy is never held by a thread it does not have. It is not
-  // held while code that may fork runs (builds and callbacks run outside it).
-  mutex_.lock();
+  // Held across fork(), so the child's copies are never held by a thread it does not have; in
+  // the order the cache takes them (its example's lock, then the table's). They are not held
+  // while code that may fork runs (builds and callbacks run outside them).
+  example_mutex_.lock();
+  table_->fork_prepare();
 }
 
-void PlanCache::fork_parent() { mutex_.unlock(); }
+void PlanCache::fork_parent() {
+  table_->fork_parent();
+  example_mutex_.unlock();
+}
 
 void PlanCache::fork_child() {
   // Made afresh rather than unlocked: glibc's rwlock knows its writer by thread id, which fork
   // changes, so an unlock here would be taken for a reader's and leave it locked. No thread of
-  // the child holds or waits on it.
-  new (&mutex_) std::shared_mutex();
-  if (worker_ || !pending_.empty()) forked_.store(true, std::memory_order_relaxed);
+  // the child holds or waits on them.
+  table_->fork_child();
+  new (&example_mutex_) std::shared_mutex();
+  if (worker_ || table_->has_builds()) forked_.store(true, std::memory_order_relaxed);
 }
 
 void PlanCache::recover_after_fork() {
@@ -96,8 +94,7 @@ void PlanCache::recover_after_fork() {
   // fails their waiters (with an error, not a hang), and they are forgotten, so this process may
   // build them itself.
   if (worker_) worker_->recover_after_fork();
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  pending_.clear();  // also the builds of request threads of the parent: no thread here fulfils them
+  table_->forget_builds();  // also the builds of request threads of the parent: no thread here fulfils them
 }
 
 }  // namespace torch_ext::plan
