@@ -93,11 +93,22 @@ def paired_difference(first: Timing, second: Timing, coverage: float = 0.95) -> 
     (the sign test's order statistics, no assumption about the noise's distribution; below 6
     rounds, 95% needs more rounds than there are and the interval is the whole range);
     first_faster counts the rounds where first took less time."""
-    differences = sorted(f - s for f, s in zip(first.samples, second.samples))
-    n = len(differences)
+    differences = [f - s for f, s in zip(first.samples, second.samples)]
+    return (*_median_interval(differences, coverage), sum(d < 0 for d in differences))
+
+
+def paired_ratio(first: Timing, second: Timing, coverage: float = 0.95) -> tuple[float, float, float]:
+    """(median, low, high) of the per-round ratios first / second of two interleaved timings, with
+    paired_difference's interval."""
+    return _median_interval([f / s for f, s in zip(first.samples, second.samples)], coverage)
+
+
+def _median_interval(values: list[float], coverage: float) -> tuple[float, float, float]:
+    values = sorted(values)
+    n = len(values)
     if n == 0:
-        raise ValueError("paired_difference: no rounds")
-    # The k-th smallest and k-th largest difference bound the median with probability
+        raise ValueError("paired rounds: none were timed")
+    # The k-th smallest and k-th largest value bound the median with probability
     # 1 - 2 P(Binomial(n, 1/2) <= k - 1): take the largest k that keeps that at least `coverage`.
     def coverage_of(k: int) -> float:
         return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
@@ -105,7 +116,7 @@ def paired_difference(first: Timing, second: Timing, coverage: float = 0.95) -> 
     k = 1
     while k < (n + 1) // 2 and coverage_of(k + 1) >= coverage:
         k += 1
-    return statistics.median(differences), differences[k - 1], differences[n - k], sum(d < 0 for d in differences)
+    return statistics.median(values), values[k - 1], values[n - k]
 
 
 def peak_and_time_check(label: str, pair: dict, peaks: dict, ours: str, reference: str,
