@@ -192,6 +192,9 @@ def test_errors_name_the_problem(chain):
         loose.apply(checkpointed)
     with pytest.raises(IndexError, match="block 16"):
         loose.context_fn(16)
+    for owner in (loose.save_items, loose.context_fn):  # the loose plan leaves every block unwrapped
+        with pytest.raises(ValueError, match=r"leaves block 3 unwrapped \(is_checkpointed\(3\) is False\)"):
+            owner(3)
 
 
 def test_choice_takes_n_log_n_steps_and_fills_the_budget_in_order_of_seconds_per_byte():

@@ -85,8 +85,9 @@ class OpPlan:
 
     def save_items(self, block: int) -> list[str]:
         """torch_ext.checkpoint's `save` option for block: each op it saves with its occurrences,
-        as 'aten.addmm.default#0,2' (empty: nothing saved)."""
-        self._check_block("save_items", block)
+        as 'aten.addmm.default#0,2' (empty: nothing saved). Raises for a block the plan leaves
+        unwrapped."""
+        self._check_checkpointed("save_items", block)
         occurrences: dict = {}
         for name, index in self.saved[block]:
             occurrences.setdefault(name, []).append(index)
@@ -102,13 +103,19 @@ class OpPlan:
     def context_fn(self, block: int) -> Callable:
         """torch's context_fn for block (the same choice as save_items, for torch.utils.checkpoint):
         create_selective_checkpoint_contexts with a policy that saves the plan's ops of that block
-        (MUST_SAVE) and recomputes the others."""
-        self._check_block("context_fn", block)
+        (MUST_SAVE) and recomputes the others. Raises for a block the plan leaves unwrapped."""
+        self._check_checkpointed("context_fn", block)
         return functools.partial(_plan_contexts, frozenset(self.saved_ops(block)))
 
     def _check_block(self, owner: str, block: int) -> None:
         if not 0 <= block < len(self.saved):
             raise IndexError(f"OpPlan.{owner}: block {block} is outside 0..{len(self.saved) - 1}")
+
+    def _check_checkpointed(self, owner: str, block: int) -> None:
+        self._check_block(owner, block)
+        if self.checkpointed and not self.checkpointed[block]:
+            raise ValueError(f"OpPlan.{owner}: the plan leaves block {block} unwrapped (is_checkpointed({block}) "
+                             f"is False): it keeps all its activations, so it is not to be checkpointed")
 
     def with_budget(self, budget_bytes: int) -> "OpPlan":
         """The plan for another budget from this plan's measurements (nothing is measured again).
