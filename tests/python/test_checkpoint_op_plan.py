@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_ext
 from torch_ext import memory
 from torch_ext.checkpointing.api import _CheckpointedForward
-from torch_ext.checkpointing.op_planner import _UNWRAP, OpPlan, _choose, _peak, _steps
+from torch_ext.checkpointing.op_choice import _UNWRAP, _choose, _peak, _steps
+from torch_ext.checkpointing.op_planner import OpPlan
 
 
 def mlp_chain(n=16, width=128):

@@ -1,24 +1,14 @@
 """The op-level planner: measure every op inside each block of a chain on real inputs (a
 TorchDispatchMode over one forward: the bytes of its output, the time it takes), then choose, per
 block, whether to checkpoint it and which of its ops' outputs a checkpointed block saves, so that
-the predicted peak fits a byte budget at the least predicted recompute time (greedy: the exact
-choice is a knapsack problem). The ops a plan saves are kept by torch_ext's native selective
-checkpointing (the `save` option, decided in C++), the others are recomputed in backward; a block
-left unwrapped keeps all its activations and costs no replay.
-
-Each block's choices form a curve of recompute seconds against bytes kept: nothing saved, then
-its ops in order of seconds per byte, then the block left unwrapped (its activations kept, its
-replay's fixed cost saved too); the steps of the curve's lower convex hull are the items. The
-choice is O(N log N) in the number N of candidate ops: a heap of all blocks' steps by seconds
-saved per byte, each step taken when the predicted peak with it fits (a segment tree over the
-blocks keeps the peak, O(log n) a step). The plans are monotonic: a lower budget never predicts
-a higher peak."""
+the predicted peak fits a byte budget at the least predicted recompute time (op_choice.py). The
+ops a plan saves are kept by torch_ext's native selective checkpointing (the `save` option,
+decided in C++), the others are recomputed in backward; a block left unwrapped keeps all its
+activations and costs no replay."""
 from __future__ import annotations
 
 import functools
-import heapq
 import json
-import math
 import statistics
 import time
 from collections import Counter, OrderedDict
@@ -32,6 +22,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 
 from .. import _C
 from .api import _CheckpointedForward, checkpoint
+from .op_choice import _choose, _peak
 from .planner import _call, _detach_like, _evaluate, _measure_once, _tensor_leaves, _trainable_parameters
 from .selective import dropout_p
 
@@ -305,168 +296,6 @@ def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, record
         if native_bytes.get((name, index)) != nbytes:
             consistent.discard(name)
     return sorted(consistent)
-
-
-def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], activations: Sequence[int],
-          workspace: Sequence[int], params: Sequence[int]) -> int:
-    """Predicted peak with block i keeping kept_per_block[i] bytes for backward (a checkpointed
-    block: the outputs it saves; an unwrapped one: its activations): while block k runs backward,
-    the blocks before it hold their inputs and what they keep, block k its input, its activations
-    (recomputed or kept), its backward workspace, the gradient of its output and its parameters'
-    gradients. After the last block, what consumes the chain's output (a model's head, the loss)
-    runs while every block holds its input and what it keeps; the plan does not see it and counts
-    it as needing what the last block's backward needs. O(number of blocks)."""
-    held, peak = 0, 0
-    for k in range(len(inputs)):
-        peak = max(peak, held + inputs[k] + activations[k] + workspace[k] + outputs[k] + params[k])
-        held += inputs[k] + kept_per_block[k]
-    return max(peak, held + _after_chain(outputs, activations, workspace, params)) if inputs else peak
-
-
-def _after_chain(outputs, activations, workspace, params) -> int:
-    return activations[-1] + workspace[-1] + outputs[-1] + params[-1]
-
-
-class _Counted:
-    """A sort key that counts its comparisons (the step count of the choice)."""
-    __slots__ = ("key", "counter")
-
-    def __init__(self, key, counter):
-        self.key, self.counter = key, counter
-
-    def __lt__(self, other):
-        self.counter[0] += 1
-        return self.key < other.key
-
-
-class _Peaks:
-    """The predicted peak of _peak, kept up to date as blocks keep more: value k is what the blocks
-    before k hold plus what block k's backward holds, and block j keeping `nbytes` more adds them
-    to every value after j. A segment tree (range add, range maximum): O(log n) an operation in n
-    blocks; `counter` counts the nodes visited."""
-
-    def __init__(self, values: Sequence[int], counter: list) -> None:
-        self.n, self.counter = len(values), counter
-        self.top = [0] * (4 * self.n)  # the maximum below a node, its own additions included
-        self.added = [0] * (4 * self.n)  # added to every value below a node
-        self._build(1, 0, self.n, values)
-
-    def _build(self, node: int, low: int, high: int, values: Sequence[int]) -> None:
-        if high - low == 1:
-            self.top[node] = values[low]
-            return
-        mid = (low + high) // 2
-        self._build(2 * node, low, mid, values)
-        self._build(2 * node + 1, mid, high, values)
-        self.top[node] = max(self.top[2 * node], self.top[2 * node + 1])
-
-    def _apply(self, node: int, low: int, high: int, start: int, nbytes: int) -> None:
-        self.counter[0] += 1
-        if high <= start:
-            return
-        if low >= start:
-            self.top[node] += nbytes
-            self.added[node] += nbytes
-            return
-        mid = (low + high) // 2
-        self._apply(2 * node, low, mid, start, nbytes)
-        self._apply(2 * node + 1, mid, high, start, nbytes)
-        self.top[node] = max(self.top[2 * node], self.top[2 * node + 1]) + self.added[node]
-
-    def _max(self, node: int, low: int, high: int, start: int, end: int) -> float:
-        self.counter[0] += 1
-        if high <= start or low >= end:
-            return -math.inf
-        if start <= low and high <= end:
-            return self.top[node]
-        mid = (low + high) // 2
-        return max(self._max(2 * node, low, mid, start, end),
-                   self._max(2 * node + 1, mid, high, start, end)) + self.added[node]
-
-    @property
-    def peak(self) -> int:
-        return self.top[1]
-
-    def peak_if(self, block: int, nbytes: int) -> float:
-        """The peak if block kept nbytes more."""
-        return max(self._max(1, 0, self.n, 0, block + 1), self._max(1, 0, self.n, block + 1, self.n) + nbytes)
-
-    def keep(self, block: int, nbytes: int) -> None:
-        self._apply(1, 0, self.n, block + 1, nbytes)
-
-
-_UNWRAP = -1  # a step that leaves its block unwrapped
-
-
-def _steps(block: Sequence[list], activations: int, replay: float) -> tuple[list, list]:
-    """Block's choices as steps (op index or _UNWRAP, bytes, seconds saved) along the lower convex
-    hull of its curve: from nothing saved, its ops in order of seconds per byte, then the block
-    unwrapped (activations bytes, no recompute), which replaces the op steps it beats per byte
-    (and any that keep as many bytes as it does). Returns (the hull's steps, the op steps it
-    replaced: the block's next choices when unwrapping it does not fit). O(n log n) in its n ops."""
-    ops = sorted(range(len(block)), key=lambda i: (-block[i][3] / block[i][2], i))
-    points = [(0, sum(op[3] for op in block) + replay, None)]  # (bytes kept, recompute seconds, op)
-    for i in ops:
-        kept, seconds, _ = points[-1]
-        if kept + block[i][2] >= activations:
-            break
-        points.append((kept + block[i][2], seconds - block[i][3], i))
-
-    def saving_per_byte(a, b):  # from point a to point b
-        return (a[1] - b[1]) / (b[0] - a[0]) if b[0] > a[0] else math.inf
-
-    unwrapped = (activations, 0.0, _UNWRAP)
-    while len(points) > 1 and saving_per_byte(points[-2], unwrapped) >= saving_per_byte(points[-2], points[-1]):
-        points.pop()
-    points.append(unwrapped)
-    replaced = [(i, block[i][2], block[i][3]) for i in ops[len(points) - 2:]]
-    return [(b[2], b[0] - a[0], a[1] - b[1]) for a, b in zip(points, points[1:])], replaced
-
-
-def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations, workspace, params, budget: float):
-    """Every block's steps (_steps), in order of recompute seconds saved per byte kept (highest
-    first), each taken when the predicted peak (_peak's) with it fits budget. A block whose step
-    does not fit takes none of its later steps (they build on it), except that a block that cannot be
-    unwrapped goes on with the op steps its unwrapping replaced. A checkpointed block therefore
-    saves a prefix of its ops in order of seconds per byte. Returns (saved per block, checkpointed
-    per block, peak, steps): steps counts the heap's comparisons and the peak updates' tree
-    nodes, O(N log N). A higher budget never predicts a lower peak: at the first step the two
-    budgets take differently, the higher one takes a step the lower one could not fit."""
-    count = [0]
-    blocks = len(ops)
-
-    def entry(k: int, j: int, step: tuple) -> tuple:
-        _, nbytes, seconds = step
-        return (_Counted((-seconds / nbytes if nbytes > 0 else -math.inf, k, j), count), k, step)
-
-    heap, replaced = [], []
-    for k in range(blocks):
-        steps, rest = _steps(ops[k], activations[k], replay[k])
-        heap += [entry(k, j, step) for j, step in enumerate(steps)]
-        replaced.append([entry(k, len(steps) + j, step) for j, step in enumerate(rest)])
-    heapq.heapify(heap)
-    held, own = 0, []
-    for k in range(blocks):
-        own.append(held + inputs[k] + activations[k] + workspace[k] + outputs[k] + params[k])
-        held += inputs[k]
-    peaks = _Peaks(own + [held + _after_chain(outputs, activations, workspace, params)], count)
-    saved: list[list[int]] = [[] for _ in range(blocks)]
-    wrapped, closed = [True] * blocks, [False] * blocks
-    while heap:
-        _, k, (op, nbytes, _) = heapq.heappop(heap)
-        if closed[k]:
-            continue
-        if peaks.peak_if(k, nbytes) > budget:
-            closed[k] = op != _UNWRAP
-            for later in replaced[k] if op == _UNWRAP else ():
-                heapq.heappush(heap, later)
-        elif op == _UNWRAP:
-            peaks.keep(k, nbytes)
-            wrapped[k], saved[k] = False, []
-        else:
-            peaks.keep(k, nbytes)
-            saved[k].append(op)
-    return [[ops[k][i][:2] for i in sorted(block)] for k, block in enumerate(saved)], wrapped, peaks.peak, count[0]
 
 
 def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, repeat: int = 3,
