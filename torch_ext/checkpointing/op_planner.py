@@ -104,7 +104,7 @@ class OpPlan:
 
     def _check_checkpointed(self, owner: str, block: int) -> None:
         self._check_block(owner, block)
-        if self.checkpointed and not self.checkpointed[block]:
+        if not self.is_checkpointed(block):
             raise ValueError(f"OpPlan.{owner}: the plan leaves block {block} unwrapped (is_checkpointed({block}) "
                              f"is False): it keeps all its activations, so it is not to be checkpointed")
 

@@ -638,8 +638,7 @@ void LayerPager::prefetch_loop() {
     prefetcher_idle_ = false;
     if (stop_) return;
     if (helped_blocks_) {  // a streamed product under way: help its caller make the blocks
-      std::shared_ptr<StreamedBlocks> blocks = std::move(helped_blocks_);
-      helped_blocks_.reset();
+      std::shared_ptr<StreamedBlocks> blocks = std::move(helped_blocks_);  // leaves helped_blocks_ empty
       lock.unlock();
       blocks->help();
       blocks.reset();  // unlocked: the last reference frees the caller's tensors, which may be the pager's
