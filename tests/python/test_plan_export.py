@@ -313,3 +313,27 @@ def test_the_batcher_joins_only_requests_of_one_sequence_bucket_unless_told_othe
         assert got.shape == (1, inputs[0].shape[1], 5)
         close(got, eager(encoder, *inputs))
     assert (s.batches, s.max_batch_rows) == ((2, 3) if group_by_bucket else (1, 4))
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(images))).mean((2, 3)))
+
+
+def test_a_dynamic_plan_of_a_convolution_net_answers_each_batch_size_with_its_rows():
+    # Traced at its range's largest batch, AOTInductor compiled this net into a package whose output
+    # kept 16 rows for any batch; the cache traces a dynamic bucket inside its range.
+    torch.manual_seed(0)
+    net = ConvNet().eval()
+    cache = PlanCache(net, (torch.randn(4, 3, 8, 8),), ({0: Dim("batch", max=16)},), buckets=[[16]],
+                      plan_shapes="dynamic", inductor_configs=FAST, warmup_calls=1)
+    cache.preload([16], progress=False)
+    for n in (1, 3, 10, 16):
+        images = torch.randn(n, 3, 8, 8)
+        close(cache(images), eager(net, images))

@@ -316,3 +316,16 @@ def test_stress_eight_threads_for_thirty_seconds_every_mode(rowwise):
         assert s.calls == counts[mode] and s.hits + s.misses == s.calls, mode
         assert sum(z.calls for z in s.sizes) == s.calls and s.plans <= 4 and s.build_failures == 0, mode
         assert s.hits + s.padded_calls + s.split_calls + s.fallback_calls <= s.calls, mode
+
+
+class FixedRows(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(3, 2)  # 3 rows whatever the batch: not what output_batch_dims says
+
+
+def test_a_plan_whose_output_lacks_the_request_s_rows_raises_instead_of_answering():
+    cache = PlanCache(torch.jit.script(FixedRows().eval()))
+    cache(x(3))  # the sizes agree
+    with pytest.raises(RuntimeError, match=r"the plan for batch size 5 ran batch size 5 and its output 0 has shape "
+                                           r"\[3, 2\]: its batch dimension 0 should have size 5"):
+        cache(x(5))

@@ -36,12 +36,29 @@ def bucket_dynamic_shapes(program: torch.export.ExportedProgram, dim_of: Sequenc
     return dict(bound.arguments)
 
 
+def traced_size(lower: int, upper: int) -> int:
+    """The size a dynamic dimension over lower..upper is traced at: inside the range, below its
+    largest. Traced at its largest, AOTInductor (torch 2.13, CPU) can compile a package whose
+    outputs keep that size whatever the input's (a convolution net's batch did: 16 rows out for 10
+    in); 1 would be specialised. A range of 1..2 has no other choice than 2: the cache checks
+    every plan's output sizes, so a package that got it wrong raises instead of answering."""
+    size = min(upper - 1, max(2, (lower + upper) // 2))
+    return size if size >= max(lower, 2) else upper
+
+
 def compile_bucket(program: torch.export.ExportedProgram, dim_of: Sequence[dict], upper: Sequence[int],
                    lower: Sequence[int], dynamic: bool, example: Sequence[torch.Tensor], package_path: str,
                    inductor_configs: Optional[dict] = None) -> str:
-    """Re-export program at one bucket (its sizes static, or a range over it) and compile it."""
+    """Re-export program at one bucket (its sizes static, or a range over it) and compile it. A
+    dynamic bucket is traced with the example narrowed to traced_size in each ranged dimension."""
     import torch._inductor  # noqa: F401  (imported here: loading a saved cache never needs it)
 
+    if dynamic:
+        example = list(example)
+        for i, dims in enumerate(dim_of):
+            for d, k in dims.items():
+                if upper[k] > lower[k] and isinstance(example[i], torch.Tensor):
+                    example[i] = example[i].narrow(int(d), 0, traced_size(lower[k], upper[k]))
     args, kwargs = pytree.tree_unflatten(list(example), program.call_spec.in_spec)
     shapes = bucket_dynamic_shapes(program, dim_of, lower, upper, dynamic)
     exported = torch.export.export(program.module(), tuple(args), kwargs, dynamic_shapes=shapes)

@@ -141,7 +141,11 @@ c10::IValue PlanCache::run_plan(Plan& plan, const std::vector<c10::IValue>& inpu
 c10::IValue PlanCache::run_on(Plan& plan, const std::vector<c10::IValue>& inputs, const Bucket& sizes,
                               SizeRecord& rec) {
   const Bucket target = plan.target(sizes);
-  if (target == sizes) return run_plan(plan, inputs);
+  if (target == sizes) {
+    c10::IValue output = run_plan(plan, inputs);
+    layout_->check_output(output, sizes, layout_->describe(plan.bucket()));
+    return output;
+  }
   rec.padded_elements.fetch_add(static_cast<int64_t>(target.volume() - sizes.volume()), std::memory_order_relaxed);
   return layout_->slice_output(run_plan(plan, layout_->pad(inputs, sizes, target)), sizes, target);
 }
