@@ -35,6 +35,7 @@
 #include "torch_ext/plan/plan.h"
 #include "torch_ext/plan/plan_table.h"
 #include "torch_ext/plan/router.h"
+#include "torch_ext/plan/traffic.h"
 #include "torch_ext/plan/plan_cache.h"
 #include "reliability_helpers.h"
 
@@ -906,6 +907,49 @@ TEST(PlanTable, VisitSeesEveryRecordWithItsCachedPlan) {
   });
   std::sort(visited.begin(), visited.end());
   EXPECT_EQ(visited, (std::vector<std::pair<int64_t, bool>>{{2, true}, {3, false}}));
+}
+
+TEST(PlanTraffic, CountsBySizeAnswersABoxMostRequestedFirstAndDropsPastItsLimit) {
+  plan::TrafficLog log;
+  log.add(plan::Bucket::of({4, 32}), 3);
+  log.add(plan::Bucket::of({2, 16}));
+  log.add(plan::Bucket::of({2, 16}));
+  log.add(plan::Bucket::of({8, 64}), 5);
+  EXPECT_EQ(log.requests(), 10);
+  const auto all = log.sizes();  // ascending
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_EQ(all[0], std::make_pair(plan::Bucket::of({2, 16}), int64_t{2}));
+  EXPECT_EQ(all[2], std::make_pair(plan::Bucket::of({8, 64}), int64_t{5}));
+  // The box [1..4] x [1..32]: 4x32 (3 requests) before 2x16 (2); 8x64 is outside it.
+  const auto box = log.within(plan::Bucket::of({1, 1}), plan::Bucket::of({4, 32}), 8);
+  ASSERT_EQ(box.size(), 2u);
+  EXPECT_EQ(box[0].first, plan::Bucket::of({4, 32}));
+  EXPECT_EQ(box[1].first, plan::Bucket::of({2, 16}));
+  EXPECT_EQ(log.within(plan::Bucket::of({1, 1}), plan::Bucket::of({8, 64}), 1).front().first, plan::Bucket::of({8, 64}));
+  EXPECT_THROW(log.add(plan::Bucket::of({1, 1}), 0), c10::Error);
+  for (int64_t n = 1; log.sizes().size() < plan::TrafficLog::kMaxSizes; ++n) log.add(plan::Bucket::of({100, n}));
+  log.add(plan::Bucket::of({101, 1}), 7);  // a new size, no room: dropped
+  log.add(plan::Bucket::of({2, 16}));      // a size it holds: counted
+  EXPECT_EQ(log.dropped(), 7);
+  EXPECT_EQ(log.sizes().front().second, 3);
+  log.clear();
+  EXPECT_EQ(log.requests(), 0);
+  EXPECT_TRUE(log.sizes().empty());
+}
+
+TEST(PlanTraffic, ConcurrentAddsAreAllCounted) {
+  plan::TrafficLog log;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&log, t] {
+      for (int i = 0; i < 5000; ++i) log.add(plan::Bucket::of({1 + (i + t) % 7}));
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  int64_t total = 0;
+  for (const auto& [sizes, count] : log.sizes()) total += count;
+  EXPECT_EQ(total, 20000);
+  EXPECT_EQ(log.requests(), 20000);
 }
 
 TEST(PlanRouter, PadsToTheSmallestHoldingRunSplitsIntoFewestPiecesAndAutoTakesTheCheaper) {

@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from .. import _C
 from .._script import ScriptObjectFace
 from . import export as _export
+from . import traffic as _traffic
 
 __all__ = ["PlanCache"]
 
@@ -52,6 +53,8 @@ class PlanCache(ScriptObjectFace):
     (a PlanCacheStats whose `sizes` lists a SizeStats per bucket), reset_stats(), clear(),
     wait_for_builds() and kind() are its own.
     """
+
+    bucket_choice: Optional[_traffic.BucketChoice] = None  # set by from_traffic
 
     def __init__(self, module: Source, example_inputs: Optional[Sequence[Any]] = None, dynamic_shapes: Any = None, *,
                  inductor_configs: Optional[dict] = None, **options: Any) -> None:
@@ -175,6 +178,52 @@ class PlanCache(ScriptObjectFace):
                 self.script_object.preload([n], example)
             else:
                 self.script_object.preload_buckets([list(n)], example)
+
+    def traffic(self) -> dict:
+        """The traffic log: {sizes: requests} for each size served (sizes: a tuple, a size per dynamic
+        dimension, batch first), as infer() and infer_batch()'s calls brought them."""
+        return {tuple(row[:-1]): row[-1] for row in self.script_object.traffic()}
+
+    def observe_traffic(self, traffic: Any) -> None:
+        """Adds requests to the traffic log: {sizes: requests}, another PlanCache, or an iterable of
+        requests' sizes (torch_ext.plan.traffic.as_traffic)."""
+        self.script_object.observe_traffic([[*sizes, count] for sizes, count in _traffic.as_traffic(traffic).items()])
+
+    @classmethod
+    def from_traffic(cls, module: Source, traffic: Any, plan_budget: int, example_inputs: Optional[Sequence[Any]] = None,
+                     dynamic_shapes: Any = None, *, inductor_configs: Optional[dict] = None, progress: bool = True,
+                     **options: Any) -> "PlanCache":
+        """A cache whose buckets are chosen for `traffic` ({sizes: requests}, a PlanCache whose log has
+        it, or requests' sizes): at most plan_budget plans, at the least predicted time over that
+        traffic, padding included, by costs measured on this machine (torch_ext.plan.traffic:
+        measure_plans, choose_buckets). An exported program's measurement compiles three packages
+        besides the plans (one dynamic, two static), and plan_shapes='auto' (the default) compiles
+        two a plan; TorchScript compiles nothing. The cache gets the traffic, so 'auto' keeps, per
+        bucket, the plan kind faster at the sizes that bucket serves. Its plans are built before it
+        returns; `bucket_choice` says what was chosen and predicted, stats() what each bucket
+        measures once it serves."""
+        if "buckets" in options:
+            raise TypeError("PlanCache.from_traffic chooses the buckets; pass traffic, not buckets")
+        path = os.fspath(module) if isinstance(module, (str, os.PathLike)) else None
+        scripted = isinstance(module, torch.jit.ScriptModule) or (path is not None and not _is_export_path(path))
+        if scripted and example_inputs is None:
+            raise TypeError("PlanCache.from_traffic: a TorchScript module's cache needs example_inputs (any sizes) "
+                            "to time the model at the traffic's sizes")
+
+        def make(**overrides: Any) -> "PlanCache":
+            cache_options = dict(options, **overrides)
+            if scripted:
+                return cls(module, **cache_options)
+            return cls(module, example_inputs, dynamic_shapes, inductor_configs=inductor_configs, **cache_options)
+
+        traffic = _traffic.as_traffic(traffic)
+        cost, dynamic_cost = _traffic.measure_plans(make, traffic, example_inputs, not scripted, progress=progress)
+        choice = _traffic.choose_buckets(traffic, plan_budget, cost, dynamic_cost)
+        cache = make(buckets=choice.buckets)
+        cache.observe_traffic(traffic)
+        cache.preload(choice.plans, example_inputs, progress=progress)
+        cache.bucket_choice = choice
+        return cache
 
     def __contains__(self, batch_size: int) -> bool:
         return int(batch_size) in self.script_object

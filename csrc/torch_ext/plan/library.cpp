@@ -141,6 +141,15 @@ TORCH_LIBRARY_FRAGMENT(torch_ext, m) {
       .def("stats", [](const Self& self) { return torch_ext::box(self->stats()); })
       .def("reset_stats", [](const Self& self) { self->reset_stats(); })
       .def("clear", [](const Self& self) { self->clear(); })
+      .def("traffic", [](const Self& self) { return self->traffic(); },
+           "The traffic log: a row per size served (a size per dynamic dimension, batch first, then its count)")
+      .def("observe_traffic", [](const Self& self, std::vector<std::vector<int64_t>> rows) { self->observe_traffic(rows); },
+           "Adds rows in traffic()'s form (another cache's log, a recorded stream) to the traffic log")
+      .def("clear_traffic", [](const Self& self) { self->clear_traffic(); })
+      .def("example_inputs", [](const Self& self, std::vector<int64_t> sizes) -> c10::IValue {
+             return c10::IValue(c10::ivalue::Tuple::create(self->example_inputs(sizes)));
+           },
+           "Inputs at the given sizes (one per dynamic dimension, batch first), made from the cache's example")
       .def("wait_for_builds", [](const Self& self, double timeout_seconds) { self->wait_for_builds(timeout_seconds); },
            "Blocks until no build is queued or running; timeout_seconds < 0: the option's",
            {torch::arg("timeout_seconds") = -1.0})

@@ -15,6 +15,7 @@
 #include <c10/core/GradMode.h>
 
 #include "torch_ext/plan/plan_table.h"
+#include "torch_ext/plan/traffic.h"
 
 namespace torch_ext::plan {
 
@@ -32,6 +33,9 @@ int64_t fastest_run(Executable& exec, const std::vector<c10::IValue>& inputs, in
 }
 
 namespace {
+
+// plan_shapes="auto" times a bucket's plans at most at this many of its logged sizes.
+constexpr size_t kTrafficProbes = 8;
 
 std::string shapes_of(const std::vector<c10::IValue>& example) {
   std::ostringstream shapes;
@@ -64,25 +68,36 @@ void PlanCache::make_executable(Plan& plan, const std::vector<c10::IValue>& exam
     plan.spec.dynamic = shapes == PlanShapes::dynamic;
     plan.exec = source_->build(plan.spec, example, compiles);
   } else {
-    // Both candidates, timed on the same probe sizes across the bucket (its smallest, middle and
-    // largest sizes): the static plan runs every probe padded to the largest, the dynamic one
-    // runs each as it is. The faster on average serves; stats keep both figures.
+    // Both candidates, timed on the same probe sizes: the sizes the traffic log has in the bucket
+    // (its most requested), each weighted by its requests; with none, the bucket's smallest,
+    // middle and largest sizes, alike. The static plan runs every probe padded to the largest
+    // sizes, the dynamic one runs each as it is. The faster serves; stats keep both figures.
     PlanSpec fixed = plan.spec, ranged_spec = plan.spec;
     fixed.dynamic = false;
     ranged_spec.dynamic = true;
     auto static_exec = source_->build(fixed, example, compiles);
     auto dynamic_exec = source_->build(ranged_spec, example, compiles);
+    std::vector<std::pair<Bucket, int64_t>> probes = traffic_->within(plan.spec.lower, plan.spec.upper, kTrafficProbes);
+    plan.probe_sizes = static_cast<int64_t>(probes.size());
+    if (probes.empty()) {
+      for (int probe = 0; probe < 3; ++probe) {
+        Bucket sizes = plan.spec.upper;
+        for (int k = 0; k < sizes.rank; ++k) {
+          const int64_t lo = plan.spec.lower[k], hi = plan.spec.upper[k];
+          sizes[k] = probe == 0 ? lo : probe == 1 ? lo + (hi - lo) / 2 : hi;
+        }
+        probes.emplace_back(sizes, 1);
+      }
+    }
     c10::AutoGradMode no_grad(false);
     const int64_t static_ns = fastest_run(*static_exec, example, options_.warmup_calls);
-    int64_t dynamic_ns = 0;
-    for (int probe = 0; probe < 3; ++probe) {
-      Bucket sizes = plan.spec.upper;
-      for (int k = 0; k < sizes.rank; ++k) {
-        const int64_t lo = plan.spec.lower[k], hi = plan.spec.upper[k];
-        sizes[k] = probe == 0 ? lo : probe == 1 ? lo + (hi - lo) / 2 : hi;
-      }
-      dynamic_ns += fastest_run(*dynamic_exec, layout_->resize(example, sizes), options_.warmup_calls) / 3;
+    double weighted_ns = 0, requests = 0;
+    for (const auto& [sizes, count] : probes) {
+      weighted_ns += static_cast<double>(count) *
+                     static_cast<double>(fastest_run(*dynamic_exec, layout_->resize(example, sizes), options_.warmup_calls));
+      requests += static_cast<double>(count);
     }
+    const auto dynamic_ns = static_cast<int64_t>(weighted_ns / requests);
     plan.static_ns = static_ns;
     plan.dynamic_ns = dynamic_ns;
     plan.spec.dynamic = dynamic_ns < static_ns;

@@ -114,8 +114,10 @@ struct PlanCache::SizeRecord {
 struct PlanCache::Plan {
   PlanSpec spec;
   std::unique_ptr<Executable> exec;
-  // plan_shapes="auto": each candidate's mean latency over the bucket's probe sizes (ns).
+  // plan_shapes="auto": each candidate's latency over the bucket's probe sizes (ns), and how many
+  // of them came from the traffic log (0: its smallest, middle and largest sizes).
   int64_t static_ns = 0, dynamic_ns = 0;
+  int64_t probe_sizes = 0;
 
   // With cuda_graphs on CUDA inputs that could be captured; written under the cache's unique
   // lock before capture_pending turns false.

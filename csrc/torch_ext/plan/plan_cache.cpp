@@ -18,6 +18,7 @@
 
 #include "torch_ext/plan/build_worker.h"
 #include "torch_ext/plan/plan_table.h"
+#include "torch_ext/plan/traffic.h"
 
 namespace torch_ext::plan {
 
@@ -104,14 +105,18 @@ void PlanCacheOptions::validate() const {
 }
 
 PlanCache::PlanCache(torch::jit::Module module, PlanCacheOptions options)
-    : options_(std::move(options)), table_(std::make_unique<PlanTable>(options_.max_plans, options_.max_bytes)) {
+    : options_(std::move(options)),
+      table_(std::make_unique<PlanTable>(options_.max_plans, options_.max_bytes)),
+      traffic_(std::make_unique<TrafficLog>()) {
   options_.validate();
   source_ = make_script_source(std::move(module), options_);
   start();
 }
 
 PlanCache::PlanCache(ExportSource source, PlanCacheOptions options)
-    : options_(std::move(options)), table_(std::make_unique<PlanTable>(options_.max_plans, options_.max_bytes)) {
+    : options_(std::move(options)),
+      table_(std::make_unique<PlanTable>(options_.max_plans, options_.max_bytes)),
+      traffic_(std::make_unique<TrafficLog>()) {
   options_.validate();
   const bool folder = std::filesystem::is_directory(source.path);
   std::string program = source.path;
@@ -239,6 +244,7 @@ c10::IValue PlanCache::run_request(const Bucket& sizes, const std::vector<c10::I
     output = serve_miss(bucket, sizes, inputs, *rec);
   }
   if (count_call) {
+    traffic_->add(sizes);
     const int64_t ns = elapsed_ns(start);
     rec->calls.fetch_add(1, std::memory_order_relaxed);
     rec->total_ns.fetch_add(ns, std::memory_order_relaxed);

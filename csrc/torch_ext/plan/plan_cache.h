@@ -254,6 +254,7 @@ struct SizeStats {
   std::string shapes;
   double static_seconds = 0;
   double dynamic_seconds = 0;
+  int64_t probe_sizes = 0;
   int64_t plan_bytes = 0;
   int64_t graph_bytes = 0;
 
@@ -283,10 +284,15 @@ struct SizeStats {
         field("shapes", &SizeStats::shapes,
               "how the cached plan was compiled: 'static', 'dynamic' (exported programs), '' (TorchScript)"),
         field("static_seconds", &SizeStats::static_seconds,
-              "plan_shapes='auto': the static plan's mean latency over the bucket's probe sizes (padded), measured "
-              "at build"),
+              "plan_shapes='auto': the static plan's latency over the bucket's probe sizes (padded), measured at "
+              "build"),
         field("dynamic_seconds", &SizeStats::dynamic_seconds,
-              "plan_shapes='auto': the dynamic plan's mean latency over the same probe sizes"),
+              "plan_shapes='auto': the dynamic plan's latency over the same probe sizes, each weighted by its "
+              "requests"),
+        field("probe_sizes", &SizeStats::probe_sizes,
+              "plan_shapes='auto': how many sizes of the traffic the cache had logged in the bucket were the probe "
+              "sizes (its most requested, at most 8); 0: there were none, and the probes were the bucket's "
+              "smallest, middle and largest sizes"),
         field("plan_bytes", &SizeStats::plan_bytes,
               "constants this bucket's plan references, shared ones included, and its graph"),
         field("graph_bytes", &SizeStats::graph_bytes, "device memory of its CUDA graph (pool and static inputs)"));
@@ -311,6 +317,9 @@ struct PlanCacheStats {
   int64_t cuda_graphs = 0;
   int64_t plan_bytes = 0;
   int64_t pending_builds = 0;
+  int64_t traffic_requests = 0;
+  int64_t traffic_sizes = 0;
+  int64_t traffic_dropped = 0;
   double build_seconds = 0;
   double hit_lookup_seconds = 0;
   std::vector<SizeStats> sizes;
@@ -337,6 +346,11 @@ struct PlanCacheStats {
         field("plan_bytes", &PlanCacheStats::plan_bytes,
               "distinct constants of all cached plans (shared weights once) and their graphs"),
         field("pending_builds", &PlanCacheStats::pending_builds, "builds queued or running"),
+        field("traffic_requests", &PlanCacheStats::traffic_requests,
+              "requests in the traffic log (served, or given to observe_traffic), at its sizes"),
+        field("traffic_sizes", &PlanCacheStats::traffic_sizes, "distinct sizes in the traffic log"),
+        field("traffic_dropped", &PlanCacheStats::traffic_dropped,
+              "requests at sizes the traffic log had no room for (it keeps 4096 sizes)"),
         field("build_seconds", &PlanCacheStats::build_seconds, "time spent building, compiles included, summed"),
         field("hit_lookup_seconds", &PlanCacheStats::hit_lookup_seconds, "total time hits spent finding their plan"),
         field("sizes", &PlanCacheStats::sizes, "per-bucket figures, by bucket"));
@@ -374,6 +388,7 @@ class PlanSource;     // plan.h
 class PlanTable;      // plan_table.h
 struct ManifestPlan;  // persistence.h
 class BuildWorker;    // build_worker.h
+class TrafficLog;     // traffic.h
 
 class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
  public:
@@ -412,7 +427,19 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   // (torch.utils._pytree.treespec_loads); empty when no plan is cached.
   std::vector<std::string> call_spec() const;
   PlanCacheStats stats() const;
-  void reset_stats();
+  void reset_stats();  // the traffic log stays: clear_traffic() empties it
+  // The traffic log: each request's sizes (a size per dynamic dimension, batch first) as infer()
+  // and infer_batch()'s calls brought them, with their count. Each row is the sizes then the count,
+  // sizes ascending. What buckets are chosen from (torch_ext.plan.choose_buckets), and what
+  // plan_shapes='auto' times a bucket's plans at.
+  std::vector<std::vector<int64_t>> traffic() const;
+  // Adds rows in traffic()'s form (another cache's log, a recorded stream) to the log.
+  void observe_traffic(const std::vector<std::vector<int64_t>>& rows);
+  void clear_traffic();
+  // Inputs at `sizes` (a size per dynamic dimension, batch first) made from the example the cache
+  // keeps (an earlier call's inputs, or an exported program's example): what a build warms up on,
+  // and what torch_ext.plan times the model at when it chooses buckets.
+  std::vector<c10::IValue> example_inputs(const std::vector<int64_t>& sizes) const;
   void clear();
   // Blocks until no background build is queued or running, at most timeout_seconds (< 0: the
   // option's); raises if that passes first.
@@ -500,6 +527,7 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   std::unique_ptr<Layout> layout_;
 
   std::unique_ptr<PlanTable> table_;  // the plans, builds in progress, records; its own lock
+  std::unique_ptr<TrafficLog> traffic_;  // its own lock
 
   mutable std::shared_mutex example_mutex_;  // guards the two below
   std::shared_ptr<const Signature> signature_;

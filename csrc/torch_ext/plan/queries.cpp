@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "torch_ext/plan/plan_table.h"
+#include "torch_ext/plan/traffic.h"
 
 namespace torch_ext::plan {
 
@@ -162,6 +163,9 @@ PlanCacheStats PlanCache::stats() const {
   out.build_failures = build_failures_.load();
   out.graph_capture_failures = graph_capture_failures_.load();
   out.hit_lookup_seconds = seconds(hit_lookup_ns_.load());
+  out.traffic_requests = traffic_->requests();
+  out.traffic_sizes = static_cast<int64_t>(traffic_->sizes().size());
+  out.traffic_dropped = traffic_->dropped();
   table_->visit([&](SizeRecord& rec, const Plan* cached) {
     SizeStats s = size_stats(rec);
     if (cached) {
@@ -171,6 +175,7 @@ PlanCacheStats PlanCache::stats() const {
       if (source_->builds_dynamic()) s.shapes = plan.spec.dynamic ? "dynamic" : "static";
       s.static_seconds = seconds(plan.static_ns);
       s.dynamic_seconds = seconds(plan.dynamic_ns);
+      s.probe_sizes = plan.probe_sizes;
       if (const auto& graph = plan.graph) {
         s.cuda_graph = true;
         s.graph_bytes = graph->bytes();
@@ -208,5 +213,44 @@ void PlanCache::reset_stats() {
 }
 
 void PlanCache::clear() { table_->clear(); }
+
+std::vector<std::vector<int64_t>> PlanCache::traffic() const {
+  std::vector<std::vector<int64_t>> rows;
+  for (const auto& [sizes, count] : traffic_->sizes()) {
+    rows.push_back(sizes.vec());
+    rows.back().push_back(count);
+  }
+  return rows;
+}
+
+void PlanCache::observe_traffic(const std::vector<std::vector<int64_t>>& rows) {
+  const int rank = layout_->rank();
+  std::string dims;
+  for (int d = 0; d < rank; ++d) dims += (d ? ", " : "") + layout_->name(d);
+  std::vector<std::pair<Bucket, int64_t>> checked;  // all rows are checked before any is added
+  for (const auto& row : rows) {
+    TORCH_CHECK_VALUE(row.size() == static_cast<size_t>(rank) + 1, "PlanCache.observe_traffic: each row is a size per "
+                      "dynamic dimension (", dims, ") then a count; got ", row.size(),
+                      " numbers");
+    const Bucket sizes = Bucket::of({row.begin(), row.end() - 1});
+    for (int d = 0; d < rank; ++d) {
+      TORCH_CHECK_VALUE(sizes[d] > 0, "PlanCache.observe_traffic: sizes must be > 0, got ", sizes.str());
+    }
+    TORCH_CHECK_VALUE(row.back() > 0, "PlanCache.observe_traffic: the count of ", sizes.str(),
+                      " must be > 0, got ", row.back());
+    checked.emplace_back(sizes, row.back());
+  }
+  for (const auto& [sizes, count] : checked) traffic_->add(sizes, count);
+}
+
+void PlanCache::clear_traffic() { traffic_->clear(); }
+
+std::vector<c10::IValue> PlanCache::example_inputs(const std::vector<int64_t>& sizes) const {
+  TORCH_CHECK_VALUE(sizes.size() == static_cast<size_t>(layout_->rank()), "PlanCache.example_inputs: expected a size "
+                    "per dynamic dimension (", layout_->rank(), "), got ", sizes.size());
+  const Bucket bucket = Bucket::of(sizes);
+  layout_->check_bucket(bucket, "PlanCache.example_inputs");
+  return example_at(bucket);
+}
 
 }  // namespace torch_ext::plan

@@ -1,0 +1,204 @@
+"""Plans chosen from traffic: the PlanCache's traffic log, choose_buckets' search, plan_shapes='auto'
+timed at the logged sizes, and PlanCache.from_traffic over TorchScript and exported programs."""
+import collections
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.export import Dim
+
+from torch_ext import PlanCache
+from torch_ext.plan.traffic import as_traffic, choose_buckets
+from test_plan import Net as MLP  # noqa: E402  (pytest puts this folder on sys.path)
+
+FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}  # the wrapper at -O0: the kernels are unchanged
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    torch.manual_seed(0)
+    return MLP().eval()
+
+
+@pytest.fixture(scope="module")
+def scripted(mlp):
+    return torch.jit.script(mlp)
+
+
+def x(n: int) -> torch.Tensor:
+    return torch.randn(n, 8)
+
+
+def stream(seed: int, count: int = 300, largest: int = 16) -> list:
+    rng = random.Random(seed)
+    return [min(largest, max(1, int(rng.lognormvariate(1.0, 0.8)))) for _ in range(count)]
+
+
+def test_the_log_counts_each_served_request_at_its_sizes(scripted):
+    cache = PlanCache(scripted)
+    sizes = [1, 3, 3, 5, 5, 5]
+    for n in sizes:
+        cache(x(n))
+    assert cache.traffic() == {(1,): 1, (3,): 2, (5,): 3}
+    s = cache.stats()
+    assert (s.traffic_requests, s.traffic_sizes, s.traffic_dropped) == (6, 3, 0)
+    cache.infer_batch(x(7))  # logged as the calls it makes: 5 + 1 + 1, the cached sizes
+    assert cache.traffic() == {(1,): 3, (3,): 2, (5,): 4}
+    cache.reset_stats()  # the statistics, not the log
+    assert cache.traffic()[(5,)] == 4
+    cache.clear_traffic()
+    assert cache.traffic() == {} and cache.stats().traffic_requests == 0
+
+
+def test_observed_traffic_is_added_and_bad_rows_are_refused_whole(scripted):
+    cache = PlanCache(scripted)
+    cache.observe_traffic({2: 4, (6,): 1})
+    cache.observe_traffic([2, 9])  # a stream of requests' sizes
+    other = PlanCache(scripted)
+    other.observe_traffic({9: 2})
+    cache.observe_traffic(other)
+    assert cache.traffic() == {(2,): 5, (6,): 1, (9,): 3}
+    with pytest.raises(ValueError, match="count of 3 must be > 0"):
+        cache.script_object.observe_traffic([[4, 1], [3, 0]])
+    with pytest.raises(ValueError, match=r"a size per dynamic dimension \(batch\) then a count; got 3"):
+        cache.script_object.observe_traffic([[4, 4, 1]])
+    with pytest.raises(ValueError, match="positive integer"):
+        cache.observe_traffic({4: -1})
+    assert cache.traffic() == {(2,): 5, (6,): 1, (9,): 3}  # nothing of a refused call was added
+
+
+def test_the_log_keeps_4096_sizes_and_counts_the_rest_as_dropped(scripted):
+    cache = PlanCache(scripted)
+    cache.script_object.observe_traffic([[n, 1] for n in range(1, 4100)])
+    s = cache.stats()
+    assert (s.traffic_sizes, s.traffic_requests, s.traffic_dropped) == (4096, 4096, 3)
+    cache.script_object.observe_traffic([[1, 5]])  # a size it holds is still counted
+    assert cache.traffic()[(1,)] == 6
+
+
+def brute_force(traffic: dict, plans: int, cost) -> float:
+    """The least total over every set of at most `plans` bounds in one dimension."""
+    values = sorted({s[0] for s in traffic})
+    best = float("inf")
+    for k in range(plans):
+        for inner in itertools.combinations(values[:-1], k):
+            bounds = list(inner) + [values[-1]]
+            total = sum(c * cost(np.array([[min(b for b in bounds if b >= s[0])]]))[0] for s, c in traffic.items())
+            best = min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_dimension_is_chosen_optimally(seed):
+    traffic = as_traffic(stream(seed, largest=24))
+    rng = np.random.default_rng(seed)
+    per_call, per_row = rng.uniform(1e-5, 1e-3), rng.uniform(1e-6, 1e-4)
+
+    def cost(points):
+        return per_call + per_row * points[:, 0]
+
+    requests = sum(traffic.values())
+    for plans in (1, 2, 3, 4):
+        choice = choose_buckets(traffic, plans, cost)
+        assert len(choice.plans) <= plans and choice.buckets[0][-1] == max(s[0] for s in traffic)
+        assert choice.predicted_seconds * requests == pytest.approx(brute_force(traffic, plans, cost), rel=1e-9)
+
+
+def covering(choice, sizes: tuple) -> tuple:
+    return tuple(min(b for b in bounds if b >= s) for bounds, s in zip(choice.buckets, sizes))
+
+
+def test_two_dimensions_stay_within_the_budget_and_every_request_has_a_plan():
+    rng = random.Random(3)
+    traffic = collections.Counter((max(1, int(rng.lognormvariate(0.7, 0.8))), max(2, int(rng.lognormvariate(3, 0.6))))
+                                  for _ in range(1000))
+
+    def cost(points):  # a call's overhead, then work quadratic in the sequence
+        return 2e-4 + 1e-8 * points[:, 0] * points[:, 1] ** 2
+
+    for plans in (1, 2, 4, 8):
+        choice = choose_buckets(traffic, plans, cost)
+        assert len(choice.plans) <= plans and sum(choice.plan_requests) == 1000
+        assert {covering(choice, s) for s in traffic} == set(choice.plans)
+        assert choice.plan_kinds == ["static"] * len(choice.plans)  # no dynamic cost given
+        assert choice.predicted_seconds >= choice.unpadded_seconds * (1 - 1e-12)
+    # Enough plans and candidate bounds for every size: each runs unpadded.
+    everything = choose_buckets(traffic, len(traffic), cost, max_candidates=1000)
+    assert everything.padding == pytest.approx(0) and everything.predicted_seconds == pytest.approx(
+        everything.unpadded_seconds)
+
+
+def test_a_dynamic_plan_is_predicted_where_it_is_cheaper_than_padding():
+    traffic = {(1,): 50, (16,): 1}
+
+    def static(points):
+        return 1e-4 * points[:, 0]
+
+    one = choose_buckets(traffic, 1, static, lambda points: 1.2 * static(points))
+    assert one.plans == [(16,)] and one.plan_kinds == ["dynamic"]  # 50 requests padded 16x cost more
+    two = choose_buckets(traffic, 2, static, lambda points: 1.2 * static(points))
+    assert two.plans == [(1,), (16,)] and two.plan_kinds == ["static", "static"]
+
+
+def test_bad_traffic_is_refused():
+    with pytest.raises(ValueError, match="no requests"):
+        as_traffic({})
+    with pytest.raises(ValueError, match="every request has a size per dynamic dimension"):
+        as_traffic([(1, 2), (3,)])
+    with pytest.raises(ValueError, match="positive integers"):
+        as_traffic([0])
+    with pytest.raises(ValueError, match="max_plans must be a positive integer"):
+        choose_buckets({1: 1}, 0, lambda p: p[:, 0] * 1.0)
+
+
+def test_from_traffic_on_torchscript_builds_the_chosen_plans_and_serves_the_traffic(mlp, scripted):
+    traffic = stream(5)
+    cache = PlanCache.from_traffic(scripted, traffic, 3, (x(2),), miss_mode="pad", progress=False)
+    choice = cache.bucket_choice
+    assert 1 <= len(choice.plans) <= 3 and cache.buckets == choice.buckets
+    assert cache.cached_buckets() == [list(p) for p in choice.plans]
+    assert cache.traffic() == as_traffic(traffic)
+    for n in sorted(set(traffic)):
+        inputs = x(n)
+        with torch.no_grad():
+            torch.testing.assert_close(cache(inputs), mlp(inputs))
+    assert cache.stats().builds == len(choice.plans)  # every request served by a chosen plan
+    with pytest.raises(TypeError, match="needs example_inputs"):
+        PlanCache.from_traffic(scripted, traffic, 3)
+    with pytest.raises(TypeError, match="chooses the buckets"):
+        PlanCache.from_traffic(scripted, traffic, 3, (x(2),), buckets=[[4]])
+
+
+SHAPES = ({0: Dim("batch", max=16)},)
+
+
+def test_auto_times_a_bucket_at_the_sizes_its_traffic_brings(mlp):
+    cache = PlanCache(mlp, (x(2),), SHAPES, buckets=[[8, 16]], plan_shapes="auto", inductor_configs=FAST,
+                      warmup_calls=1)
+    cache.observe_traffic({3: 5, 5: 2, 12: 7})
+    cache.preload([8], progress=False)  # sizes 1..8: 3 and 5 logged
+    cache.clear_traffic()
+    cache.preload([16], progress=False)  # nothing logged: the bucket's smallest, middle and largest
+    probes = {z.batch_size: z.probe_sizes for z in cache.stats().sizes}
+    assert probes == {8: 2, 16: 0}
+
+
+def test_from_traffic_on_an_exported_program_builds_within_its_budget_and_equals_eager(mlp):
+    traffic = stream(7, count=200)
+    cache = PlanCache.from_traffic(mlp, traffic, 2, (x(2),), SHAPES, inductor_configs=FAST, warmup_calls=1,
+                                   miss_mode="pad", progress=False)
+    choice = cache.bucket_choice
+    s = cache.stats()
+    assert 1 <= len(choice.plans) <= 2
+    # 'auto' compiles two a bucket of several sizes (timed at its logged sizes), one a bucket of one.
+    lowers = dict(zip(choice.buckets[0], [1] + [b + 1 for b in choice.buckets[0][:-1]]))
+    ranged = {(n,) for n, lower in lowers.items() if lower < n}
+    assert s.compiles == sum(2 if p in ranged else 1 for p in choice.plans)
+    assert all((z.probe_sizes > 0) == ((z.batch_size,) in ranged) for z in s.sizes)
+    for n in sorted(set(traffic)):
+        inputs = x(n)
+        with torch.no_grad():
+            torch.testing.assert_close(cache(inputs), mlp(inputs), rtol=1e-4, atol=1e-5)
+    assert cache.stats().compiles == s.compiles  # the traffic needed no other plan

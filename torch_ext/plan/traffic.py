@@ -1,0 +1,343 @@
+"""Plans chosen from traffic: which buckets a PlanCache holds, from the sizes its requests bring.
+
+A request's sizes are one per dynamic dimension, batch first (a batch size; or a batch and a
+sequence length). A bucket serves every request up to its upper bounds, padded to them. Which
+buckets to hold is a trade: each plan costs a compile and memory, and each padded element costs
+time on every request it pads. choose_buckets weighs that over the traffic with a cost measured
+on the model (the seconds of one call at each size), greedily: from one bucket at the traffic's
+largest sizes, it adds the bound (one dimension, at a size the traffic brings) that saves the most
+predicted seconds per plan it adds, until max_plans plans or until no bound saves time. Its work
+grows with (distinct sizes) x (candidate bounds) x (bounds added).
+
+PlanCache.from_traffic measures the cost on one plan that spans the traffic's sizes (an exported
+program: a dynamic AOTInductor package, one compile; TorchScript: its frozen module), chooses the
+buckets, makes the cache with them, hands it the traffic (so plan_shapes='auto' times each bucket's
+static and dynamic plans at the sizes that bucket serves, weighted by their requests) and builds
+the plans.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Union
+
+import numpy as np
+import torch
+
+__all__ = ["BucketChoice", "as_traffic", "choose_buckets", "measure_plans", "measured_cost"]
+
+Sizes = tuple
+Traffic = dict
+# The seconds of one call at each row of an (m x rank) array of sizes.
+CostFn = Callable[[np.ndarray], np.ndarray]
+
+
+def as_traffic(traffic: Union[Mapping, Iterable, Any]) -> Traffic:
+    """{sizes: requests} from a mapping of sizes (an int or a tuple of ints) to counts, a PlanCache
+    or its script_object (its traffic log), or an iterable of requests' sizes (one request each)."""
+    if isinstance(traffic, torch.ScriptObject):
+        traffic = {tuple(row[:-1]): row[-1] for row in traffic.traffic()}
+    elif hasattr(traffic, "script_object"):
+        traffic = traffic.traffic()
+    if isinstance(traffic, Mapping):
+        pairs = list(traffic.items())
+    else:
+        counted: dict = {}
+        for sizes in traffic:
+            key = sizes if isinstance(sizes, int) else tuple(sizes)
+            counted[key] = counted.get(key, 0) + 1
+        pairs = list(counted.items())
+    out: Traffic = {}
+    rank = None
+    for sizes, count in pairs:
+        key = (sizes,) if isinstance(sizes, (int, np.integer)) else tuple(sizes)
+        if not key or any(not isinstance(s, (int, np.integer)) or s < 1 for s in key):
+            raise ValueError(f"traffic: sizes must be positive integers, one per dynamic dimension; got {sizes!r}")
+        if rank is not None and len(key) != rank:
+            raise ValueError(f"traffic: every request has a size per dynamic dimension; {sizes!r} has {len(key)}, "
+                             f"others {rank}")
+        if not isinstance(count, (int, np.integer)) or count < 1:
+            raise ValueError(f"traffic: the count of {sizes!r} must be a positive integer, got {count!r}")
+        rank = len(key)
+        key = tuple(int(s) for s in key)
+        out[key] = out.get(key, 0) + int(count)
+    if not out:
+        raise ValueError("traffic: no requests")
+    return out
+
+
+@dataclass(frozen=True)
+class BucketChoice:
+    """What choose_buckets chose, and what it predicts."""
+
+    buckets: list             # the PlanCache option: per dynamic dimension, its ascending upper bounds
+    plans: list               # the buckets the traffic uses (their largest sizes): the plans to build
+    plan_requests: list       # requests each of `plans` serves
+    plan_kinds: list          # the kind predicted cheaper for each: 'static' (padded) or 'dynamic'
+    plan_seconds: list        # predicted mean seconds of a request in each of `plans`
+    predicted_seconds: float  # mean predicted seconds per request, padding included
+    unpadded_seconds: float   # the same were every request run at its own sizes (one plan per size)
+    padding: float            # the share of computed elements that are padding
+
+    def describe(self) -> str:
+        return (f"{len(self.plans)} plan(s) {', '.join('x'.join(map(str, p)) for p in self.plans)}: predicted "
+                f"{self.predicted_seconds * 1e3:.3f} ms a request ({self.predicted_seconds / self.unpadded_seconds:.2f}x "
+                f"of one plan per size), {self.padding:.0%} of elements padding")
+
+
+def _candidates(values: np.ndarray, limit: int) -> np.ndarray:
+    """At most `limit` of a dimension's distinct sizes, spread over them, the largest always in."""
+    if values.size <= limit:
+        return values
+    picks = np.unique(np.round(np.linspace(0, values.size - 1, limit)).astype(np.int64))
+    return values[picks]
+
+
+class _Problem:
+    """The traffic on the candidate grid: per request its sizes, count, minimal bound per dimension,
+    its own (dynamic) cost, and the static cost table over every combination of candidate bounds."""
+
+    def __init__(self, traffic: Traffic, cost: CostFn, dynamic_cost: CostFn | None, max_candidates: int) -> None:
+        self.sizes = np.array(list(traffic), dtype=np.int64)
+        self.counts = np.array(list(traffic.values()), dtype=np.float64)
+        self.rank = self.sizes.shape[1]
+        self.cands = [_candidates(np.unique(self.sizes[:, d]), max_candidates) for d in range(self.rank)]
+        # The smallest candidate bound holding each request, per dimension.
+        self.pos = np.stack([np.searchsorted(self.cands[d], self.sizes[:, d], side="left")
+                             for d in range(self.rank)], axis=1)
+        grid = np.array(list(itertools.product(*self.cands)), dtype=np.int64)
+        self.table = np.asarray(cost(grid), dtype=np.float64).reshape([c.size for c in self.cands])
+        self.own_static = np.asarray(cost(self.sizes), dtype=np.float64)
+        self.dynamic = None if dynamic_cost is None else np.asarray(dynamic_cost(self.sizes), dtype=np.float64)
+
+    def uppers(self, bounds: list) -> np.ndarray:
+        """Each request's bucket: the index of its upper bound in each dimension (n x rank)."""
+        return np.stack([bounds[d][np.searchsorted(bounds[d], self.pos[:, d], side="left")]
+                         for d in range(self.rank)], axis=1)
+
+    def evaluate(self, bounds: list) -> tuple:
+        """(total predicted seconds, the buckets in use as flat grid indices, each request's bucket
+        (an index into them), each bucket's predicted seconds, and its kind: True for dynamic)."""
+        flat = np.ravel_multi_index(self.uppers(bounds).T, self.table.shape)
+        used, inverse = np.unique(flat, return_inverse=True)
+        static = np.bincount(inverse, self.counts * self.table.ravel()[flat])
+        dynamic = (np.bincount(inverse, self.counts * self.dynamic) if self.dynamic is not None
+                   else np.full(used.size, np.inf))
+        seconds = np.minimum(static, dynamic)
+        return float(seconds.sum()), used, inverse, seconds, dynamic < static
+
+    def best_bounds(self, d: int, bounds: list, max_plans: int) -> np.ndarray | None:
+        """The bounds of dimension d, the others' fixed, that give the least total with at most
+        max_plans buckets in use: exact, by dynamic programming over d's sorted candidates."""
+        m = self.cands[d].size
+        others = [k for k in range(self.rank) if k != d]
+        if others:
+            other_up = self.uppers(bounds)[:, others]
+            _, group = np.unique(other_up, axis=0, return_inverse=True)
+            group = group.reshape(-1)
+        else:
+            other_up, group = np.zeros((self.sizes.shape[0], 0), dtype=np.int64), np.zeros(self.sizes.shape[0], np.int64)
+        groups = int(group.max()) + 1
+        pos = self.pos[:, d]
+
+        def prefix(weights: np.ndarray) -> np.ndarray:  # (groups x m+1): sums of requests with pos < x
+            cells = np.bincount(group * m + pos, weights, minlength=groups * m).reshape(groups, m)
+            return np.concatenate([np.zeros((groups, 1)), np.cumsum(cells, axis=1)], axis=1)
+
+        requests = prefix(self.counts)
+        dynamic = prefix(self.counts * self.dynamic) if self.dynamic is not None else None
+        index = [None] * self.rank
+        for k, other in enumerate(others):
+            index[other] = other_up[:, k]
+        static = []  # static[i]: prefix sums of the requests' costs were their bound in d candidate i
+        for i in range(m):
+            index[d] = np.full(self.sizes.shape[0], i)
+            static.append(prefix(self.counts * self.table[tuple(index)]))
+        best = np.full((m + 1, max_plans + 1), np.inf)  # best[x][p]: requests with pos < x, p buckets
+        back = np.zeros((m + 1, max_plans + 1, 2), dtype=np.int64)
+        best[0, 0] = 0.0
+        for i in range(m):  # a bucket (j, i]: candidates j..i, bound i
+            for j in range(i + 1):
+                n = requests[:, i + 1] - requests[:, j]
+                occupied = int((n > 0).sum())
+                if occupied == 0:  # a bound no request needs: merged into the next one costs nothing
+                    continue
+                seg_static = static[i][:, i + 1] - static[i][:, j]
+                seg = seg_static if dynamic is None else np.minimum(seg_static, dynamic[:, i + 1] - dynamic[:, j])
+                cost = float(seg[n > 0].sum())
+                if occupied > max_plans:
+                    continue
+                before = best[j, :max_plans + 1 - occupied] + cost
+                target = best[i + 1, occupied:]
+                better = before < target
+                target[better] = before[better]
+                back[i + 1, occupied:][better] = np.stack([np.full(better.sum(), j),
+                                                            np.nonzero(better)[0]], axis=1)
+        p = int(np.argmin(best[m]))
+        if not np.isfinite(best[m, p]):
+            return None
+        chosen, x = [], m
+        while x > 0:
+            chosen.append(x - 1)
+            x, p = int(back[x, p, 0]), int(back[x, p, 1])
+        return np.array(sorted(chosen), dtype=np.int64)
+
+
+def choose_buckets(traffic: Union[Mapping, Iterable, Any], max_plans: int, cost: CostFn,
+                   dynamic_cost: CostFn | None = None, *, max_candidates: int = 32) -> BucketChoice:
+    """Bucket bounds for `traffic` (see as_traffic) with at most max_plans buckets in use, at the
+    least predicted time. cost(sizes): the seconds of a static plan's call at those sizes (each
+    request runs padded to its bucket's largest sizes); dynamic_cost(sizes), where plans may be
+    compiled over a range: the seconds of a dynamic plan's call at the request's own sizes. Each
+    bucket is predicted at the cheaper kind over its requests. max_candidates: the most sizes per
+    dimension considered as bounds.
+
+    The search: for one dimension with the others' bounds fixed, dynamic programming finds the best
+    bounds exactly; with several dimensions it starts from each count of bounds in the last
+    dimension (spread by requests) and optimises one dimension at a time until none improves."""
+    if not isinstance(max_plans, (int, np.integer)) or max_plans < 1:
+        raise ValueError(f"choose_buckets: max_plans must be a positive integer, got {max_plans!r}")
+    problem = _Problem(as_traffic(traffic), cost, dynamic_cost, max_candidates)
+    if problem.rank == 1:
+        return _choice(problem, [problem.best_bounds(0, [], max_plans)])
+    best = None
+    last = problem.cands[-1].size
+    for k in range(1, min(max_plans, last) + 1):
+        # Start: k bounds in the last dimension, spread by requests; one (the largest) in the others.
+        spread = np.quantile(problem.pos[:, -1], np.linspace(0, 1, k + 1)[1:], method="inverted_cdf")
+        bounds = [np.array([c.size - 1]) for c in problem.cands[:-1]]
+        bounds.append(np.unique(np.append(spread.astype(np.int64), last - 1)))
+        total = problem.evaluate(bounds)[0]
+        improved = True
+        while improved:
+            improved = False
+            for d in range(problem.rank):
+                found = problem.best_bounds(d, bounds, max_plans)
+                if found is None:
+                    continue
+                trial = bounds[:d] + [found] + bounds[d + 1:]
+                trial_total = problem.evaluate(trial)[0]
+                if trial_total < total * (1 - 1e-12):
+                    bounds, total, improved = trial, trial_total, True
+        if problem.evaluate(bounds)[1].size <= max_plans and (best is None or total < best[0]):
+            best = (total, bounds)
+    return _choice(problem, best[1])
+
+
+def _choice(problem: _Problem, bounds: list) -> BucketChoice:
+    total, used, inverse, seconds, dynamic = problem.evaluate(bounds)
+    counts = problem.counts
+    requests = np.bincount(inverse, counts)
+    plan_sizes = [tuple(int(problem.cands[d][i]) for d, i in enumerate(np.unravel_index(f, problem.table.shape)))
+                  for f in used]
+    padded = np.array([np.prod(p) for p in plan_sizes], dtype=np.float64)
+    own_volume = counts * np.prod(problem.sizes, axis=1)
+    computed = np.where(dynamic[inverse], own_volume, counts * padded[inverse])
+    own = problem.own_static if problem.dynamic is None else np.minimum(problem.own_static, problem.dynamic)
+    return BucketChoice(
+        buckets=[[int(problem.cands[d][j]) for j in bounds[d]] for d in range(problem.rank)],
+        plans=plan_sizes, plan_requests=[int(r) for r in requests],
+        plan_kinds=["dynamic" if k else "static" for k in dynamic],
+        plan_seconds=[float(t / r) for t, r in zip(seconds, requests)],
+        predicted_seconds=total / float(counts.sum()), unpadded_seconds=float((counts * own).sum() / counts.sum()),
+        padding=float(1 - own_volume.sum() / computed.sum()))
+
+
+def _sample_points(values: np.ndarray, points: int) -> np.ndarray:
+    """`points` sizes spread over [min, max] of a dimension's sizes (all of them when fewer)."""
+    distinct = np.unique(values)
+    if distinct.size <= points:
+        return distinct
+    return np.unique(np.round(np.linspace(distinct[0], distinct[-1], points)).astype(np.int64))
+
+
+def measured_cost(run: Callable[[tuple], Any], traffic: Union[Mapping, Iterable, Any], *, points: int = 5,
+                  repeat: int = 3, progress: bool = False) -> CostFn:
+    """A cost for choose_buckets, measured: run(sizes) is timed (the fastest of `repeat` calls
+    after one warm-up) at `points` sizes per dimension spread over the traffic's range, every
+    combination of them, and the cost elsewhere interpolated linearly in each dimension. A size
+    costs at least what any smaller one measured (the running maximum along each dimension), so
+    timing noise cannot make padding look free."""
+    sizes = np.array(list(as_traffic(traffic)), dtype=np.int64)
+    axes = [_sample_points(sizes[:, d], points) for d in range(sizes.shape[1])]
+    seconds = np.empty([a.size for a in axes])
+    grid: Iterable = list(itertools.product(*(range(a.size) for a in axes)))
+    if progress:
+        from tqdm import tqdm
+        grid = tqdm(grid, desc="PlanCache.from_traffic: timing sizes", unit="size", leave=False, disable=None)
+    for index in grid:
+        seconds[index] = _fastest(run, tuple(int(axes[d][i]) for d, i in enumerate(index)), repeat)
+    for d in range(seconds.ndim):
+        seconds = np.maximum.accumulate(seconds, axis=d)
+    return _interpolated(axes, seconds)
+
+
+def _fastest(run: Callable[[tuple], Any], sizes: tuple, repeat: int) -> float:
+    run(sizes)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run(sizes)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_plans(make: Callable[..., Any], traffic: Traffic, example_inputs: Any, exported: bool, *,
+                  progress: bool = False) -> tuple:
+    """(cost, dynamic_cost) for choose_buckets, measured on probe caches make(**options) returns.
+    TorchScript: its plans at a grid of the traffic's sizes (a plan per size, no compile); static
+    plans only (dynamic_cost None). An exported program: one dynamic package spanning the traffic's
+    sizes, timed on that grid, is the dynamic cost; static packages at the traffic's smallest and
+    largest sizes (two compiles), timed against it there, scale it into the static cost (their
+    ratio interpolated in the log of the sizes' product)."""
+    sizes = np.array(list(traffic), dtype=np.int64)
+    smallest, largest = tuple(int(v) for v in sizes.min(axis=0)), tuple(int(v) for v in sizes.max(axis=0))
+
+    def timer(cache: Any) -> Callable[[tuple], None]:
+        return lambda at: cache.script_object.infer(cache.script_object.example_inputs(list(at)))
+
+    if not exported:
+        probe = make()
+        probe.preload([largest], example_inputs, progress=False)
+        return measured_cost(timer(probe), traffic, progress=progress), None
+    ranged = make(buckets=[[n] for n in largest], plan_shapes="dynamic")
+    ranged.preload([largest], example_inputs, progress=False)
+    dynamic = measured_cost(timer(ranged), traffic, progress=progress)
+    ends = [smallest, largest] if smallest != largest else [largest]
+    fixed = make(buckets=[sorted({a, b}) for a, b in zip(smallest, largest)], plan_shapes="static")
+    fixed.preload(ends, example_inputs, progress=False)
+    ratios = [_fastest(timer(fixed), at, 3) / _fastest(timer(ranged), at, 3) for at in ends]
+    volumes = np.log([float(np.prod(at)) for at in ends])
+
+    def static(points: np.ndarray) -> np.ndarray:
+        points = np.asarray(points).reshape(-1, sizes.shape[1])
+        if len(ends) == 1:
+            return ratios[0] * dynamic(points)
+        ratio = np.interp(np.log(np.prod(points, axis=1).astype(np.float64)), volumes, ratios)
+        return ratio * dynamic(points)
+
+    return static, dynamic
+
+
+def _interpolated(axes: list, seconds: np.ndarray) -> CostFn:
+    def cost(points: np.ndarray) -> np.ndarray:
+        points = np.asarray(points, dtype=np.float64).reshape(-1, len(axes))
+        lower, weight = [], []
+        for d, axis in enumerate(axes):
+            x = np.clip(points[:, d], axis[0], axis[-1])
+            i = np.clip(np.searchsorted(axis, x, side="right") - 1, 0, max(axis.size - 2, 0))
+            span = (axis[np.minimum(i + 1, axis.size - 1)] - axis[i]).astype(np.float64)
+            lower.append(i)
+            weight.append(np.where(span > 0, (x - axis[i]) / np.where(span > 0, span, 1), 0.0))
+        out = np.zeros(points.shape[0])
+        for corner in itertools.product((0, 1), repeat=len(axes)):
+            w = np.ones(points.shape[0])
+            index = []
+            for d, up in enumerate(corner):
+                w = w * (weight[d] if up else 1 - weight[d])
+                index.append(np.minimum(lower[d] + up, axes[d].size - 1))
+            out += w * seconds[tuple(index)]
+        return out
+
+    return cost
