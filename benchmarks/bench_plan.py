@@ -21,6 +21,7 @@ hit's lookup.
     python benchmarks/bench_plan.py --device cuda    # on a GPU: results in plan_cuda{,_steps}.{md,json}
     python benchmarks/bench_plan.py --export         # torch.export programs: see bench_plan_export.py
     python benchmarks/bench_plan.py --batcher        # the batcher against pre-formed batches: bench_plan_batcher.py
+    python benchmarks/bench_plan.py --traffic        # plans chosen from traffic: bench_plan_traffic.py
 """
 from __future__ import annotations
 
@@ -413,6 +414,10 @@ def main() -> None:
     if "--batcher" in sys.argv[1:]:
         import bench_plan_batcher
         bench_plan_batcher.main([arg for arg in sys.argv[1:] if arg != "--batcher"])
+        return
+    if "--traffic" in sys.argv[1:]:
+        import bench_plan_traffic
+        bench_plan_traffic.main([arg for arg in sys.argv[1:] if arg != "--traffic"])
         return
     if "--export" in sys.argv[1:]:
         import os

@@ -1,0 +1,238 @@
+"""bench_plan.py's traffic section: serving with plans chosen from the traffic (CPU).
+
+Two models, a Hugging Face BERT encoder (4 layers, width 256, from its config; token ids and an
+attention mask, batch 1..16 by sequence 2..128, the pooled output) and the CNN of bench_plan.py
+(batch 1..16), each under two traffic shapes: uniform (every batch size and length alike) and
+skewed (batch sizes mostly small, log-normal; lengths log-normal around 24 tokens). Each serves
+2000 requests of a stream drawn afresh (seed 2), after any planning on a recorded stream of the same
+shape (seed 1), by:
+  (a) the eager module
+  (b) TorchScript: script, freeze and optimize_for_inference (the CNN; BERT does not script)
+  (c) torch.compile(dynamic=True), warmed on 4 requests of the recorded stream
+  (d) one AOTInductor package compiled with dynamic batch (and sequence) dimensions
+  (e) PlanCache with hand-chosen buckets (BERT [[4, 16], [32, 128]], the CNN [[4, 8, 16]]), every
+      bucket preloaded, plan_shapes 'auto'
+  (f) PlanCache.from_traffic on the recorded stream, a budget of 4 plans (an exported program: 3
+      compiles to measure, then 2 a plan with plan_shapes 'auto')
+Every variant builds and serves in a process of its own, one intra-op thread, Inductor's caches
+empty (its start-up includes every compile cold).
+
+    python benchmarks/bench_plan.py --traffic            # results in plan_traffic.{md,json}
+    python benchmarks/bench_plan.py --traffic --quick    # 200 requests, the CNN only: a smoke run
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import Report, format_seconds  # noqa: E402
+
+MAX_BATCH, SEQ = 16, (2, 128)
+PLAN_BUDGET = 4
+VARIANTS = ["(a) eager", "(b) TorchScript, frozen", "(c) torch.compile(dynamic=True)",
+            "(d) one dynamic AOTInductor package", "(e) PlanCache, hand-chosen buckets",
+            f"(f) PlanCache.from_traffic, {PLAN_BUDGET} plans"]
+
+
+class Bert(torch.nn.Module):
+    """transformers' BertModel from a config (4 layers, width 256, 4 heads), its pooled output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+        config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                         intermediate_size=1024, max_position_embeddings=SEQ[1])
+        self.bert = transformers.BertModel(config)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=ids, attention_mask=mask).pooler_output
+
+
+def make_cnn() -> torch.nn.Module:
+    from bench_plan import CNN
+    return CNN()
+
+
+MODELS = {
+    "BERT encoder (HF, 4 layers, width 256)": dict(
+        make=Bert, sequence=True, buckets=[[4, 16], [32, 128]], pad_values=[0, 0],
+        request=lambda n, s, g: (torch.randint(1, 1000, (n, s), generator=g), torch.ones(n, s, dtype=torch.long)),
+        shapes=lambda b, s: {"ids": {0: b, 1: s}, "mask": {0: b, 1: s}}),
+    "CNN (2 conv, 3x16x16)": dict(
+        make=make_cnn, sequence=False, buckets=[[4, 8, 16]], pad_values=[],
+        request=lambda n, s, g: (torch.randn(n, 3, 16, 16, generator=g),), shapes=lambda b, s: ({0: b},)),
+}
+
+
+def traffic(model: dict, shape: str, requests: int, seed: int) -> list:
+    """Requests' sizes: (batch,) or (batch, length)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(requests):
+        if shape == "uniform":
+            n, s = rng.randint(1, MAX_BATCH), rng.randint(*SEQ)
+        else:
+            n = min(MAX_BATCH, max(1, int(rng.lognormvariate(0.3, 0.9))))
+            s = min(SEQ[1], max(SEQ[0], int(rng.lognormvariate(math.log(24), 0.7))))
+        out.append((n, s) if model["sequence"] else (n,))
+    return out
+
+
+def inputs_of(model: dict, sizes: tuple, seed: int) -> tuple:
+    return model["request"](sizes[0], sizes[1] if len(sizes) > 1 else 0, torch.Generator().manual_seed(seed))
+
+
+def dims(model: dict):
+    return model["shapes"](torch.export.Dim("batch", min=1, max=MAX_BATCH), torch.export.Dim("seq", min=SEQ[0], max=SEQ[1]))
+
+
+def build(label: str, module: torch.nn.Module, model: dict, recorded: list):
+    """(what serves a request, the PlanCache or None)."""
+    import torch_ext
+    example = inputs_of(model, (4, 16) if model["sequence"] else (4,), 10**6)
+    options = dict(pad_values=model["pad_values"], miss_mode="pad",
+                   dim_names=["batch", "seq"] if model["sequence"] else [])
+    if label.startswith("(a)"):
+        return module, None
+    if label.startswith("(b)"):
+        frozen = torch.jit.optimize_for_inference(torch.jit.freeze(torch.jit.script(module)))
+        for sizes in recorded[:4]:
+            frozen(*inputs_of(model, sizes, 0))
+        return frozen, None
+    if label.startswith("(c)"):
+        compiled = torch.compile(module, dynamic=True)
+        for sizes in recorded[:4]:
+            compiled(*inputs_of(model, sizes, 0))
+        return compiled, None
+    if label.startswith("(d)"):
+        from torch import _inductor
+        program = torch.export.export(module, example, dynamic_shapes=dims(model))
+        path = _inductor.aoti_compile_and_package(program, package_path=os.path.join(tempfile.mkdtemp(), "one.pt2"))
+        return _inductor.aoti_load_package(path), None
+    if label.startswith("(e)"):
+        cache = torch_ext.PlanCache(module, example, dims(model), buckets=model["buckets"], **options)
+        buckets = model["buckets"]
+        cache.preload([(b,) for b in buckets[0]] if len(buckets) == 1 else
+                      [(b, s) for b in buckets[0] for s in buckets[1]], progress=False)
+        return cache, cache
+    cache = torch_ext.PlanCache.from_traffic(module, recorded, PLAN_BUDGET, example, dims(model), progress=False,
+                                             **options)
+    return cache, cache
+
+
+def child(label: str, model_name: str, shape: str, requests: int, out: str) -> None:
+    torch.set_num_threads(1)
+    model = MODELS[model_name]
+    torch.manual_seed(0)
+    module = model["make"]().eval()
+    recorded, served = traffic(model, shape, requests, 1), traffic(model, shape, requests, 2)
+    start = time.perf_counter()
+    with torch.no_grad():
+        fn, cache = build(label, module, model, recorded)
+        startup = time.perf_counter() - start
+        latencies, worst = [], 0.0
+        for i, sizes in enumerate(served):
+            inputs = inputs_of(model, sizes, i)
+            t = time.perf_counter()
+            got = fn(*inputs)
+            latencies.append(time.perf_counter() - t)
+            if i < 20:  # the same outputs as the eager module's
+                worst = max(worst, float((got - module(*inputs)).abs().max()))
+    result = dict(startup_seconds=startup, latencies=latencies, max_diff=worst)
+    if cache is not None:
+        s = cache.stats()
+        result.update(plans=s.plans, compiles=s.compiles,
+                      kinds=[z.shapes for z in s.sizes if z.cached], buckets=[list(z.bucket) for z in s.sizes if z.cached])
+        choice = cache.bucket_choice
+        if choice is not None:
+            result.update(predicted_seconds=choice.predicted_seconds, unpadded_seconds=choice.unpadded_seconds,
+                          chosen=choice.describe())
+    Path(out).write_text(json.dumps(result))
+
+
+def run_child(label: str, model_name: str, shape: str, requests: int, work: str) -> dict:
+    out = os.path.join(work, "variant.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor_"))
+    subprocess.run([sys.executable, __file__, "--child", label, model_name, shape, str(requests), out], check=True,
+                   env=env, timeout=3600)
+    result = json.loads(Path(out).read_text())
+    print(f"  {label}: start-up {result['startup_seconds']:.1f} s, serving {sum(result['latencies']):.1f} s",
+          file=sys.stderr)
+    return result
+
+
+def percentile(values: list, q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main(argv: list) -> None:
+    if argv[:1] == ["--child"]:
+        child(argv[1], argv[2], argv[3], int(argv[4]), argv[5])
+        return
+    quick = "--quick" in argv
+    requests = 200 if quick else 2000
+    models = {k: v for k, v in MODELS.items() if not (quick and v["sequence"])}
+    command = "python benchmarks/bench_plan.py --traffic" + (" --quick" if quick else "")
+    report = Report("plan_traffic" + ("_quick" if quick else ""),
+                    f"Plans chosen from traffic (CPU): {requests} requests per model and traffic shape",
+                    ["model", "traffic", "variant", "start-up", "throughput (items/s)", "vs best of the others",
+                     "p50", "p99", "plans / compiles", "max diff vs eager"], command)
+    checks, notes = [], []
+    with tempfile.TemporaryDirectory(prefix="bench_plan_traffic_") as work:
+        for model_name, model in models.items():
+            for shape in ("uniform", "skewed"):
+                print(f"{model_name}, {shape}", file=sys.stderr)
+                served = traffic(model, shape, requests, 2)
+                items = sum(s[0] for s in served)
+                labels = [v for v in VARIANTS if not (v.startswith("(b)") and model["sequence"])]
+                results = {label: run_child(label, model_name, shape, requests, work) for label in labels}
+                rate = {label: items / sum(r["latencies"]) for label, r in results.items()}
+                ours = labels[-1]
+                best_other = max((label for label in labels if label != ours), key=rate.get)
+                for label, r in results.items():
+                    others = max(v for k, v in rate.items() if k != label)
+                    plans = (f"{r['plans']} plans ({', '.join(r['kinds'])}), {r['compiles']} compiles"
+                             if "plans" in r else "-")
+                    report.add_row({"model": model_name, "traffic": shape, "variant": label,
+                                    "start-up": format_seconds(r["startup_seconds"]),
+                                    "throughput (items/s)": f"{rate[label]:,.0f}",
+                                    "vs best of the others": f"{rate[label] / others:.2f}x",
+                                    "p50": format_seconds(percentile(r["latencies"], 0.5)),
+                                    "p99": format_seconds(percentile(r["latencies"], 0.99)),
+                                    "plans / compiles": plans, "max diff vs eager": f"{r['max_diff']:.1e}"},
+                                   model=model_name, traffic=shape, variant=label, throughput=rate[label],
+                                   startup_seconds=r["startup_seconds"], p50_seconds=percentile(r["latencies"], 0.5),
+                                   p99_seconds=percentile(r["latencies"], 0.99),
+                                   **{k: v for k, v in r.items() if k not in ("latencies", "startup_seconds")})
+                mine = results[ours]
+                measured = sum(mine["latencies"]) / len(mine["latencies"])
+                notes.append(f"{model_name}, {shape}: (f) chose {mine['chosen']}; measured "
+                             f"{format_seconds(measured)} a request on the served stream.")
+                checks.append((f"{model_name}, {shape}: (f) at or above the best other variant's throughput: "
+                               f"{rate[ours]:,.0f} vs {best_other[:3]} {rate[best_other]:,.0f} items/s "
+                               f"({rate[ours] / rate[best_other]:.2f}x)", rate[ours] >= rate[best_other]))
+    report.notes.append(
+        "\nThroughput: items (the sum of batch sizes) per second of serving, each request timed alone, start-up "
+        "excluded; one pass, each variant in a process of its own. Start-up: building the variant, compiles "
+        "cold (an empty TORCHINDUCTOR_CACHE_DIR per process). (f) plans from the recorded stream (seed 1) and "
+        "serves another drawn the same way (seed 2): the traffic it planned for, not the requests it serves. "
+        "Max diff: the first 20 requests' outputs against the eager module's.")
+    report.notes.extend(notes)
+    report.add_checks(checks)
+    report.write()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
