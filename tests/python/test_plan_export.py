@@ -337,3 +337,31 @@ def test_a_dynamic_plan_of_a_convolution_net_answers_each_batch_size_with_its_ro
     for n in (1, 3, 10, 16):
         images = torch.randn(n, 3, 8, 8)
         close(cache(images), eager(net, images))
+
+
+class BertPooled(torch.nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        import transformers
+        self.bert = transformers.BertModel(config)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=ids, attention_mask=mask).pooler_output
+
+
+def test_a_dynamic_plan_over_a_hugging_face_bert_s_sequence_range_equals_eager():
+    # Traced at a narrowed view of the example, export guarded the sequence on the view's stride
+    # (!= the range's largest size) and refused the range; the cache traces a contiguous copy.
+    import transformers
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    bert = BertPooled(config).eval()
+    batch, seq = Dim("batch", min=1, max=4), Dim("seq", min=2, max=32)
+    cache = PlanCache(bert, tokens(2, 8, 8), {"ids": {0: batch, 1: seq}, "mask": {0: batch, 1: seq}},
+                      buckets=[[4], [32]], pad_values=[0, 0], plan_shapes="dynamic", inductor_configs=FAST,
+                      warmup_calls=1)
+    cache.preload([(4, 32)], progress=False)
+    for n, length in ((1, 2), (3, 17), (4, 32)):
+        ids, mask = tokens(n, length, length)
+        close(cache(ids, mask), eager(bert, ids, mask))

@@ -58,7 +58,9 @@ def compile_bucket(program: torch.export.ExportedProgram, dim_of: Sequence[dict]
         for i, dims in enumerate(dim_of):
             for d, k in dims.items():
                 if upper[k] > lower[k] and isinstance(example[i], torch.Tensor):
-                    example[i] = example[i].narrow(int(d), 0, traced_size(lower[k], upper[k]))
+                    # Contiguous: a narrowed view's stride (the largest size) would make export guard
+                    # on it (an HF BERT's sequence got "!= 32" over 2..32, refusing the range).
+                    example[i] = example[i].narrow(int(d), 0, traced_size(lower[k], upper[k])).contiguous()
     args, kwargs = pytree.tree_unflatten(list(example), program.call_spec.in_spec)
     shapes = bucket_dynamic_shapes(program, dim_of, lower, upper, dynamic)
     exported = torch.export.export(program.module(), tuple(args), kwargs, dynamic_shapes=shapes)
