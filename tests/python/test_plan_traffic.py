@@ -169,6 +169,8 @@ def test_from_traffic_on_torchscript_builds_the_chosen_plans_and_serves_the_traf
         PlanCache.from_traffic(scripted, traffic, 3)
     with pytest.raises(TypeError, match="chooses the buckets"):
         PlanCache.from_traffic(scripted, traffic, 3, (x(2),), buckets=[[4]])
+    with pytest.raises(ValueError, match="plan_budget must be a positive integer, got 0"):
+        PlanCache.from_traffic(scripted, traffic, 0, (x(2),))
 
 
 SHAPES = ({0: Dim("batch", max=16)},)

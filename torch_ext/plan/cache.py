@@ -36,6 +36,13 @@ def _is_export_path(path: str) -> bool:
     return os.path.isdir(path) or path.endswith(".pt2")
 
 
+def _is_scripted(module: Any) -> bool:
+    """A TorchScript module or the path of a saved one (not an exported program's file or folder)."""
+    if isinstance(module, (str, os.PathLike)):
+        return not _is_export_path(os.fspath(module))
+    return isinstance(module, torch.jit.ScriptModule)
+
+
 class PlanCache(ScriptObjectFace):
     """Plans per bucket of input sizes of a TorchScript module or a torch.export program.
 
@@ -60,7 +67,7 @@ class PlanCache(ScriptObjectFace):
                  inductor_configs: Optional[dict] = None, **options: Any) -> None:
         self._in_spec = self._out_spec = None
         path = os.fspath(module) if isinstance(module, (str, os.PathLike)) else None
-        if isinstance(module, torch.jit.ScriptModule) or (path is not None and not _is_export_path(path)):
+        if _is_scripted(module):
             if example_inputs is not None or dynamic_shapes is not None or inductor_configs is not None:
                 raise TypeError("PlanCache: example_inputs, dynamic_shapes and inductor_configs are for exported "
                                 "programs; a TorchScript module's cache takes neither")
@@ -204,8 +211,9 @@ class PlanCache(ScriptObjectFace):
         measures once it serves."""
         if "buckets" in options:
             raise TypeError("PlanCache.from_traffic chooses the buckets; pass traffic, not buckets")
-        path = os.fspath(module) if isinstance(module, (str, os.PathLike)) else None
-        scripted = isinstance(module, torch.jit.ScriptModule) or (path is not None and not _is_export_path(path))
+        if not isinstance(plan_budget, int) or plan_budget < 1:
+            raise ValueError(f"PlanCache.from_traffic: plan_budget must be a positive integer, got {plan_budget!r}")
+        scripted = _is_scripted(module)
         if scripted and example_inputs is None:
             raise TypeError("PlanCache.from_traffic: a TorchScript module's cache needs example_inputs (any sizes) "
                             "to time the model at the traffic's sizes")
