@@ -32,9 +32,10 @@ SECTIONS = [
     ("Cache across calls and processes", "Content keys against identity keys alone on a full miss, and a diffusers "
      "pipeline's text encoder across calls and processes (content keys, the store).",
      ["cache_full_miss", "cache_pipeline"]),
-    ("Plan", "The plan cache serving random batch sizes, what each step of a plan buys, and serving torch.export "
-     "programs (AOTInductor plans per bucket, a saved cache restarted, the dynamic batcher).",
-     ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps", "plan_export", "plan_batcher"]),
+    ("Plan", "The plan cache serving random batch sizes, what each step of a plan buys, serving torch.export "
+     "programs (AOTInductor plans per bucket, a saved cache restarted, the dynamic batcher), and plans chosen "
+     "from traffic.",
+     ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps", "plan_export", "plan_traffic", "plan_batcher"]),
 ]
 
 INTRO = """# Benchmarks
