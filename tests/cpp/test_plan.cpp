@@ -937,6 +937,21 @@ TEST(PlanTraffic, CountsBySizeAnswersABoxMostRequestedFirstAndDropsPastItsLimit)
   EXPECT_TRUE(log.sizes().empty());
 }
 
+TEST(PlanTraffic, AChildForkedWhileTheLogIsHeldCanUseIt) {
+  plan::TrafficLog log;
+  log.add(plan::Bucket::of({2}));
+  log.fork_prepare();  // as the cache does before fork(): the log's lock is held across it
+  const int code = torch_ext::testing::run_in_child([&] {
+    log.fork_child();  // the child's copy of the held lock is made afresh
+    log.add(plan::Bucket::of({2}));
+    return log.requests() == 2 ? 0 : 1;
+  }, 10);
+  log.fork_parent();
+  EXPECT_EQ(code, 0);  // -1: the child hung on the lock
+  log.add(plan::Bucket::of({3}));
+  EXPECT_EQ(log.requests(), 2);
+}
+
 TEST(PlanTraffic, ConcurrentAddsAreAllCounted) {
   plan::TrafficLog log;
   std::vector<std::thread> threads;

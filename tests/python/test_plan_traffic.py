@@ -204,3 +204,45 @@ def test_from_traffic_on_an_exported_program_builds_within_its_budget_and_equals
         with torch.no_grad():
             torch.testing.assert_close(cache(inputs), mlp(inputs), rtol=1e-4, atol=1e-5)
     assert cache.stats().compiles == s.compiles  # the traffic needed no other plan
+
+
+def test_a_child_forked_while_threads_log_traffic_serves_and_logs_without_hanging(scripted):
+    import os
+    import threading
+    import time
+    cache = PlanCache(scripted)
+    cache.preload([2, 3], example_inputs=(x(1),), progress=False)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            cache(x(2))
+
+    threads = [threading.Thread(target=serve) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(20):  # forks land while the threads hold the log's lock, some of the time
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    cache(x(3))
+                    code = 0 if cache.traffic()[(3,)] >= 1 else 1
+                finally:
+                    os._exit(code)
+            deadline = time.monotonic() + 60
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    assert os.waitstatus_to_exitcode(status) == 0
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    pytest.fail("the forked child hung")
+                time.sleep(0.01)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()

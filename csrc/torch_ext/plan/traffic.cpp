@@ -1,6 +1,7 @@
 #include "torch_ext/plan/traffic.h"
 
 #include <algorithm>
+#include <new>
 
 #include <c10/util/Exception.h>
 
@@ -57,6 +58,10 @@ int64_t TrafficLog::requests() const {
 int64_t TrafficLog::dropped() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return dropped_;
+}
+
+void TrafficLog::fork_child() {
+  new (&mutex_) std::mutex();  // made afresh, as the cache's other locks: no thread of the child holds it
 }
 
 void TrafficLog::clear() {

@@ -5,7 +5,8 @@
 // kMaxSizes distinct sizes, requests at a size not yet seen are only counted as dropped.
 //
 // Thread safety: every member may be called from many threads at once (one mutex, held for a
-// lookup; requests at different sizes contend only for that).
+// lookup; requests at different sizes contend only for that). Fork: the owner calls
+// fork_prepare / fork_parent / fork_child around fork(), so a child never inherits it held.
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
@@ -30,6 +31,10 @@ class TrafficLog {
   int64_t requests() const;  // counted at a logged size
   int64_t dropped() const;   // at a size not logged (the log was full)
   void clear();
+
+  void fork_prepare() { mutex_.lock(); }
+  void fork_parent() { mutex_.unlock(); }
+  void fork_child();
 
  private:
   mutable std::mutex mutex_;

@@ -15,6 +15,7 @@
 #include "torch_ext/common/wait.h"
 #include "torch_ext/plan/build_worker.h"
 #include "torch_ext/plan/plan_table.h"
+#include "torch_ext/plan/traffic.h"
 
 namespace torch_ext::plan {
 
@@ -72,9 +73,11 @@ void PlanCache::fork_prepare() {
   // while code that may fork runs (builds and callbacks run outside them).
   example_mutex_.lock();
   table_->fork_prepare();
+  traffic_->fork_prepare();
 }
 
 void PlanCache::fork_parent() {
+  traffic_->fork_parent();
   table_->fork_parent();
   example_mutex_.unlock();
 }
@@ -84,6 +87,7 @@ void PlanCache::fork_child() {
   // changes, so an unlock here would be taken for a reader's and leave it locked. No thread of
   // the child holds or waits on them.
   table_->fork_child();
+  traffic_->fork_child();
   new (&example_mutex_) std::shared_mutex();
   if (worker_ || table_->has_builds()) forked_.store(true, std::memory_order_relaxed);
 }
