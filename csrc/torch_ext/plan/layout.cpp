@@ -248,7 +248,7 @@ c10::IValue Layout::slice_output(const c10::IValue& output, const Bucket& sizes,
   return repack(output, std::move(parts), is_tuple, is_list);
 }
 
-void Layout::check_output(const c10::IValue& output, const Bucket& sizes, const std::string& plan) const {
+void Layout::check_output(const c10::IValue& output, const Bucket& sizes, const Bucket& plan) const {
   bool is_tuple = false, is_list = false;
   const auto parts = unpack(output, is_tuple, is_list);
   for (size_t j = 0; j < parts.size(); ++j) {
@@ -256,7 +256,7 @@ void Layout::check_output(const c10::IValue& output, const Bucket& sizes, const 
     const at::Tensor& t = parts[j].toTensor();
     for (int k = 0; k < rank_; ++k) {
       const int64_t d = output_dim(j, k);
-      TORCH_CHECK(d < 0 || (d < t.dim() && t.size(d) == sizes[k]), "PlanCache: the plan for ", plan, " ran ",
+      TORCH_CHECK(d < 0 || (d < t.dim() && t.size(d) == sizes[k]), "PlanCache: the plan for ", describe(plan), " ran ",
                   describe(sizes), " and its output ", j, " has shape ", t.sizes(), ": its ", names_[k], " dimension ",
                   d, " should have size ", sizes[k], " (a wrong plan, or wrong ",
                   k == 0 ? "output_batch_dims" : "output_dims", ")");

@@ -45,9 +45,9 @@ class Layout {
   std::vector<c10::IValue> slice_batch(const std::vector<c10::IValue>& inputs, int64_t start, int64_t length) const;
   // An output computed at `padded` sizes narrowed back to `sizes`; checks each output's sizes.
   c10::IValue slice_output(const c10::IValue& output, const Bucket& sizes, const Bucket& padded) const;
-  // Checks that each output has `sizes` along its dynamic dimensions (a plan that ran the request
-  // unpadded); raises naming `plan` and the first output that does not.
-  void check_output(const c10::IValue& output, const Bucket& sizes, const std::string& plan) const;
+  // Checks that each output has `sizes` along its dynamic dimensions (the plan of bucket `plan`
+  // ran the request unpadded); raises naming the plan and the first output that does not.
+  void check_output(const c10::IValue& output, const Bucket& sizes, const Bucket& plan) const;
   // Rows [start, start + length) of an output along the batch (the batcher's per-caller rows).
   c10::IValue output_rows(const c10::IValue& output, int64_t start, int64_t length) const;
   // Outputs of consecutive batch pieces joined along the batch.

@@ -158,7 +158,7 @@ c10::IValue PlanCache::run_on(Plan& plan, const std::vector<c10::IValue>& inputs
   const Bucket target = plan.target(sizes);
   if (target == sizes) {
     c10::IValue output = run_plan(plan, inputs);
-    layout_->check_output(output, sizes, layout_->describe(plan.bucket()));
+    layout_->check_output(output, sizes, plan.bucket());
     return output;
   }
   rec.padded_elements.fetch_add(static_cast<int64_t>(target.volume() - sizes.volume()), std::memory_order_relaxed);

@@ -164,7 +164,7 @@ PlanCacheStats PlanCache::stats() const {
   out.graph_capture_failures = graph_capture_failures_.load();
   out.hit_lookup_seconds = seconds(hit_lookup_ns_.load());
   out.traffic_requests = traffic_->requests();
-  out.traffic_sizes = static_cast<int64_t>(traffic_->sizes().size());
+  out.traffic_sizes = static_cast<int64_t>(traffic_->distinct());
   out.traffic_dropped = traffic_->dropped();
   table_->visit([&](SizeRecord& rec, const Plan* cached) {
     SizeStats s = size_stats(rec);

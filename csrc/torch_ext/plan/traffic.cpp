@@ -50,6 +50,11 @@ std::vector<std::pair<Bucket, int64_t>> TrafficLog::within(const Bucket& lower, 
   return out;
 }
 
+size_t TrafficLog::distinct() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return counts_.size();
+}
+
 int64_t TrafficLog::requests() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return requests_;

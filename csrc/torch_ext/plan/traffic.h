@@ -28,6 +28,7 @@ class TrafficLog {
   // The sizes within the box [lower, upper] (each dimension inclusive), the most requested first
   // (ties: the smaller size first), at most `limit` of them.
   std::vector<std::pair<Bucket, int64_t>> within(const Bucket& lower, const Bucket& upper, size_t limit) const;
+  size_t distinct() const;   // sizes logged
   int64_t requests() const;  // counted at a logged size
   int64_t dropped() const;   // at a size not logged (the log was full)
   void clear();
