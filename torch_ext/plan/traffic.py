@@ -3,17 +3,13 @@
 A request's sizes are one per dynamic dimension, batch first (a batch size; or a batch and a
 sequence length). A bucket serves every request up to its upper bounds, padded to them. Which
 buckets to hold is a trade: each plan costs a compile and memory, and each padded element costs
-time on every request it pads. choose_buckets weighs that over the traffic with a cost measured
-on the model (the seconds of one call at each size), greedily: from one bucket at the traffic's
-largest sizes, it adds the bound (one dimension, at a size the traffic brings) that saves the most
-predicted seconds per plan it adds, until max_plans plans or until no bound saves time. Its work
-grows with (distinct sizes) x (candidate bounds) x (bounds added).
+time on every request it pads. choose_buckets weighs that over the traffic with costs measured on
+the model (measure_plans: the seconds of one call at each size, of a static and of a dynamic plan)
+and picks the bounds with the least predicted time within a plan budget.
 
-PlanCache.from_traffic measures the cost on one plan that spans the traffic's sizes (an exported
-program: a dynamic AOTInductor package, one compile; TorchScript: its frozen module), chooses the
-buckets, makes the cache with them, hands it the traffic (so plan_shapes='auto' times each bucket's
-static and dynamic plans at the sizes that bucket serves, weighted by their requests) and builds
-the plans.
+PlanCache.from_traffic measures, chooses, makes the cache with the chosen buckets, hands it the
+traffic (so plan_shapes='auto' times each bucket's static and dynamic plans at the sizes that
+bucket serves, weighted by their requests) and builds the plans.
 """
 from __future__ import annotations
 
@@ -27,7 +23,6 @@ import torch
 
 __all__ = ["BucketChoice", "as_traffic", "choose_buckets", "measure_plans", "measured_cost"]
 
-Sizes = tuple
 Traffic = dict
 # The seconds of one call at each row of an (m x rank) array of sizes.
 CostFn = Callable[[np.ndarray], np.ndarray]
@@ -40,14 +35,7 @@ def as_traffic(traffic: Union[Mapping, Iterable, Any]) -> Traffic:
         traffic = {tuple(row[:-1]): row[-1] for row in traffic.traffic()}
     elif hasattr(traffic, "script_object"):
         traffic = traffic.traffic()
-    if isinstance(traffic, Mapping):
-        pairs = list(traffic.items())
-    else:
-        counted: dict = {}
-        for sizes in traffic:
-            key = sizes if isinstance(sizes, int) else tuple(sizes)
-            counted[key] = counted.get(key, 0) + 1
-        pairs = list(counted.items())
+    pairs = traffic.items() if isinstance(traffic, Mapping) else ((sizes, 1) for sizes in traffic)
     out: Traffic = {}
     rank = None
     for sizes, count in pairs:
@@ -220,7 +208,7 @@ def choose_buckets(traffic: Union[Mapping, Iterable, Any], max_plans: int, cost:
                 trial_total = problem.evaluate(trial)[0]
                 if trial_total < total * (1 - 1e-12):
                     bounds, total, improved = trial, trial_total, True
-        if problem.evaluate(bounds)[1].size <= max_plans and (best is None or total < best[0]):
+        if best is None or total < best[0]:  # every start and every step keeps within max_plans
             best = (total, bounds)
     return _choice(problem, best[1])
 
@@ -310,12 +298,9 @@ def measure_plans(make: Callable[..., Any], traffic: Traffic, example_inputs: An
     ratios = [_fastest(timer(fixed), at, 3) / _fastest(timer(ranged), at, 3) for at in ends]
     volumes = np.log([float(np.prod(at)) for at in ends])
 
-    def static(points: np.ndarray) -> np.ndarray:
+    def static(points: np.ndarray) -> np.ndarray:  # one end: np.interp gives its ratio everywhere
         points = np.asarray(points).reshape(-1, sizes.shape[1])
-        if len(ends) == 1:
-            return ratios[0] * dynamic(points)
-        ratio = np.interp(np.log(np.prod(points, axis=1).astype(np.float64)), volumes, ratios)
-        return ratio * dynamic(points)
+        return np.interp(np.log(np.prod(points, axis=1).astype(np.float64)), volumes, ratios) * dynamic(points)
 
     return static, dynamic
 
