@@ -43,6 +43,10 @@ def weight_keys(pager):
     return [k for k in pager.source.names() if k.endswith(".weight")]
 
 
+# The biases in fp32: what the first pass's whole-weight loads may evict and a later pass reload.
+BIAS_BYTES = sum(p.numel() * 4 for name, p in Stack().named_parameters() if name.endswith(".bias"))
+
+
 def test_a_converted_weight_without_room_streams_and_equals_the_whole_product(bf16_stack):
     reference, path = bf16_stack
     model = Stack().eval()
@@ -56,11 +60,13 @@ def test_a_converted_weight_without_room_streams_and_equals_the_whole_product(bf
             assert torch.equal(model(x), reference(x))
     stats = pager.stats()
     # Every shape whose blocked product equals the whole one (on this machine's BLAS) streams:
-    # nothing more is loaded for it.
+    # no weight is loaded again (only biases the first pass's whole loads evicted, each once).
     streamed_shapes = 4 - stats.unstreamed_shapes
     assert stats.streamed_matmuls == 2 * streamed_shapes and first.streamed_matmuls == 0
     if streamed_shapes == 4:
-        assert stats.bytes_loaded == first.bytes_loaded and not any(pager.is_resident(k) for k in weight_keys(pager))
+        assert stats.evictions == first.evictions
+        assert stats.bytes_loaded - first.bytes_loaded <= BIAS_BYTES
+        assert not any(pager.is_resident(k) for k in weight_keys(pager))
     with torch.no_grad():
         assert torch.equal(model(x[0, 0]), reference(x[0, 0]))  # 1-D input: the weights are acquired
         assert torch.equal(model.layers[0](input=x), reference.layers[0](input=x))
@@ -81,9 +87,11 @@ def test_streaming_keeps_what_fits_resident_and_evicts_nothing_for_the_rest(bf16
             assert torch.equal(model(x), reference(x))
     stats = pager.stats()
     if stats.unstreamed_shapes == 0:
-        # neither the prefetcher nor an acquire evicts a weight for a streamed one, so what the
-        # budget holds stays
-        assert stats.evictions == settled.evictions and stats.bytes_loaded == settled.bytes_loaded
+        # Each shape was compared on its first call, while its weight was loaded anyway; after that
+        # neither the prefetcher nor an acquire evicts for a streamed weight, so what the budget
+        # holds stays and no weight is loaded again (only biases the first pass evicted, each once).
+        assert stats.evictions == settled.evictions
+        assert stats.bytes_loaded - settled.bytes_loaded <= BIAS_BYTES
         assert stats.streamed_matmuls > 0 and any(pager.is_resident(k) for k in weight_keys(pager))
 
 

@@ -181,6 +181,7 @@ LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions opti
     entries_.emplace(name, std::move(e));
   }
   budget_ = options_.budget_bytes.resolve(source_bytes);
+  budget_below_source_ = budget_ < source_bytes;
   options_.budget_bytes = ByteBudget(budget_);
   if (options_.policy == EvictionPolicy::Auto) {
     options_.policy = source_bytes > budget_ ? EvictionPolicy::ScanResistant : EvictionPolicy::LRU;

@@ -232,7 +232,9 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // load then, makes blocks too (streamed_blocks.h). Streaming a shape is decided on its first
   // call, which acquire()s the weight and compares the two products: a shape is streamed only if
   // they are equal in every bit (a BLAS may block a narrower product differently), otherwise it
-  // keeps acquire()ing, as do calls where autograd needs the weight.
+  // keeps acquire()ing, as do calls where autograd needs the weight. Where the budget cannot hold
+  // the whole source, that first call compares even when the weight has room, so a later call that
+  // finds none streams at once instead of loading the weight whole and evicting what the budget holds.
   at::Tensor matmul(const std::string& id, const at::Tensor& input, const std::optional<at::Tensor>& bias,
                     bool transposed);
   // Whether matmul() can stream `id`: gathers_rows(id), and a tensor converted from the file's dtype.
@@ -322,6 +324,7 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   std::condition_variable prefetch_wake_;
   std::unordered_map<std::string, Entry> entries_;
   int64_t budget_ = 0;          // options_.budget_bytes, resolved
+  bool budget_below_source_ = false;  // some tensor may find no room: matmul() may stream
   int64_t resident_bytes_ = 0;  // ready + loading entries
   uint64_t clock_ = 0;
   PagerStats stats_;

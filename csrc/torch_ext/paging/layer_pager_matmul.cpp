@@ -79,7 +79,7 @@ void LayerPager::offer_to_prefetcher(const std::shared_ptr<StreamedBlocks>& bloc
 at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, const std::optional<at::Tensor>& bias,
                               bool transposed) {
   const bool for_autograd = at::GradMode::is_enabled() && (input.requires_grad() || (bias && bias->requires_grad()));
-  bool stream = false;
+  bool stream = false, compare = false;
   std::optional<bool> exact;  // unknown: the first call of this shape
   std::string shape;
   {
@@ -94,6 +94,8 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
       if (known != exact_shapes_.end()) exact = known->second;
       stream = stream_matmul_locked(e, input);
       if (stream && exact == true) note_access_locked(e);  // acquire() notes the others
+      // Compared while the weight is loaded anyway (see matmul() in the header).
+      compare = !exact && input.scalar_type() == e.dtype && (stream || budget_below_source_);
     }
   }
   if (stream && exact == true) {
@@ -110,7 +112,7 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
   // The loaded weight, within the budget as any acquire(); the first call of a shape compares
   // the blocked product with it once.
   at::Tensor whole = whole_matmul(input, acquire(id), bias, transposed);
-  if (stream && !exact) {
+  if (compare) {
     const bool equal = at::equal(blocked_product(input, *streamed_blocks(input, source_->view(id), bias, transposed)), whole);
     source_->release_pages(id);
     std::lock_guard<std::mutex> lock(mutex_);
