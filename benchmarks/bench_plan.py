@@ -22,6 +22,7 @@ hit's lookup.
     python benchmarks/bench_plan.py --export         # torch.export programs: see bench_plan_export.py
     python benchmarks/bench_plan.py --batcher        # the batcher against pre-formed batches: bench_plan_batcher.py
     python benchmarks/bench_plan.py --traffic        # plans chosen from traffic: bench_plan_traffic.py
+    python benchmarks/bench_plan.py --drift          # a cache re-planned when its traffic drifts: bench_plan_drift.py
 """
 from __future__ import annotations
 
@@ -414,6 +415,10 @@ def main() -> None:
     if "--batcher" in sys.argv[1:]:
         import bench_plan_batcher
         bench_plan_batcher.main([arg for arg in sys.argv[1:] if arg != "--batcher"])
+        return
+    if "--drift" in sys.argv[1:]:
+        import bench_plan_drift
+        bench_plan_drift.main([arg for arg in sys.argv[1:] if arg != "--drift"])
         return
     if "--traffic" in sys.argv[1:]:
         import bench_plan_traffic

@@ -246,3 +246,65 @@ def test_a_child_forked_while_threads_log_traffic_serves_and_logs_without_hangin
         stop.set()
         for t in threads:
             t.join()
+
+
+def test_replan_chooses_buckets_for_the_logged_traffic_and_serves_from_them(mlp, scripted):
+    # One plan for traffic of one size, then one for requests that drifted past it: with a budget of
+    # one plan the choice is the largest size, whatever the measured costs.
+    cache = PlanCache.from_traffic(scripted, {2: 50}, 1, (x(2),), miss_mode="pad", progress=False)
+    assert cache.buckets == [[2]]
+    for _ in range(30):
+        cache(x(12))
+    choice = cache.replan(1)
+    assert choice is cache.bucket_choice and choice.buckets == cache.buckets == [[12]]
+    assert cache.cached_buckets() == [[12]] and choice.plan_requests == [80]  # the whole log: 50 + 30
+    assert (cache.stats().builds, cache.stats().calls) == (1, 0)  # the new cache's: built before the swap
+    assert cache.traffic() == {(2,): 50, (12,): 30}
+    for n in (1, 5, 12):
+        inputs = x(n)
+        with torch.no_grad():
+            torch.testing.assert_close(cache(inputs), mlp(inputs))
+    assert cache.stats().builds == 1  # the chosen plan serves every size
+    # The same traffic within the sizes measured before: the same costs, the same buckets, nothing built.
+    plans = cache.script_object
+    assert cache.replan(1, {2: 1, 12: 1}).buckets == [[12]] and cache.script_object is plans
+
+
+def test_a_background_replan_leaves_requests_to_the_current_plans_until_it_swaps(mlp, scripted, monkeypatch):
+    import threading
+    cache = PlanCache.from_traffic(scripted, {2: 50}, 1, (x(2),), miss_mode="pad", progress=False)
+    old = cache.script_object
+    building, release = threading.Event(), threading.Event()
+    preload = PlanCache.preload
+
+    def held_preload(self, *args, **kwargs):  # the new cache's plans: held until the test has served
+        building.set()
+        assert release.wait(60)
+        return preload(self, *args, **kwargs)
+
+    monkeypatch.setattr(PlanCache, "preload", held_preload)
+    future = cache.replan(1, {12: 5}, background=True)
+    assert building.wait(60)
+    inputs = x(2)
+    with torch.no_grad():  # served while the re-plan builds: by the current plan, at once
+        torch.testing.assert_close(cache(inputs), mlp(inputs))
+    assert not future.done() and cache.script_object is old and cache.buckets == [[2]]
+    release.set()
+    choice = future.result(timeout=60)
+    assert cache.script_object is not old and cache.buckets == choice.buckets == [[12]]
+    inputs = x(12)
+    with torch.no_grad():
+        torch.testing.assert_close(cache(inputs), mlp(inputs))
+
+
+def test_replan_refuses_what_it_cannot_plan(scripted):
+    cache = PlanCache(scripted)
+    with pytest.raises(ValueError, match="plan_budget must be a positive integer, got 0"):
+        cache.replan(0)
+    with pytest.raises(ValueError, match="no requests"):
+        cache.replan(2)  # an empty log: nothing to plan for
+    cache.observe_traffic({4: 3})
+    with pytest.raises(RuntimeError, match="example"):
+        cache.replan(2)  # nothing served yet: no example inputs to time the model with
+    assert cache.buckets == [] and cache.replan(2, example_inputs=(x(1),)).buckets == [[4]]
+    assert cache.cached_buckets() == [[4]]

@@ -15,9 +15,11 @@ background. Thread-safe: many threads may call infer() at once; hits take a read
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import tempfile
-from typing import Any, Iterable, Optional, Sequence, Union
+import threading
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -61,12 +63,16 @@ class PlanCache(ScriptObjectFace):
     wait_for_builds() and kind() are its own.
     """
 
-    bucket_choice: Optional[_traffic.BucketChoice] = None  # set by from_traffic
+    bucket_choice: Optional[_traffic.BucketChoice] = None  # set by from_traffic and replan
 
     def __init__(self, module: Source, example_inputs: Optional[Sequence[Any]] = None, dynamic_shapes: Any = None, *,
                  inductor_configs: Optional[dict] = None, **options: Any) -> None:
         self._in_spec = self._out_spec = None
         path = os.fspath(module) if isinstance(module, (str, os.PathLike)) else None
+        # What replan() makes a cache of other buckets from; a saved export cache's folder has no
+        # program to compile other buckets with.
+        self._made_from = None if path is not None and os.path.isdir(path) else (
+            module, example_inputs, dynamic_shapes, inductor_configs, options)
         if _is_scripted(module):
             if example_inputs is not None or dynamic_shapes is not None or inductor_configs is not None:
                 raise TypeError("PlanCache: example_inputs, dynamic_shapes and inductor_configs are for exported "
@@ -218,20 +224,59 @@ class PlanCache(ScriptObjectFace):
             raise TypeError("PlanCache.from_traffic: a TorchScript module's cache needs example_inputs (any sizes) "
                             "to time the model at the traffic's sizes")
 
-        def make(**overrides: Any) -> "PlanCache":
-            cache_options = dict(options, **overrides)
-            if scripted:
-                return cls(module, **cache_options)
-            return cls(module, example_inputs, dynamic_shapes, inductor_configs=inductor_configs, **cache_options)
+        make = _maker(cls, module, example_inputs if not scripted else None, dynamic_shapes, inductor_configs, options)
+        return _planned(make, _traffic.as_traffic(traffic), plan_budget, example_inputs, not scripted, progress)[1]
 
-        traffic = _traffic.as_traffic(traffic)
-        cost, dynamic_cost = _traffic.measure_plans(make, traffic, example_inputs, not scripted, progress=progress)
-        choice = _traffic.choose_buckets(traffic, plan_budget, cost, dynamic_cost)
-        cache = make(buckets=choice.buckets)
-        cache.observe_traffic(traffic)
-        cache.preload(choice.plans, example_inputs, progress=progress)
-        cache.bucket_choice = choice
-        return cache
+    def replan(self, plan_budget: int, traffic: Any = None, *, example_inputs: Optional[Sequence[Any]] = None,
+               background: bool = False, progress: bool = False) -> Any:
+        """Choose this cache's buckets again, as from_traffic does, for `traffic` (default: its own
+        traffic log: what it was planned on and every request served since), and serve from plans
+        built for them. The model is measured again only where the traffic reaches past the sizes
+        measured before (from_traffic's or the last re-plan's costs serve otherwise, so the same
+        traffic gives the same choice). The new plans are built beside the current ones, which
+        serve every request meanwhile; then one step swaps them in (stats() start afresh, the traffic log
+        carries on from the traffic planned on, save() keeps the new buckets). Buckets equal to the
+        current ones build nothing. A Batcher made earlier keeps the plans it was made with.
+        Returns the BucketChoice (also `bucket_choice`); with background=True, at once, a
+        concurrent.futures.Future of it, the work done on this cache's re-plan thread (one re-plan
+        at a time, in order). example_inputs: any sizes (default: the cache's example, kept from
+        a request it served; an exported program's own)."""
+        if not isinstance(plan_budget, int) or plan_budget < 1:
+            raise ValueError(f"PlanCache.replan: plan_budget must be a positive integer, got {plan_budget!r}")
+        if self._made_from is None:
+            raise ValueError("PlanCache.replan: this cache was loaded from a saved folder, which holds no program to "
+                             "build other buckets from; make it from the module or program instead")
+        traffic = _traffic.as_traffic(self if traffic is None else traffic)
+        if example_inputs is None:
+            if self._in_spec is None:  # TorchScript: inputs by position, as the cache keeps its example
+                example_inputs = tuple(self.script_object.example_inputs(list(next(iter(traffic)))))
+            else:
+                example_inputs = self._made_from[1]
+        if not background:
+            return self._replan(plan_budget, traffic, example_inputs, progress)
+        with _replan_lock:
+            if self.__dict__.get("_replan_pid") != os.getpid():  # none yet, or the parent's in a forked child
+                self._replanner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="PlanCache.replan")
+                self._replan_pid = os.getpid()
+            return self._replanner.submit(self._replan, plan_budget, traffic, example_inputs, progress)
+
+    def _replan(self, plan_budget: int, traffic: dict, example_inputs: Any, progress: bool) -> _traffic.BucketChoice:
+        module, example, dynamic_shapes, inductor_configs, options = self._made_from
+        unbucketed = {k: v for k, v in options.items() if k != "buckets"}  # the probes' and the new cache's own
+        make = _maker(type(self), module, example, dynamic_shapes, inductor_configs, unbucketed)
+        with self.__dict__.setdefault("_replanning", threading.Lock()):
+            current = [list(b) for b in self.buckets]
+            choice, new, costs = _planned(make, traffic, plan_budget, example_inputs, self._in_spec is not None,
+                                          progress, self.__dict__.get("_costs"), unless=current)
+            if new is None:
+                self.bucket_choice, self._costs = choice, costs
+                return choice
+            # The old cache's folder stays while requests may still run on it; its plans go with it.
+            if self.__dict__.get("_workdir") is not None:
+                self.__dict__.setdefault("_retired_workdirs", []).append(self._workdir)
+            state = dict(new.__dict__, _made_from=self._made_from)
+            self.__dict__.update(state)  # one step: a request reads the old cache's attributes or the new one's
+            return choice
 
     def __contains__(self, batch_size: int) -> bool:
         return int(batch_size) in self.script_object
@@ -260,3 +305,47 @@ class PlanCache(ScriptObjectFace):
     def __repr__(self) -> str:
         return (f"PlanCache(kind={self.kind()!r}, miss_mode={self.miss_mode!r}, plans={self.stats().plans}, "
                 f"buckets={self.cached_buckets()})")
+
+
+_replan_lock = threading.Lock()  # makes each cache's re-plan thread once
+
+
+def _maker(cls: type, module: Any, example_inputs: Any, dynamic_shapes: Any, inductor_configs: Any,
+           options: dict) -> Callable[..., PlanCache]:
+    """A cache of the module as given, with its options and the keywords' on top."""
+    def make(**overrides: Any) -> PlanCache:
+        if _is_scripted(module):
+            return cls(module, **{**options, **overrides})
+        return cls(module, example_inputs, dynamic_shapes, inductor_configs=inductor_configs, **{**options, **overrides})
+    return make
+
+
+class _Costs:
+    """The measured costs (torch_ext.plan.traffic.measure_plans) and the sizes they span: outside
+    them the interpolation only repeats the nearest measured size."""
+
+    def __init__(self, make: Callable[..., PlanCache], traffic: dict, example_inputs: Any, exported: bool,
+                 progress: bool) -> None:
+        self.cost, self.dynamic_cost = _traffic.measure_plans(make, traffic, example_inputs, exported,
+                                                              progress=progress)
+        self.smallest, self.largest = (tuple(map(f, zip(*traffic))) for f in (min, max))
+
+    def span(self, traffic: dict) -> bool:
+        return all(all(lo <= n <= hi for n, lo, hi in zip(sizes, self.smallest, self.largest)) for sizes in traffic)
+
+
+def _planned(make: Callable[..., PlanCache], traffic: dict, plan_budget: int, example_inputs: Any, exported: bool,
+             progress: bool, costs: Optional[_Costs] = None, unless: Optional[list] = None) -> tuple:
+    """Choose the buckets for `traffic` by `costs` (measured here unless they span the traffic);
+    then make the cache with them, holding the traffic, the costs and the chosen plans. (choice,
+    cache, costs), the cache None when the chosen buckets are `unless`."""
+    if costs is None or not costs.span(traffic):
+        costs = _Costs(make, traffic, example_inputs, exported, progress)
+    choice = _traffic.choose_buckets(traffic, plan_budget, costs.cost, costs.dynamic_cost)
+    if unless is not None and choice.buckets == unless:
+        return choice, None, costs
+    cache = make(buckets=choice.buckets)
+    cache.observe_traffic(traffic)
+    cache.preload(choice.plans, example_inputs, progress=progress)
+    cache.bucket_choice, cache._costs = choice, costs
+    return choice, cache, costs
