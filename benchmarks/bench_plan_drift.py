@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_plan_batcher import percentile  # noqa: E402
 from harness import Report, format_seconds  # noqa: E402
 
 PLAN_BUDGET = 2
@@ -42,11 +43,6 @@ def planned(rng: random.Random, count: int) -> list:
 
 def drifted(rng: random.Random, count: int) -> list:
     return [rng.randint(9, 16) for _ in range(count)]
-
-
-def percentile(values: list, q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def serve(variant: str, scripted, before: list, after: list, inputs: dict) -> dict:
