@@ -62,6 +62,9 @@ class _PlanModule:
     def cache_infer(self, cache: torch.ScriptObject) -> Callable[[list[torch.Tensor]], Any]:
         """cache.infer_tensors(inputs) called directly, without TorchScript's method dispatch; the GIL is
         released while it runs."""
+    def cache_preload(self, cache: torch.ScriptObject) -> Callable[[list[int], list[torch.Tensor], bool], None]:
+        """cache.preload(sizes, example_inputs) (bucket=False) or cache.preload_buckets([sizes],
+        example_inputs) (bucket=True) called directly; the GIL is released while it builds."""
     def batcher_infer(
         self, batcher: torch.ScriptObject
     ) -> Callable[[list[torch.Tensor], float, float], Any]:

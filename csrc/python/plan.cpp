@@ -119,6 +119,24 @@ py::cpp_function cache_infer(const py::object& script_object) {
       py::arg("inputs"));
 }
 
+// PlanCache.preload / preload_buckets with tensor example inputs, the GIL released while the plan
+// builds (a TorchScript plan is frozen and optimised in this thread; other threads keep serving).
+py::cpp_function cache_preload(const py::object& script_object) {
+  return py::cpp_function(
+      [cache = cache_of(script_object)](const std::vector<int64_t>& sizes, const std::vector<at::Tensor>& example,
+                                        bool bucket) {
+        return call_released([&] {
+          if (bucket) {
+            cache->preload_buckets({sizes}, values_of(example));
+          } else {
+            cache->preload(sizes, values_of(example));
+          }
+          return c10::IValue();
+        });
+      },
+      py::arg("sizes"), py::arg("example_inputs"), py::arg("bucket"));
+}
+
 c10::intrusive_ptr<plan::Batcher> batcher_of(const py::object& script_object) {
   static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::Batcher>>();
   return torch::jit::toIValue(script_object, type).toCustomClass<plan::Batcher>();
@@ -160,6 +178,9 @@ void bind_plan(py::module_& m) {
   sub.def("cache_infer", &cache_infer, py::arg("cache"),
           "PlanCache.infer_tensors(inputs) of a torch.classes.torch_ext.PlanCache, called directly (no TorchScript "
           "method dispatch), the GIL released while it runs");
+  sub.def("cache_preload", &cache_preload, py::arg("cache"),
+          "preload(sizes, example_inputs, bucket) of a torch.classes.torch_ext.PlanCache for tensor example inputs "
+          "(bucket: sizes is one bucket, else batch sizes), called directly, the GIL released while it builds");
   sub.def("batcher_infer", &batcher_infer, py::arg("batcher"),
           "Batcher.infer_tensors(inputs, timeout_seconds=-1, deadline_ms=-1) of a torch.classes.torch_ext.Batcher, "
           "called directly (no TorchScript method dispatch), the GIL released while it waits");

@@ -173,6 +173,24 @@ def test_from_traffic_on_torchscript_builds_the_chosen_plans_and_serves_the_traf
         PlanCache.from_traffic(scripted, traffic, 0, (x(2),))
 
 
+def test_measuring_builds_a_plan_at_each_timed_size_whatever_the_caches_miss_mode(scripted):
+    from torch_ext.plan.traffic import measure_plans
+    probes = []
+
+    def make(**options):  # the cache serving the traffic pads its misses in the background
+        probes.append(PlanCache(scripted, **{"miss_mode": "pad", "background_builds": True, "max_plans": 1,
+                                             **options}))
+        return probes[-1]
+
+    measure_plans(make, as_traffic(range(1, 17)), (x(2),), exported=False)
+    (probe,) = probes
+    timed = {z.batch_size: z for z in probe.stats().sizes}
+    # Sizes 1, 5, 8, 12 and 16 (5 spread over the traffic's range), each built and served as its own
+    # plan: padded onto the plan of 16, every size would time as 16.
+    assert sorted(timed) == [1, 5, 8, 12, 16]
+    assert all(z.builds == 1 and z.padded_calls == 0 and z.hits > 0 for z in timed.values())
+
+
 SHAPES = ({0: Dim("batch", max=16)},)
 
 
@@ -308,3 +326,26 @@ def test_replan_refuses_what_it_cannot_plan(scripted):
         cache.replan(2)  # nothing served yet: no example inputs to time the model with
     assert cache.buckets == [] and cache.replan(2, example_inputs=(x(1),)).buckets == [[4]]
     assert cache.cached_buckets() == [[4]]
+
+
+def test_a_compile_budget_in_seconds_bounds_the_plans_or_is_refused(scripted):
+    traffic = stream(5)
+    roomy = PlanCache.from_traffic(scripted, traffic, example_inputs=(x(2),), compile_seconds=1e9, miss_mode="pad",
+                                   progress=False)
+    assert roomy.bucket_choice.max_plans == len(set(traffic))  # seconds to spare: as many plans as sizes
+    both = PlanCache.from_traffic(scripted, traffic, 2, (x(2),), compile_seconds=1e9, progress=False)
+    assert both.bucket_choice.max_plans == 2 and len(both.bucket_choice.plans) <= 2
+    # No build takes a nanosecond: not even one plan fits, and the error says what the budget left.
+    with pytest.raises(ValueError, match=r"compile_seconds=1e-09 leaves 0.00 s after measuring the model \(.* s of "
+                                         r"builds\), less than one plan's predicted"):
+        PlanCache.from_traffic(scripted, traffic, example_inputs=(x(2),), compile_seconds=1e-9, progress=False)
+    plans = roomy.script_object
+    with pytest.raises(ValueError, match=r"PlanCache.replan: compile_seconds=1e-09 leaves 0.00 s after measuring "
+                                         r"the model \(0.00 s of builds\)"):
+        roomy.replan(compile_seconds=1e-9)  # the costs measured before serve: no build spent
+    assert roomy.script_object is plans
+    with pytest.raises(TypeError, match=r"give plan_budget \(plans\), compile_seconds \(seconds of builds\), or both"):
+        PlanCache.from_traffic(scripted, traffic, example_inputs=(x(2),))
+    for bad in (0.0, -1, float("inf"), float("nan"), "10", True):
+        with pytest.raises(ValueError, match="compile_seconds must be a positive number of seconds"):
+            PlanCache.from_traffic(scripted, traffic, example_inputs=(x(2),), compile_seconds=bad)

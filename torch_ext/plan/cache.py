@@ -186,8 +186,12 @@ class PlanCache(ScriptObjectFace):
         if progress:
             from tqdm import tqdm
             iterator = tqdm(sizes, desc="PlanCache.preload", unit="plan", leave=False, disable=None)
+        released = example is None or all(type(value) is torch.Tensor for value in example)
+        preload = _C.plan.cache_preload(self.script_object)  # builds with the GIL released: others keep serving
         for n in iterator:
-            if isinstance(n, int):
+            if released:
+                preload([n] if isinstance(n, int) else list(n), list(example or ()), not isinstance(n, int))
+            elif isinstance(n, int):
                 self.script_object.preload([n], example)
             else:
                 self.script_object.preload_buckets([list(n)], example)
@@ -203,46 +207,49 @@ class PlanCache(ScriptObjectFace):
         self.script_object.observe_traffic([[*sizes, count] for sizes, count in _traffic.as_traffic(traffic).items()])
 
     @classmethod
-    def from_traffic(cls, module: Source, traffic: Any, plan_budget: int, example_inputs: Optional[Sequence[Any]] = None,
-                     dynamic_shapes: Any = None, *, inductor_configs: Optional[dict] = None, progress: bool = True,
-                     **options: Any) -> "PlanCache":
+    def from_traffic(cls, module: Source, traffic: Any, plan_budget: Optional[int] = None,
+                     example_inputs: Optional[Sequence[Any]] = None, dynamic_shapes: Any = None, *,
+                     compile_seconds: Optional[float] = None, inductor_configs: Optional[dict] = None,
+                     progress: bool = True, **options: Any) -> "PlanCache":
         """A cache whose buckets are chosen for `traffic` ({sizes: requests}, a PlanCache whose log has
         it, or requests' sizes): at most plan_budget plans, at the least predicted time over that
         traffic, padding included, by costs measured on this machine (torch_ext.plan.traffic:
         measure_plans, choose_buckets). An exported program's measurement compiles three packages
         besides the plans (one dynamic, two static), and plan_shapes='auto' (the default) compiles
-        two a plan; TorchScript compiles nothing. The cache gets the traffic, so 'auto' keeps, per
-        bucket, the plan kind faster at the sizes that bucket serves. Its plans are built before it
-        returns; `bucket_choice` says what was chosen and predicted, stats() what each bucket
-        measures once it serves."""
+        two a plan; TorchScript compiles nothing. compile_seconds (instead of plan_budget, or with
+        it): the plans fit in that many seconds of builds, the measurement's included, each plan
+        predicted at the measurement's seconds per build. The cache gets the traffic, so 'auto'
+        keeps, per bucket, the plan kind faster at the sizes that bucket serves. Its plans are built
+        before it returns; `bucket_choice` says what was chosen and predicted, stats() what each
+        bucket measures once it serves."""
         if "buckets" in options:
             raise TypeError("PlanCache.from_traffic chooses the buckets; pass traffic, not buckets")
-        if not isinstance(plan_budget, int) or plan_budget < 1:
-            raise ValueError(f"PlanCache.from_traffic: plan_budget must be a positive integer, got {plan_budget!r}")
+        budget = _Budget("PlanCache.from_traffic", plan_budget, compile_seconds)
         scripted = _is_scripted(module)
         if scripted and example_inputs is None:
             raise TypeError("PlanCache.from_traffic: a TorchScript module's cache needs example_inputs (any sizes) "
                             "to time the model at the traffic's sizes")
 
         make = _maker(cls, module, example_inputs if not scripted else None, dynamic_shapes, inductor_configs, options)
-        return _planned(make, _traffic.as_traffic(traffic), plan_budget, example_inputs, not scripted, progress)[1]
+        return _planned(make, _traffic.as_traffic(traffic), budget, example_inputs, not scripted, progress)[1]
 
-    def replan(self, plan_budget: int, traffic: Any = None, *, example_inputs: Optional[Sequence[Any]] = None,
+    def replan(self, plan_budget: Optional[int] = None, traffic: Any = None, *,
+               compile_seconds: Optional[float] = None, example_inputs: Optional[Sequence[Any]] = None,
                background: bool = False, progress: bool = False) -> Any:
-        """Choose this cache's buckets again, as from_traffic does, for `traffic` (default: its own
-        traffic log: what it was planned on and every request served since), and serve from plans
-        built for them. The model is measured again only where the traffic reaches past the sizes
-        measured before (from_traffic's or the last re-plan's costs serve otherwise, so the same
-        traffic gives the same choice). The new plans are built beside the current ones, which
-        serve every request meanwhile; then one step swaps them in (stats() start afresh, the traffic log
-        carries on from the traffic planned on, save() keeps the new buckets). Buckets equal to the
-        current ones build nothing. A Batcher made earlier keeps the plans it was made with.
-        Returns the BucketChoice (also `bucket_choice`); with background=True, at once, a
+        """Choose this cache's buckets again, as from_traffic does (within plan_budget plans and/or
+        compile_seconds of builds), for `traffic` (default: its own traffic log: what it was
+        planned on and every request served since), and serve from plans built for them. The model
+        is measured again only where the traffic reaches past the sizes measured before
+        (from_traffic's or the last re-plan's costs serve otherwise, so the same traffic gives the
+        same choice). The new plans are built beside the current ones, which serve every request
+        meanwhile; then one step swaps them in (stats() start afresh, the traffic log carries on
+        from the traffic planned on, save() keeps the new buckets). Buckets equal to the current
+        ones build nothing. A Batcher made earlier keeps the plans it was made with. Returns the
+        BucketChoice (also `bucket_choice`); with background=True, at once, a
         concurrent.futures.Future of it, the work done on this cache's re-plan thread (one re-plan
-        at a time, in order). example_inputs: any sizes (default: the cache's example, kept from
-        a request it served; an exported program's own)."""
-        if not isinstance(plan_budget, int) or plan_budget < 1:
-            raise ValueError(f"PlanCache.replan: plan_budget must be a positive integer, got {plan_budget!r}")
+        at a time, in order). example_inputs: any sizes (default: the cache's example, kept from a
+        request it served; an exported program's own)."""
+        budget = _Budget("PlanCache.replan", plan_budget, compile_seconds)
         if self._made_from is None:
             raise ValueError("PlanCache.replan: this cache was loaded from a saved folder, which holds no program to "
                              "build other buckets from; make it from the module or program instead")
@@ -253,20 +260,20 @@ class PlanCache(ScriptObjectFace):
             else:
                 example_inputs = self._made_from[1]
         if not background:
-            return self._replan(plan_budget, traffic, example_inputs, progress)
+            return self._replan(budget, traffic, example_inputs, progress)
         with _replan_lock:
             if self.__dict__.get("_replan_pid") != os.getpid():  # none yet, or the parent's in a forked child
                 self._replanner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="PlanCache.replan")
                 self._replan_pid = os.getpid()
-            return self._replanner.submit(self._replan, plan_budget, traffic, example_inputs, progress)
+            return self._replanner.submit(self._replan, budget, traffic, example_inputs, progress)
 
-    def _replan(self, plan_budget: int, traffic: dict, example_inputs: Any, progress: bool) -> _traffic.BucketChoice:
+    def _replan(self, budget: "_Budget", traffic: dict, example_inputs: Any, progress: bool) -> _traffic.BucketChoice:
         module, example, dynamic_shapes, inductor_configs, options = self._made_from
         unbucketed = {k: v for k, v in options.items() if k != "buckets"}  # the probes' and the new cache's own
         make = _maker(type(self), module, example, dynamic_shapes, inductor_configs, unbucketed)
         with self.__dict__.setdefault("_replanning", threading.Lock()):
             current = [list(b) for b in self.buckets]
-            choice, new, costs = _planned(make, traffic, plan_budget, example_inputs, self._in_spec is not None,
+            choice, new, costs = _planned(make, traffic, budget, example_inputs, self._in_spec is not None,
                                           progress, self.__dict__.get("_costs"), unless=current)
             if new is None:
                 self.bucket_choice, self._costs = choice, costs
@@ -317,31 +324,84 @@ def _maker(cls: type, module: Any, example_inputs: Any, dynamic_shapes: Any, ind
         if _is_scripted(module):
             return cls(module, **{**options, **overrides})
         return cls(module, example_inputs, dynamic_shapes, inductor_configs=inductor_configs, **{**options, **overrides})
+    make.plan_shapes = options.get("plan_shapes", _option_default("plan_shapes"))  # type: ignore[attr-defined]
     return make
 
 
+def _option_default(name: str) -> Any:
+    """The default of a PlanCacheOptions field, as the C++ constructor's schema has it."""
+    for schema in torch._C._jit_get_custom_class_schemas():
+        if schema.name == "__init__" and str(schema.arguments[0].type).endswith("torch_ext.PlanCache"):
+            return next(a.default_value for a in schema.arguments if a.name == name)
+    raise LookupError(f"torch.classes.torch_ext.PlanCache has no constructor option {name}")
+
+
+class _Budget:
+    """What a choice of buckets may build: at most `plans` plans, and/or builds that fit in
+    `seconds` (the measurement's included). Checked before anything is measured or built."""
+
+    def __init__(self, owner: str, plans: Optional[int], seconds: Optional[float]) -> None:
+        if plans is None and seconds is None:
+            raise TypeError(f"{owner}: give plan_budget (plans), compile_seconds (seconds of builds), or both")
+        if plans is not None and (not isinstance(plans, int) or isinstance(plans, bool) or plans < 1):
+            raise ValueError(f"{owner}: plan_budget must be a positive integer, got {plans!r}")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not 0 < seconds < float("inf")):
+            raise ValueError(f"{owner}: compile_seconds must be a positive number of seconds, got {seconds!r}")
+        self.owner, self.plans, self.seconds = owner, plans, seconds
+
+    def max_plans(self, traffic: dict, costs: "_Costs", spent: float, builds_per_plan: int) -> int:
+        """The most plans within the budget, after `spent` seconds of builds; never more than the
+        traffic has sizes."""
+        limit = len(traffic) if self.plans is None else min(self.plans, len(traffic))
+        if self.seconds is None:
+            return limit
+        per_plan = builds_per_plan * costs.seconds_per_build
+        left = self.seconds - spent
+        fits = int(left // per_plan) if per_plan > 0 else limit
+        if fits < 1:
+            raise ValueError(
+                f"{self.owner}: compile_seconds={self.seconds:g} leaves {max(left, 0.0):.2f} s after measuring the "
+                f"model ({spent:.2f} s of builds), less than one plan's predicted {per_plan:.2f} s ({builds_per_plan} "
+                f"build(s) of {costs.seconds_per_build:.2f} s); raise compile_seconds, or give plan_budget alone")
+        return min(limit, fits)
+
+
 class _Costs:
-    """The measured costs (torch_ext.plan.traffic.measure_plans) and the sizes they span: outside
-    them the interpolation only repeats the nearest measured size."""
+    """The measured costs (torch_ext.plan.traffic.measure_plans), the sizes they span (outside them
+    the interpolation only repeats the nearest measured size) and the seconds a build took there."""
 
     def __init__(self, make: Callable[..., PlanCache], traffic: dict, example_inputs: Any, exported: bool,
                  progress: bool) -> None:
-        self.cost, self.dynamic_cost = _traffic.measure_plans(make, traffic, example_inputs, exported,
+        probes = []
+
+        def probe(**options: Any) -> PlanCache:
+            probes.append(make(**options))
+            return probes[-1]
+
+        self.cost, self.dynamic_cost = _traffic.measure_plans(probe, traffic, example_inputs, exported,
                                                               progress=progress)
         self.smallest, self.largest = (tuple(map(f, zip(*traffic))) for f in (min, max))
+        stats = [p.stats() for p in probes]
+        self.build_seconds = sum(s.build_seconds for s in stats)
+        self.seconds_per_build = self.build_seconds / max(1, sum(s.builds for s in stats))
 
     def span(self, traffic: dict) -> bool:
         return all(all(lo <= n <= hi for n, lo, hi in zip(sizes, self.smallest, self.largest)) for sizes in traffic)
 
 
-def _planned(make: Callable[..., PlanCache], traffic: dict, plan_budget: int, example_inputs: Any, exported: bool,
+def _planned(make: Callable[..., PlanCache], traffic: dict, budget: _Budget, example_inputs: Any, exported: bool,
              progress: bool, costs: Optional[_Costs] = None, unless: Optional[list] = None) -> tuple:
-    """Choose the buckets for `traffic` by `costs` (measured here unless they span the traffic);
-    then make the cache with them, holding the traffic, the costs and the chosen plans. (choice,
-    cache, costs), the cache None when the chosen buckets are `unless`."""
+    """Choose the buckets for `traffic` within `budget` by `costs` (measured here unless they span
+    the traffic); then make the cache with them, holding the traffic, the costs and the chosen
+    plans. (choice, cache, costs), the cache None when the chosen buckets are `unless`."""
+    spent = 0.0
     if costs is None or not costs.span(traffic):
         costs = _Costs(make, traffic, example_inputs, exported, progress)
-    choice = _traffic.choose_buckets(traffic, plan_budget, costs.cost, costs.dynamic_cost)
+        spent = costs.build_seconds
+    builds_per_plan = 2 if exported and make.plan_shapes == "auto" else 1  # 'auto': a static and a dynamic
+    choice = _traffic.choose_buckets(traffic, budget.max_plans(traffic, costs, spent, builds_per_plan),
+                                     costs.cost, costs.dynamic_cost)
     if unless is not None and choice.buckets == unless:
         return choice, None, costs
     cache = make(buckets=choice.buckets)

@@ -67,6 +67,7 @@ class BucketChoice:
     predicted_seconds: float  # mean predicted seconds per request, padding included
     unpadded_seconds: float   # the same were every request run at its own sizes (one plan per size)
     padding: float            # the share of computed elements that are padding
+    max_plans: int            # the budget it was chosen under, in plans
 
     def describe(self) -> str:
         return (f"{len(self.plans)} plan(s) {', '.join('x'.join(map(str, p)) for p in self.plans)}: predicted "
@@ -188,7 +189,7 @@ def choose_buckets(traffic: Union[Mapping, Iterable, Any], max_plans: int, cost:
         raise ValueError(f"choose_buckets: max_plans must be a positive integer, got {max_plans!r}")
     problem = _Problem(as_traffic(traffic), cost, dynamic_cost, max_candidates)
     if problem.rank == 1:
-        return _choice(problem, [problem.best_bounds(0, [], max_plans)])
+        return _choice(problem, [problem.best_bounds(0, [], max_plans)], max_plans)
     best = None
     last = problem.cands[-1].size
     for k in range(1, min(max_plans, last) + 1):
@@ -210,10 +211,10 @@ def choose_buckets(traffic: Union[Mapping, Iterable, Any], max_plans: int, cost:
                     bounds, total, improved = trial, trial_total, True
         if best is None or total < best[0]:  # every start and every step keeps within max_plans
             best = (total, bounds)
-    return _choice(problem, best[1])
+    return _choice(problem, best[1], max_plans)
 
 
-def _choice(problem: _Problem, bounds: list) -> BucketChoice:
+def _choice(problem: _Problem, bounds: list, max_plans: int) -> BucketChoice:
     total, used, inverse, seconds, dynamic = problem.evaluate(bounds)
     counts = problem.counts
     requests = np.bincount(inverse, counts)
@@ -229,7 +230,7 @@ def _choice(problem: _Problem, bounds: list) -> BucketChoice:
         plan_kinds=["dynamic" if k else "static" for k in dynamic],
         plan_seconds=[float(t / r) for t, r in zip(seconds, requests)],
         predicted_seconds=total / float(counts.sum()), unpadded_seconds=float((counts * own).sum() / counts.sum()),
-        padding=float(1 - own_volume.sum() / computed.sum()))
+        padding=float(1 - own_volume.sum() / computed.sum()), max_plans=int(max_plans))
 
 
 def _sample_points(values: np.ndarray, points: int) -> np.ndarray:
@@ -281,19 +282,32 @@ def measure_plans(make: Callable[..., Any], traffic: Traffic, example_inputs: An
     ratio interpolated in the log of the sizes' product)."""
     sizes = np.array(list(traffic), dtype=np.int64)
     smallest, largest = tuple(int(v) for v in sizes.min(axis=0)), tuple(int(v) for v in sizes.max(axis=0))
+    # Whatever the cache serving the traffic does with a miss, a probe builds each size it is timed
+    # at, at once, and keeps it: padded onto another plan, every size would time as that plan.
+    probe = dict(miss_mode="exact", background_builds=False, admit_after=1, max_plans=0, max_bytes=0)
 
     def timer(cache: Any) -> Callable[[tuple], None]:
-        return lambda at: cache.script_object.infer(cache.script_object.example_inputs(list(at)))
+        # Through the cache's call, which releases the GIL while the model runs: a re-plan measures
+        # on a thread of its own while others serve, and neither waits on the other's model run.
+        inputs: dict = {}
+
+        def run(at: tuple) -> None:
+            if at not in inputs:  # made on _fastest's warm-up call, outside the timed ones
+                flat = list(cache.script_object.example_inputs(list(at)))
+                inputs[at] = (flat, all(type(value) is torch.Tensor for value in flat))
+            flat, tensors = inputs[at]
+            cache._infer_tensors(flat) if tensors else cache.script_object.infer(flat)
+        return run
 
     if not exported:
-        probe = make()
-        probe.preload([largest], example_inputs, progress=False)
-        return measured_cost(timer(probe), traffic, progress=progress), None
-    ranged = make(buckets=[[n] for n in largest], plan_shapes="dynamic")
+        plans = make(**probe)
+        plans.preload([largest], example_inputs, progress=False)
+        return measured_cost(timer(plans), traffic, progress=progress), None
+    ranged = make(buckets=[[n] for n in largest], plan_shapes="dynamic", **probe)
     ranged.preload([largest], example_inputs, progress=False)
     dynamic = measured_cost(timer(ranged), traffic, progress=progress)
     ends = [smallest, largest] if smallest != largest else [largest]
-    fixed = make(buckets=[sorted({a, b}) for a, b in zip(smallest, largest)], plan_shapes="static")
+    fixed = make(buckets=[sorted({a, b}) for a, b in zip(smallest, largest)], plan_shapes="static", **probe)
     fixed.preload(ends, example_inputs, progress=False)
     ratios = [_fastest(timer(fixed), at, 3) / _fastest(timer(ranged), at, 3) for at in ends]
     volumes = np.log([float(np.prod(at)) for at in ends])
