@@ -232,9 +232,11 @@ def test_a_child_forked_while_threads_log_traffic_serves_and_logs_without_hangin
     cache.preload([2, 3], example_inputs=(x(1),), progress=False)
     stop = threading.Event()
 
+    two, three = x(2), x(3)  # made here: torch.randn takes the generator's lock, which a fork may copy held
+
     def serve():
         while not stop.is_set():
-            cache(x(2))
+            cache(two)
 
     threads = [threading.Thread(target=serve) for _ in range(2)]
     for t in threads:
@@ -245,7 +247,7 @@ def test_a_child_forked_while_threads_log_traffic_serves_and_logs_without_hangin
             if pid == 0:
                 code = 1
                 try:
-                    cache(x(3))
+                    cache(three)
                     code = 0 if cache.traffic()[(3,)] >= 1 else 1
                 finally:
                     os._exit(code)

@@ -4,10 +4,13 @@
 // keep of it (the frozen module, and hashes of the served code and of the weights).
 #include "torch_ext/plan/plan.h"
 
+#include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <regex>
 #include <sstream>
@@ -24,8 +27,9 @@
 #include <torch/csrc/jit/runtime/static/impl.h>
 #include <torch/csrc/jit/serialization/import.h>
 
-#include "torch_ext/plan/persistence.h"
+#include "torch_ext/common/fork.h"
 #include "torch_ext/common/sha256.h"
+#include "torch_ext/plan/persistence.h"
 
 namespace torch_ext::plan {
 
@@ -56,6 +60,79 @@ void add_block_constants(torch::jit::Block* block, Constants& out) {
   }
 }
 
+// TorchScript's executors take locks of their own on every run (a GraphFunction's executor lock,
+// the profiling executor's plan lock; the static runtimes' free list here). A process forked while
+// another thread runs a module would inherit those locks held by a thread it does not have, and
+// its first run of that module would hang. So every run of a TorchScript module here passes this
+// gate, and fork() closes it: runs that have not started wait, fork() waits for those in flight to
+// end (a run nested in a run goes on: its thread is mid-run). The gate registers when the library
+// loads, before any object can, so its fork_prepare runs first: a run in flight may still need
+// another participant's lock (a torch_ext op in the scripted model), never the reverse, since no
+// participant holds its locks while it runs a plan.
+class ScriptRunGate final : public ForkParticipant {
+ public:
+  class Running {
+   public:
+    explicit Running(ScriptRunGate& gate) : gate_(gate) { gate_.enter(); }
+    ~Running() { gate_.leave(); }
+    Running(const Running&) = delete;
+    Running& operator=(const Running&) = delete;
+
+   private:
+    ScriptRunGate& gate_;
+  };
+
+  ScriptRunGate() { register_fork_participant(this); }
+
+  void fork_prepare() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    forking_ = true;
+    changed_.wait(lock, [this] { return running_ == 0; });
+    lock.release();  // held across fork(): no run starts meanwhile
+  }
+
+  void fork_parent() override {
+    forking_ = false;
+    mutex_.unlock();
+    changed_.notify_all();
+  }
+
+  void fork_child() override {  // only the forking thread is here, and it runs nothing
+    new (&mutex_) std::mutex();
+    new (&changed_) std::condition_variable();
+    forking_ = false;
+  }
+
+ private:
+  void enter() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (depth_ == 0) changed_.wait(lock, [this] { return !forking_; });
+    ++running_;
+    ++depth_;
+  }
+
+  void leave() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --depth_;
+    if (--running_ == 0 && forking_) changed_.notify_all();
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool forking_ = false;
+  int64_t running_ = 0;            // runs in flight, all threads
+  static thread_local int depth_;  // runs in flight on this thread
+};
+
+thread_local int ScriptRunGate::depth_ = 0;
+
+ScriptRunGate& run_gate() {
+  static ScriptRunGate* gate = new ScriptRunGate();  // leaked: runs may outlive static destruction
+  return *gate;
+}
+
+[[maybe_unused]] ScriptRunGate& registered_at_load = run_gate();
+
 // A plan's module and executor. Plans are clones of one base module and share most constants.
 class ScriptExecutable final : public Executable {
  public:
@@ -65,6 +142,7 @@ class ScriptExecutable final : public Executable {
   void use_static_runtime() { static_module_ = std::make_unique<torch::jit::StaticModule>(module_, /*is_frozen=*/true); }
 
   c10::IValue run(const std::vector<c10::IValue>& inputs) override {
+    ScriptRunGate::Running running(run_gate());
     if (!static_module_) return method_(inputs);
     std::unique_ptr<torch::jit::StaticRuntime> runtime;
     {
@@ -82,6 +160,7 @@ class ScriptExecutable final : public Executable {
   }
 
   c10::IValue run_single(const std::vector<c10::IValue>& inputs) override {
+    ScriptRunGate::Running running(run_gate());
     return static_module_ ? (*static_module_)(inputs) : method_(inputs);
   }
 
@@ -164,6 +243,7 @@ class ScriptSource final : public PlanSource {
 
   c10::IValue run_source(const std::vector<c10::IValue>& inputs) override {
     try {
+      ScriptRunGate::Running running(run_gate());
       return source_.get_method(options_.method)(inputs);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "PlanCache: the module (", name(), ") rejected the inputs: ", message_of(e));
