@@ -10,7 +10,8 @@ import torch
 from torch.export import Dim
 
 from torch_ext import PlanCache
-from torch_ext.plan.traffic import as_traffic, choose_buckets
+from torch_ext.plan import DriftStats
+from torch_ext.plan.traffic import as_traffic, choose_buckets, predicted_seconds
 from test_plan import Net as MLP  # noqa: E402  (pytest puts this folder on sys.path)
 
 FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}  # the wrapper at -O0: the kernels are unchanged
@@ -351,3 +352,106 @@ def test_a_compile_budget_in_seconds_bounds_the_plans_or_is_refused(scripted):
     for bad in (0.0, -1, float("inf"), float("nan"), "10", True):
         with pytest.raises(ValueError, match="compile_seconds must be a positive number of seconds"):
             PlanCache.from_traffic(scripted, traffic, example_inputs=(x(2),), compile_seconds=bad)
+
+
+def test_predicted_seconds_of_the_chosen_buckets_is_what_the_choice_predicted():
+    traffic = as_traffic(stream(11))
+    cost = lambda s: 1e-4 + 1e-5 * np.asarray(s, dtype=np.float64).prod(axis=1)  # noqa: E731
+    dynamic = lambda s: 1.3e-4 + 1e-5 * np.asarray(s, dtype=np.float64).prod(axis=1)  # noqa: E731
+    for costs in ((cost, None), (cost, dynamic)):
+        choice = choose_buckets(traffic, 3, *costs)
+        assert predicted_seconds(traffic, choice.buckets, *costs) == pytest.approx(choice.predicted_seconds, rel=1e-12)
+        # One bucket holding everything pads every request to the largest size: never cheaper.
+        assert predicted_seconds(traffic, [[max(choice.buckets[0])]], *costs) >= choice.predicted_seconds
+    assert predicted_seconds(traffic, [[4]], cost) == float("inf")  # requests past 4 have no bucket
+    with pytest.raises(ValueError, match="the traffic has 1 dynamic dimension"):
+        predicted_seconds(traffic, [[4], [8]], cost)
+
+
+def serve(cache, sizes):
+    for n in sizes:
+        cache(x(n))
+
+
+def test_a_cache_with_no_buckets_learns_them_at_its_first_drift_check(mlp, scripted):
+    cache = PlanCache(scripted, miss_mode="pad")
+    cache.replan_on_drift(1, every=20)
+    assert cache.drift_stats() == DriftStats(0, 0, float("inf"), cache.drift_stats().best_seconds, None)
+    serve(cache, [3, 7, 5, 2] * 5)  # 20 requests: the check is due
+    cache.wait_for_replans(60)
+    stats = cache.drift_stats()
+    assert (stats.checks, stats.replans, stats.error) == (1, 1, None)
+    assert stats.current_seconds == float("inf")  # nothing planned yet: any choice is better
+    # A budget of one plan: the largest size, whatever the measured costs; the log restarts at the window.
+    assert cache.buckets == cache.bucket_choice.buckets == [[7]] and cache.cached_buckets() == [[7]]
+    assert cache.traffic() == {(3,): 5, (7,): 5, (5,): 5, (2,): 5}
+    for n in (1, 6):
+        inputs = x(n)
+        with torch.no_grad():
+            torch.testing.assert_close(cache(inputs), mlp(inputs))
+
+
+def test_drift_past_the_buckets_replans_and_traffic_they_serve_well_does_not(mlp, scripted):
+    cache = PlanCache.from_traffic(scripted, {2: 50}, 1, (x(2),), miss_mode="pad", progress=False)
+    cache.replan_on_drift(1, every=10)
+    serve(cache, [1, 2] * 5)  # within the plan of 2, which is the best single plan for them
+    cache.wait_for_replans(60)
+    stats = cache.drift_stats()
+    assert (stats.checks, stats.replans) == (1, 0) and stats.current_seconds == stats.best_seconds
+    plans = cache.script_object
+    assert cache.buckets == [[2]]
+    serve(cache, [12] * 10)  # past every bucket: re-planned on this window
+    cache.wait_for_replans(60)
+    stats = cache.drift_stats()
+    assert (stats.checks, stats.replans) == (2, 1) and stats.current_seconds == float("inf")
+    assert cache.script_object is not plans and cache.buckets == [[12]] and cache.traffic() == {(12,): 10}
+    inputs = x(9)
+    with torch.no_grad():
+        torch.testing.assert_close(cache(inputs), mlp(inputs))
+    cache.replan_on_drift(every=None)  # off: no check however many requests come
+    serve(cache, [20] * 15)
+    cache.wait_for_replans(60)
+    assert cache.drift_stats() is None and cache.buckets == [[12]]
+
+
+def test_a_drift_check_is_never_run_by_a_request(mlp, scripted, monkeypatch):
+    import threading
+    cache = PlanCache.from_traffic(scripted, {2: 50}, 1, (x(2),), miss_mode="pad", progress=False)
+    cache.replan_on_drift(1, every=5)
+    checking, release = threading.Event(), threading.Event()
+    check = PlanCache._check_drift
+
+    def held_check(self, drift):  # the check is held until the requests after it were served
+        assert threading.current_thread().name.startswith("PlanCache.replan")
+        checking.set()
+        assert release.wait(60)
+        return check(self, drift)
+
+    monkeypatch.setattr(PlanCache, "_check_drift", held_check)
+    serve(cache, [12] * 5)
+    assert checking.wait(60)
+    inputs = x(2)
+    for _ in range(20):  # served at once by the current plans while the check waits (and counted)
+        with torch.no_grad():
+            torch.testing.assert_close(cache(inputs), mlp(inputs))
+    assert cache.buckets == [[2]] and cache.drift_stats().checks == 0
+    release.set()
+    cache.wait_for_replans(60)
+    # The held check's window (5 of 12, 20 of 2) and four more that found nothing left to choose.
+    assert cache.buckets == [[12]] and cache.drift_stats().replans == 1
+
+
+def test_replan_on_drift_refuses_bad_settings_and_reports_a_failed_check(scripted):
+    cache = PlanCache(scripted)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="every must be a positive number of requests"):
+            cache.replan_on_drift(1, every=bad)
+    with pytest.raises(ValueError, match="tolerance must be a non-negative fraction"):
+        cache.replan_on_drift(1, tolerance=-0.1)
+    with pytest.raises(TypeError, match="PlanCache.replan_on_drift: give plan_budget"):
+        cache.replan_on_drift()
+    cache.replan_on_drift(compile_seconds=1e-9, every=3)  # no plan fits: the check fails, requests go on
+    with pytest.warns(RuntimeWarning, match="replan_on_drift: the check failed"):
+        serve(cache, [4, 4, 4])
+        cache.wait_for_replans(60)
+    assert "compile_seconds=1e-09" in cache.drift_stats().error and cache.buckets == []

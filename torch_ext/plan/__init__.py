@@ -2,6 +2,6 @@
 TorchScript modules and torch.export programs (export.py, _compile.py), and a dynamic batcher in
 front of it (batcher.py)."""
 from .batcher import Batcher
-from .cache import PlanCache
+from .cache import DriftStats, PlanCache
 
-__all__ = ["Batcher", "PlanCache"]
+__all__ = ["Batcher", "DriftStats", "PlanCache"]

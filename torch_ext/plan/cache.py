@@ -16,9 +16,11 @@ background. Thread-safe: many threads may call infer() at once; hits take a read
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import tempfile
 import threading
+import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -29,7 +31,7 @@ from .._script import ScriptObjectFace
 from . import export as _export
 from . import traffic as _traffic
 
-__all__ = ["PlanCache"]
+__all__ = ["DriftStats", "PlanCache"]
 
 Source = Union[torch.jit.ScriptModule, torch.export.ExportedProgram, torch.nn.Module, str, os.PathLike]
 
@@ -64,6 +66,7 @@ class PlanCache(ScriptObjectFace):
     """
 
     bucket_choice: Optional[_traffic.BucketChoice] = None  # set by from_traffic and replan
+    _drift: Optional["_Drift"] = None  # set by replan_on_drift
 
     def __init__(self, module: Source, example_inputs: Optional[Sequence[Any]] = None, dynamic_shapes: Any = None, *,
                  inductor_configs: Optional[dict] = None, **options: Any) -> None:
@@ -131,13 +134,17 @@ class PlanCache(ScriptObjectFace):
 
     def infer(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the model on inputs whose dynamic dimensions have one size each."""
-        if self._in_spec is not None:
-            return self._infer_program(inputs, kwargs)
-        inputs = self._positional_inputs(inputs, kwargs)
-        # Tensors skip TorchScript's dispatch and the type inference of an Any argument (~20 us a call).
-        if all(type(value) is torch.Tensor for value in inputs):
-            return self._infer_tensors(list(inputs))
-        return self._infer(tuple(inputs))
+        try:
+            if self._in_spec is not None:
+                return self._infer_program(inputs, kwargs)
+            inputs = self._positional_inputs(inputs, kwargs)
+            # Tensors skip TorchScript's dispatch and the type inference of an Any argument (~20 us a call).
+            if all(type(value) is torch.Tensor for value in inputs):
+                return self._infer_tensors(list(inputs))
+            return self._infer(tuple(inputs))
+        finally:  # counted once served, so a drift check's window holds the request that made it due
+            if self._drift is not None:
+                self._count_request()
 
     __call__ = infer
 
@@ -168,9 +175,13 @@ class PlanCache(ScriptObjectFace):
 
     def infer_batch(self, *inputs: Any, **kwargs: Any) -> Any:
         """Any number of elements: split into calls of select_batch_size(remaining), outputs concatenated."""
-        if self._in_spec is None:
-            return self.script_object.infer_batch(self._positional_inputs(inputs, kwargs))
-        return self._structured(self.script_object.infer_batch(self._flat(inputs, kwargs)))
+        try:
+            if self._in_spec is None:
+                return self.script_object.infer_batch(self._positional_inputs(inputs, kwargs))
+            return self._structured(self.script_object.infer_batch(self._flat(inputs, kwargs)))
+        finally:
+            if self._drift is not None:
+                self._count_request()
 
     def preload(self, sizes: Iterable[Union[int, Sequence[int]]], example_inputs: Optional[Sequence[Any]] = None,
                 progress: bool = True) -> None:
@@ -250,40 +261,126 @@ class PlanCache(ScriptObjectFace):
         at a time, in order). example_inputs: any sizes (default: the cache's example, kept from a
         request it served; an exported program's own)."""
         budget = _Budget("PlanCache.replan", plan_budget, compile_seconds)
-        if self._made_from is None:
-            raise ValueError("PlanCache.replan: this cache was loaded from a saved folder, which holds no program to "
-                             "build other buckets from; make it from the module or program instead")
+        self._check_replannable("PlanCache.replan")
         traffic = _traffic.as_traffic(self if traffic is None else traffic)
-        if example_inputs is None:
-            if self._in_spec is None:  # TorchScript: inputs by position, as the cache keeps its example
-                example_inputs = tuple(self.script_object.example_inputs(list(next(iter(traffic)))))
-            else:
-                example_inputs = self._made_from[1]
+        example_inputs = self._replan_example(traffic, example_inputs)
+        current = [list(b) for b in self.buckets]
+
+        def keep(choice: _traffic.BucketChoice, _: _Costs) -> bool:
+            return choice.buckets == current
+
         if not background:
-            return self._replan(budget, traffic, example_inputs, progress)
+            return self._replan(budget, traffic, example_inputs, progress, keep)
+        return self._on_replan_thread(self._replan, budget, traffic, example_inputs, progress, keep)
+
+    def replan_on_drift(self, plan_budget: Optional[int] = None, *, compile_seconds: Optional[float] = None,
+                        every: Optional[int] = 1000, tolerance: float = 0.1,
+                        example_inputs: Optional[Sequence[Any]] = None) -> None:
+        """Re-plan by itself when the traffic drifts. After every `every` requests served through
+        infer() or infer_batch(), the re-plan thread takes the requests served since the last check
+        (the window) and predicts, by the measured costs, what the current buckets cost over them
+        and what the best choice within the budget would (torch_ext.plan.traffic: predicted_seconds,
+        choose_buckets; the model is measured first where the costs do not reach the window's
+        sizes). When the current buckets cost more than (1 + tolerance) times the best, or some
+        request of the window has no bucket, it re-plans on the window (as replan(traffic=window)
+        in the background), and requests keep being served by the current plans until the swap. A cache made with no buckets
+        learns them this way at its first check. The checks count requests, not time, and never
+        run on a request's thread. drift_stats() says what the checks found; every=None stops
+        them. Requests that reach the cache another way (its script_object, a Batcher) are not
+        counted."""
+        if every is None:
+            self._drift = None
+            return
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"PlanCache.replan_on_drift: every must be a positive number of requests, got {every!r}")
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < float("inf"):
+            raise ValueError(f"PlanCache.replan_on_drift: tolerance must be a non-negative fraction, got {tolerance!r}")
+        budget = _Budget("PlanCache.replan_on_drift", plan_budget, compile_seconds)
+        self._check_replannable("PlanCache.replan_on_drift")
+        self._drift = _Drift(budget, every, float(tolerance), example_inputs, self.traffic())
+
+    def drift_stats(self) -> Optional["DriftStats"]:
+        """What replan_on_drift's checks found so far (None when it is off)."""
+        drift = self._drift
+        return None if drift is None else drift.stats()
+
+    def wait_for_replans(self, timeout: Optional[float] = None) -> None:
+        """Wait until every re-plan and drift check asked for so far has finished."""
+        if self.__dict__.get("_replan_pid") == os.getpid():
+            self._replanner.submit(lambda: None).result(timeout)
+
+    def _check_replannable(self, owner: str) -> None:
+        if self._made_from is None:
+            raise ValueError(f"{owner}: this cache was loaded from a saved folder, which holds no program to build "
+                             "other buckets from; make it from the module or program instead")
+
+    def _replan_example(self, traffic: dict, example_inputs: Any) -> Any:
+        if example_inputs is not None:
+            return example_inputs
+        if self._in_spec is None:  # TorchScript: inputs by position, as the cache keeps its example
+            return tuple(self.script_object.example_inputs(list(next(iter(traffic)))))
+        return self._made_from[1]
+
+    def _on_replan_thread(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """fn(*args) on this cache's re-plan thread (one at a time, in order)."""
         with _replan_lock:
             if self.__dict__.get("_replan_pid") != os.getpid():  # none yet, or the parent's in a forked child
                 self._replanner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="PlanCache.replan")
                 self._replan_pid = os.getpid()
-            return self._replanner.submit(self._replan, budget, traffic, example_inputs, progress)
+            return self._replanner.submit(fn, *args)
 
-    def _replan(self, budget: "_Budget", traffic: dict, example_inputs: Any, progress: bool) -> _traffic.BucketChoice:
+    def _replan(self, budget: "_Budget", traffic: dict, example_inputs: Any, progress: bool,
+                keep: Callable[[_traffic.BucketChoice, "_Costs"], bool]) -> _traffic.BucketChoice:
+        """Choose for `traffic`; unless keep(choice, costs), build a cache with the chosen buckets and swap it in."""
         module, example, dynamic_shapes, inductor_configs, options = self._made_from
         unbucketed = {k: v for k, v in options.items() if k != "buckets"}  # the probes' and the new cache's own
         make = _maker(type(self), module, example, dynamic_shapes, inductor_configs, unbucketed)
         with self.__dict__.setdefault("_replanning", threading.Lock()):
-            current = [list(b) for b in self.buckets]
             choice, new, costs = _planned(make, traffic, budget, example_inputs, self._in_spec is not None,
-                                          progress, self.__dict__.get("_costs"), unless=current)
+                                          progress, self.__dict__.get("_costs"), keep)
             if new is None:
                 self.bucket_choice, self._costs = choice, costs
                 return choice
             # The old cache's folder stays while requests may still run on it; its plans go with it.
             if self.__dict__.get("_workdir") is not None:
                 self.__dict__.setdefault("_retired_workdirs", []).append(self._workdir)
-            state = dict(new.__dict__, _made_from=self._made_from)
-            self.__dict__.update(state)  # one step: a request reads the old cache's attributes or the new one's
+            self.__dict__.update(new.__dict__)  # one step: a request reads the old cache's attributes or the new one's
             return choice
+
+    def _count_request(self) -> None:
+        drift = self._drift
+        drift.countdown -= 1  # a count lost to a race only delays the check by a request
+        if drift.countdown <= 0:
+            with _replan_lock:
+                if drift.countdown > 0:
+                    return
+                drift.countdown = drift.every
+            self._on_replan_thread(self._check_drift, drift)
+
+    def _check_drift(self, drift: "_Drift") -> None:
+        log = self.traffic()
+        window = {sizes: n - drift.seen.get(sizes, 0) for sizes, n in log.items() if n > drift.seen.get(sizes, 0)}
+        drift.seen = log
+        if not window or drift is not self._drift:
+            return
+        drift.checks += 1
+        current = [list(b) for b in self.buckets]
+
+        def keep(choice: _traffic.BucketChoice, costs: _Costs) -> bool:
+            now = (_traffic.predicted_seconds(window, current, costs.cost, costs.dynamic_cost) if current
+                   else float("inf"))  # no buckets yet: learn them
+            drift.found(now, choice.predicted_seconds)
+            return choice.buckets == current or now <= choice.predicted_seconds * (1 + drift.tolerance)
+
+        plans = self.script_object
+        try:
+            self._replan(drift.budget, window, self._replan_example(window, drift.example_inputs), False, keep)
+        except Exception as error:  # noqa: BLE001 - kept for drift_stats and said once; requests go on
+            drift.failed(error)
+            return
+        if self.script_object is not plans:  # swapped: the new cache's log starts at the window
+            drift.replans += 1
+            drift.seen = dict(window)
 
     def __contains__(self, batch_size: int) -> bool:
         return int(batch_size) in self.script_object
@@ -367,6 +464,41 @@ class _Budget:
         return min(limit, fits)
 
 
+@dataclasses.dataclass(frozen=True)
+class DriftStats:
+    """What PlanCache.replan_on_drift's checks found."""
+
+    checks: int                # windows of requests checked
+    replans: int               # checks that swapped in new plans
+    current_seconds: float     # the last check: the current buckets' predicted mean seconds a request
+                               # over its window (inf: a request with no bucket, or costs not measured there)
+    best_seconds: float        # the last check: the best choice's, within the budget (nan before any)
+    error: Optional[str]       # the last check's error, if it failed (the cache serves on as it was)
+
+
+class _Drift:
+    """replan_on_drift's settings and what its checks found; checks run one at a time, on the
+    re-plan thread, and requests only count down."""
+
+    def __init__(self, budget: _Budget, every: int, tolerance: float, example_inputs: Any, seen: dict) -> None:
+        self.budget, self.every, self.tolerance, self.example_inputs = budget, every, tolerance, example_inputs
+        self.countdown, self.seen = every, seen  # seen: the traffic log at the last check
+        self.checks = self.replans = 0
+        self.current, self.best, self.error = float("inf"), float("nan"), None
+
+    def found(self, current: float, best: float) -> None:
+        self.current, self.best, self.error = current, best, None
+
+    def failed(self, error: Exception) -> None:
+        if self.error is None:
+            warnings.warn(f"PlanCache.replan_on_drift: the check failed and the cache serves on with its plans: "
+                          f"{error}", RuntimeWarning, stacklevel=1)
+        self.error = f"{type(error).__name__}: {error}"
+
+    def stats(self) -> DriftStats:
+        return DriftStats(self.checks, self.replans, self.current, self.best, self.error)
+
+
 class _Costs:
     """The measured costs (torch_ext.plan.traffic.measure_plans), the sizes they span (outside them
     the interpolation only repeats the nearest measured size) and the seconds a build took there."""
@@ -391,10 +523,11 @@ class _Costs:
 
 
 def _planned(make: Callable[..., PlanCache], traffic: dict, budget: _Budget, example_inputs: Any, exported: bool,
-             progress: bool, costs: Optional[_Costs] = None, unless: Optional[list] = None) -> tuple:
+             progress: bool, costs: Optional[_Costs] = None,
+             keep: Optional[Callable[[_traffic.BucketChoice, _Costs], bool]] = None) -> tuple:
     """Choose the buckets for `traffic` within `budget` by `costs` (measured here unless they span
     the traffic); then make the cache with them, holding the traffic, the costs and the chosen
-    plans. (choice, cache, costs), the cache None when the chosen buckets are `unless`."""
+    plans. (choice, cache, costs), the cache None when keep(choice, costs) says the current one stays."""
     spent = 0.0
     if costs is None or not costs.span(traffic):
         costs = _Costs(make, traffic, example_inputs, exported, progress)
@@ -402,7 +535,7 @@ def _planned(make: Callable[..., PlanCache], traffic: dict, budget: _Budget, exa
     builds_per_plan = 2 if exported and make.plan_shapes == "auto" else 1  # 'auto': a static and a dynamic
     choice = _traffic.choose_buckets(traffic, budget.max_plans(traffic, costs, spent, builds_per_plan),
                                      costs.cost, costs.dynamic_cost)
-    if unless is not None and choice.buckets == unless:
+    if keep is not None and keep(choice, costs):
         return choice, None, costs
     cache = make(buckets=choice.buckets)
     cache.observe_traffic(traffic)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 import numpy as np
 import torch
 
-__all__ = ["BucketChoice", "as_traffic", "choose_buckets", "measure_plans", "measured_cost"]
+__all__ = ["BucketChoice", "as_traffic", "choose_buckets", "measure_plans", "measured_cost", "predicted_seconds"]
 
 Traffic = dict
 # The seconds of one call at each row of an (m x rank) array of sizes.
@@ -231,6 +231,33 @@ def _choice(problem: _Problem, bounds: list, max_plans: int) -> BucketChoice:
         plan_seconds=[float(t / r) for t, r in zip(seconds, requests)],
         predicted_seconds=total / float(counts.sum()), unpadded_seconds=float((counts * own).sum() / counts.sum()),
         padding=float(1 - own_volume.sum() / computed.sum()), max_plans=int(max_plans))
+
+
+def predicted_seconds(traffic: Union[Mapping, Iterable, Any], buckets: list, cost: CostFn,
+                      dynamic_cost: CostFn | None = None) -> float:
+    """The mean predicted seconds of a request of `traffic` served by `buckets` (the PlanCache option:
+    per dynamic dimension, its upper bounds), as choose_buckets predicts its own choice: each request
+    padded to its bucket's upper bounds, or each bucket at its dynamic cost where that is cheaper.
+    inf when a request is past every bound of a dimension (no bucket holds it)."""
+    traffic = as_traffic(traffic)
+    sizes = np.array(list(traffic), dtype=np.int64)
+    counts = np.array(list(traffic.values()), dtype=np.float64)
+    if len(buckets) != sizes.shape[1]:
+        raise ValueError(f"predicted_seconds: the traffic has {sizes.shape[1]} dynamic dimension(s), the buckets "
+                         f"{len(buckets)}")
+    uppers = np.empty_like(sizes)
+    for d, bounds in enumerate(buckets):
+        bounds = np.array(sorted(bounds), dtype=np.int64)
+        at = np.searchsorted(bounds, sizes[:, d], side="left")
+        if bounds.size == 0 or (at >= bounds.size).any():
+            return float("inf")
+        uppers[:, d] = bounds[at]
+    _, bucket = np.unique(uppers, axis=0, return_inverse=True)
+    bucket = bucket.reshape(-1)
+    seconds = np.bincount(bucket, counts * np.asarray(cost(uppers), dtype=np.float64))
+    if dynamic_cost is not None:
+        seconds = np.minimum(seconds, np.bincount(bucket, counts * np.asarray(dynamic_cost(sizes), dtype=np.float64)))
+    return float(seconds.sum() / counts.sum())
 
 
 def _sample_points(values: np.ndarray, points: int) -> np.ndarray:
