@@ -12,6 +12,9 @@ three ways each (each variant's cache made afresh, miss_mode='pad'):
   (b) re-planned: the same cache, replan(2, background=True) called after the first 200 drifted
       requests; serving goes on while the re-plan measures and builds on the cache's thread
   (c) planned knowing the drift: from_traffic on the drifted requests themselves
+  (d) re-planned on its own: replan_on_drift(2, every=200) set after the warm-up; its first check,
+      after 200 drifted requests, re-plans on them when the plans it has predict slower than the
+      best choice for them
 Throughput over the drifted requests (items/s), each request's latency (p50, p99, the worst), and
 for (b) the requests served while the re-plan ran and how long it took. ROUNDS rounds, the
 variants' order rotated each round; the table shows each variant's median round.
@@ -35,7 +38,8 @@ from harness import Report, format_seconds  # noqa: E402
 
 PLAN_BUDGET = 2
 REPLAN_AFTER = 200
-VARIANTS = ["(a) as planned", "(b) re-planned in the background", "(c) planned knowing the drift"]
+VARIANTS = ["(a) as planned", "(b) re-planned in the background", "(c) planned knowing the drift",
+            "(d) re-planned on its own (replan_on_drift)"]
 
 
 def small(rng: random.Random, count: int) -> list:
@@ -57,27 +61,35 @@ def serve(variant: str, scripted, before: list, after: list, inputs: dict) -> di
                                    miss_mode="pad", progress=False)
     setup = time.perf_counter() - start
     first_buckets = cache.buckets
-    latencies, future, during, replan_seconds = [], None, 0, None
+    latencies, future, during, replan_start, replan_seconds = [], None, 0, None, None
     with torch.no_grad():
         for n in before[:50]:  # warm-up at the planned sizes, logged as served traffic too
             cache(inputs[n])
+        if variant.startswith("(d)"):
+            cache.replan_on_drift(PLAN_BUDGET, every=REPLAN_AFTER)
+        plans = cache.script_object
         start = time.perf_counter()
         for i, n in enumerate(after):
-            if variant.startswith("(b)") and i == REPLAN_AFTER:
+            if variant.startswith(("(b)", "(d)")) and i == REPLAN_AFTER:
                 replan_start = time.perf_counter()
-                future = cache.replan(PLAN_BUDGET, background=True)
+                if variant.startswith("(b)"):
+                    future = cache.replan(PLAN_BUDGET, background=True)
             t = time.perf_counter()
             cache(inputs[n])
             latencies.append(time.perf_counter() - t)
-            if future is not None and replan_seconds is None:
+            if replan_start is not None and replan_seconds is None:
                 during += 1
-                if future.done():
+                if (future.done() if future is not None else cache.script_object is not plans):
                     replan_seconds = time.perf_counter() - replan_start
         wall = time.perf_counter() - start
-    if future is not None:
+    if variant.startswith("(d)"):
+        cache.wait_for_replans()
+    elif future is not None:
         future.result()
-        if replan_seconds is None:
-            replan_seconds = time.perf_counter() - replan_start
+    if replan_start is not None and replan_seconds is None:
+        replan_seconds = time.perf_counter() - replan_start
+        if cache.script_object is plans:
+            replan_seconds = None  # (d) found nothing to re-plan
     return dict(variant=variant, wall=wall, items=sum(after), latencies=latencies, setup=setup,
                 buckets=cache.buckets, first_buckets=first_buckets, during=during,
                 plans=[b[0] for b in cache.cached_buckets()], replan_seconds=replan_seconds)
@@ -111,7 +123,7 @@ def main(argv: list) -> None:
             before, after = first(rng, 500), then(rng, count)
             runs: dict = {v: [] for v in VARIANTS}
             for r in range(rounds):
-                for variant in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+                for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
                     runs[variant].append(serve(variant, scripted, before, after, inputs))
             median = {v: sorted(runs[v], key=lambda x: x["items"] / x["wall"])[len(runs[v]) // 2] for v in VARIANTS}
             base = median[VARIANTS[0]]["items"] / median[VARIANTS[0]]["wall"]
@@ -130,15 +142,18 @@ def main(argv: list) -> None:
                                model=name, drift=drift, variant=v, throughput=rate,
                                rounds=[x["items"] / x["wall"] for x in runs[v]],
                                replan_seconds=m["replan_seconds"], served_during_replan=m["during"])
-            b, c = (median[v]["items"] / median[v]["wall"] for v in VARIANTS[1:])
+            b, c, d = (median[v]["items"] / median[v]["wall"] for v in VARIANTS[1:])
             report.notes.append(
                 f"- {name}, {drift}: throughput per round: " + "; ".join(
                     f"{v.split(')')[0]}) " + ", ".join(f"{x['items'] / x['wall']:,.0f}" for x in runs[v])
-                    for v in VARIANTS) + f". (b) reached {b / c:.2f}x of (c), which knew the drift before it served.")
+                    for v in VARIANTS) + f". (b) reached {b / c:.2f}x and (d) {d / c:.2f}x of (c), which knew the drift before "
+                f"it served.")
     report.notes.insert(0, (
         f"\n(b) re-plans after {REPLAN_AFTER} of the drifted requests, on its whole log (the 500 planned requests, "
         f"the 50 warm-up ones and those {REPLAN_AFTER}), with the costs from_traffic measured where the drifted sizes "
-        "lie within them and measured again past them; its row includes the requests served before the swap. A "
+        "lie within them and measured again past them; its row includes the requests served before the swap. (d) "
+        f"checks the {REPLAN_AFTER} drifted requests alone (its window) and re-plans on them where the plans it has "
+        "predict more than 1.1x the best choice's time for them, or hold no bucket for some. A "
         "request inside a bucket is padded to the bucket's bound; one past every bucket is padded onto a cached plan "
         "that holds it, and where none does its own plan is built (miss_mode='pad'), a plan the budget of "
         f"{PLAN_BUDGET} does not count: 'plans at the end' lists the batch sizes of the plans each cache held.\n"))
