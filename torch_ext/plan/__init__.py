@@ -2,6 +2,7 @@
 TorchScript modules and torch.export programs (export.py, _compile.py), and a dynamic batcher in
 front of it (batcher.py)."""
 from .batcher import Batcher
-from .cache import DriftStats, PlanCache
+from ._planning import DriftStats
+from .cache import PlanCache
 
 __all__ = ["Batcher", "DriftStats", "PlanCache"]

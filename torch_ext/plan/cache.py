@@ -16,11 +16,9 @@ background. Thread-safe: many threads may call infer() at once; hits take a read
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import os
 import tempfile
 import threading
-import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -28,10 +26,11 @@ import torch.utils._pytree as pytree
 
 from .. import _C
 from .._script import ScriptObjectFace
+from . import _planning
 from . import export as _export
 from . import traffic as _traffic
 
-__all__ = ["DriftStats", "PlanCache"]
+__all__ = ["PlanCache"]
 
 Source = Union[torch.jit.ScriptModule, torch.export.ExportedProgram, torch.nn.Module, str, os.PathLike]
 
@@ -66,7 +65,7 @@ class PlanCache(ScriptObjectFace):
     """
 
     bucket_choice: Optional[_traffic.BucketChoice] = None  # set by from_traffic and replan
-    _drift: Optional["_Drift"] = None  # set by replan_on_drift
+    _drift: Optional[_planning.Drift] = None  # set by replan_on_drift
 
     def __init__(self, module: Source, example_inputs: Optional[Sequence[Any]] = None, dynamic_shapes: Any = None, *,
                  inductor_configs: Optional[dict] = None, **options: Any) -> None:
@@ -235,14 +234,14 @@ class PlanCache(ScriptObjectFace):
         bucket measures once it serves."""
         if "buckets" in options:
             raise TypeError("PlanCache.from_traffic chooses the buckets; pass traffic, not buckets")
-        budget = _Budget("PlanCache.from_traffic", plan_budget, compile_seconds)
+        budget = _planning.Budget("PlanCache.from_traffic", plan_budget, compile_seconds)
         scripted = _is_scripted(module)
         if scripted and example_inputs is None:
             raise TypeError("PlanCache.from_traffic: a TorchScript module's cache needs example_inputs (any sizes) "
                             "to time the model at the traffic's sizes")
 
         make = _maker(cls, module, example_inputs if not scripted else None, dynamic_shapes, inductor_configs, options)
-        return _planned(make, _traffic.as_traffic(traffic), budget, example_inputs, not scripted, progress)[1]
+        return _planning.planned(make, _traffic.as_traffic(traffic), budget, example_inputs, not scripted, progress)[1]
 
     def replan(self, plan_budget: Optional[int] = None, traffic: Any = None, *,
                compile_seconds: Optional[float] = None, example_inputs: Optional[Sequence[Any]] = None,
@@ -260,13 +259,13 @@ class PlanCache(ScriptObjectFace):
         concurrent.futures.Future of it, the work done on this cache's re-plan thread (one re-plan
         at a time, in order). example_inputs: any sizes (default: the cache's example, kept from a
         request it served; an exported program's own)."""
-        budget = _Budget("PlanCache.replan", plan_budget, compile_seconds)
+        budget = _planning.Budget("PlanCache.replan", plan_budget, compile_seconds)
         self._check_replannable("PlanCache.replan")
         traffic = _traffic.as_traffic(self if traffic is None else traffic)
         example_inputs = self._replan_example(traffic, example_inputs)
         current = [list(b) for b in self.buckets]
 
-        def keep(choice: _traffic.BucketChoice, _: _Costs) -> bool:
+        def keep(choice: _traffic.BucketChoice, _: _planning.Costs) -> bool:
             return choice.buckets == current
 
         if not background:
@@ -283,9 +282,9 @@ class PlanCache(ScriptObjectFace):
         choose_buckets; the model is measured first where the costs do not reach the window's
         sizes). When the current buckets cost more than (1 + tolerance) times the best, or some
         request of the window has no bucket, it re-plans on the window (as replan(traffic=window)
-        in the background), and requests keep being served by the current plans until the swap. A cache made with no buckets
-        learns them this way at its first check. The checks count requests, not time, and never
-        run on a request's thread. drift_stats() says what the checks found; every=None stops
+        in the background), and requests keep being served by the current plans until the swap.
+        A cache made with no buckets learns them this way at its first check. The checks count
+        requests, not time, and never run on a request's thread. drift_stats() says what the checks found; every=None stops
         them. Requests that reach the cache another way (its script_object, a Batcher) are not
         counted."""
         if every is None:
@@ -295,11 +294,11 @@ class PlanCache(ScriptObjectFace):
             raise ValueError(f"PlanCache.replan_on_drift: every must be a positive number of requests, got {every!r}")
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < float("inf"):
             raise ValueError(f"PlanCache.replan_on_drift: tolerance must be a non-negative fraction, got {tolerance!r}")
-        budget = _Budget("PlanCache.replan_on_drift", plan_budget, compile_seconds)
+        budget = _planning.Budget("PlanCache.replan_on_drift", plan_budget, compile_seconds)
         self._check_replannable("PlanCache.replan_on_drift")
-        self._drift = _Drift(budget, every, float(tolerance), example_inputs, self.traffic())
+        self._drift = _planning.Drift(budget, every, float(tolerance), example_inputs, self.traffic())
 
-    def drift_stats(self) -> Optional["DriftStats"]:
+    def drift_stats(self) -> Optional[_planning.DriftStats]:
         """What replan_on_drift's checks found so far (None when it is off)."""
         drift = self._drift
         return None if drift is None else drift.stats()
@@ -329,14 +328,14 @@ class PlanCache(ScriptObjectFace):
                 self._replan_pid = os.getpid()
             return self._replanner.submit(fn, *args)
 
-    def _replan(self, budget: "_Budget", traffic: dict, example_inputs: Any, progress: bool,
-                keep: Callable[[_traffic.BucketChoice, "_Costs"], bool]) -> _traffic.BucketChoice:
+    def _replan(self, budget: _planning.Budget, traffic: dict, example_inputs: Any, progress: bool,
+                keep: Callable[[_traffic.BucketChoice, _planning.Costs], bool]) -> _traffic.BucketChoice:
         """Choose for `traffic`; unless keep(choice, costs), build a cache with the chosen buckets and swap it in."""
         module, example, dynamic_shapes, inductor_configs, options = self._made_from
         unbucketed = {k: v for k, v in options.items() if k != "buckets"}  # the probes' and the new cache's own
         make = _maker(type(self), module, example, dynamic_shapes, inductor_configs, unbucketed)
         with self.__dict__.setdefault("_replanning", threading.Lock()):
-            choice, new, costs = _planned(make, traffic, budget, example_inputs, self._in_spec is not None,
+            choice, new, costs = _planning.planned(make, traffic, budget, example_inputs, self._in_spec is not None,
                                           progress, self.__dict__.get("_costs"), keep)
             if new is None:
                 self.bucket_choice, self._costs = choice, costs
@@ -357,7 +356,7 @@ class PlanCache(ScriptObjectFace):
                 drift.countdown = drift.every
             self._on_replan_thread(self._check_drift, drift)
 
-    def _check_drift(self, drift: "_Drift") -> None:
+    def _check_drift(self, drift: _planning.Drift) -> None:
         log = self.traffic()
         window = {sizes: n - drift.seen.get(sizes, 0) for sizes, n in log.items() if n > drift.seen.get(sizes, 0)}
         drift.seen = log
@@ -366,7 +365,7 @@ class PlanCache(ScriptObjectFace):
         drift.checks += 1
         current = [list(b) for b in self.buckets]
 
-        def keep(choice: _traffic.BucketChoice, costs: _Costs) -> bool:
+        def keep(choice: _traffic.BucketChoice, costs: _planning.Costs) -> bool:
             now = (_traffic.predicted_seconds(window, current, costs.cost, costs.dynamic_cost) if current
                    else float("inf"))  # no buckets yet: learn them
             drift.found(now, choice.predicted_seconds)
@@ -431,114 +430,3 @@ def _option_default(name: str) -> Any:
         if schema.name == "__init__" and str(schema.arguments[0].type).endswith("torch_ext.PlanCache"):
             return next(a.default_value for a in schema.arguments if a.name == name)
     raise LookupError(f"torch.classes.torch_ext.PlanCache has no constructor option {name}")
-
-
-class _Budget:
-    """What a choice of buckets may build: at most `plans` plans, and/or builds that fit in
-    `seconds` (the measurement's included). Checked before anything is measured or built."""
-
-    def __init__(self, owner: str, plans: Optional[int], seconds: Optional[float]) -> None:
-        if plans is None and seconds is None:
-            raise TypeError(f"{owner}: give plan_budget (plans), compile_seconds (seconds of builds), or both")
-        if plans is not None and (not isinstance(plans, int) or isinstance(plans, bool) or plans < 1):
-            raise ValueError(f"{owner}: plan_budget must be a positive integer, got {plans!r}")
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                    or not 0 < seconds < float("inf")):
-            raise ValueError(f"{owner}: compile_seconds must be a positive number of seconds, got {seconds!r}")
-        self.owner, self.plans, self.seconds = owner, plans, seconds
-
-    def max_plans(self, traffic: dict, costs: "_Costs", spent: float, builds_per_plan: int) -> int:
-        """The most plans within the budget, after `spent` seconds of builds; never more than the
-        traffic has sizes."""
-        limit = len(traffic) if self.plans is None else min(self.plans, len(traffic))
-        if self.seconds is None:
-            return limit
-        per_plan = builds_per_plan * costs.seconds_per_build
-        left = self.seconds - spent
-        fits = int(left // per_plan) if per_plan > 0 else limit
-        if fits < 1:
-            raise ValueError(
-                f"{self.owner}: compile_seconds={self.seconds:g} leaves {max(left, 0.0):.2f} s after measuring the "
-                f"model ({spent:.2f} s of builds), less than one plan's predicted {per_plan:.2f} s ({builds_per_plan} "
-                f"build(s) of {costs.seconds_per_build:.2f} s); raise compile_seconds, or give plan_budget alone")
-        return min(limit, fits)
-
-
-@dataclasses.dataclass(frozen=True)
-class DriftStats:
-    """What PlanCache.replan_on_drift's checks found."""
-
-    checks: int                # windows of requests checked
-    replans: int               # checks that swapped in new plans
-    current_seconds: float     # the last check: the current buckets' predicted mean seconds a request
-                               # over its window (inf: a request with no bucket, or costs not measured there)
-    best_seconds: float        # the last check: the best choice's, within the budget (nan before any)
-    error: Optional[str]       # the last check's error, if it failed (the cache serves on as it was)
-
-
-class _Drift:
-    """replan_on_drift's settings and what its checks found; checks run one at a time, on the
-    re-plan thread, and requests only count down."""
-
-    def __init__(self, budget: _Budget, every: int, tolerance: float, example_inputs: Any, seen: dict) -> None:
-        self.budget, self.every, self.tolerance, self.example_inputs = budget, every, tolerance, example_inputs
-        self.countdown, self.seen = every, seen  # seen: the traffic log at the last check
-        self.checks = self.replans = 0
-        self.current, self.best, self.error = float("inf"), float("nan"), None
-
-    def found(self, current: float, best: float) -> None:
-        self.current, self.best, self.error = current, best, None
-
-    def failed(self, error: Exception) -> None:
-        if self.error is None:
-            warnings.warn(f"PlanCache.replan_on_drift: the check failed and the cache serves on with its plans: "
-                          f"{error}", RuntimeWarning, stacklevel=1)
-        self.error = f"{type(error).__name__}: {error}"
-
-    def stats(self) -> DriftStats:
-        return DriftStats(self.checks, self.replans, self.current, self.best, self.error)
-
-
-class _Costs:
-    """The measured costs (torch_ext.plan.traffic.measure_plans), the sizes they span (outside them
-    the interpolation only repeats the nearest measured size) and the seconds a build took there."""
-
-    def __init__(self, make: Callable[..., PlanCache], traffic: dict, example_inputs: Any, exported: bool,
-                 progress: bool) -> None:
-        probes = []
-
-        def probe(**options: Any) -> PlanCache:
-            probes.append(make(**options))
-            return probes[-1]
-
-        self.cost, self.dynamic_cost = _traffic.measure_plans(probe, traffic, example_inputs, exported,
-                                                              progress=progress)
-        self.smallest, self.largest = (tuple(map(f, zip(*traffic))) for f in (min, max))
-        stats = [p.stats() for p in probes]
-        self.build_seconds = sum(s.build_seconds for s in stats)
-        self.seconds_per_build = self.build_seconds / max(1, sum(s.builds for s in stats))
-
-    def span(self, traffic: dict) -> bool:
-        return all(all(lo <= n <= hi for n, lo, hi in zip(sizes, self.smallest, self.largest)) for sizes in traffic)
-
-
-def _planned(make: Callable[..., PlanCache], traffic: dict, budget: _Budget, example_inputs: Any, exported: bool,
-             progress: bool, costs: Optional[_Costs] = None,
-             keep: Optional[Callable[[_traffic.BucketChoice, _Costs], bool]] = None) -> tuple:
-    """Choose the buckets for `traffic` within `budget` by `costs` (measured here unless they span
-    the traffic); then make the cache with them, holding the traffic, the costs and the chosen
-    plans. (choice, cache, costs), the cache None when keep(choice, costs) says the current one stays."""
-    spent = 0.0
-    if costs is None or not costs.span(traffic):
-        costs = _Costs(make, traffic, example_inputs, exported, progress)
-        spent = costs.build_seconds
-    builds_per_plan = 2 if exported and make.plan_shapes == "auto" else 1  # 'auto': a static and a dynamic
-    choice = _traffic.choose_buckets(traffic, budget.max_plans(traffic, costs, spent, builds_per_plan),
-                                     costs.cost, costs.dynamic_cost)
-    if keep is not None and keep(choice, costs):
-        return choice, None, costs
-    cache = make(buckets=choice.buckets)
-    cache.observe_traffic(traffic)
-    cache.preload(choice.plans, example_inputs, progress=progress)
-    cache.bucket_choice, cache._costs = choice, costs
-    return choice, cache, costs
