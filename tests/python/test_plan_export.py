@@ -268,6 +268,9 @@ def test_the_batcher_pads_requests_of_different_lengths_into_one_batch_and_slice
     from torch_ext import Batcher
 
     errors = []
+    # The clients submit in rounds: with batches only of 4 rows, a client that ran ahead could
+    # finish while fewer than 4 others were left, whose requests would then never fill a batch.
+    rounds = threading.Barrier(8)
     with Batcher(encoder_cache, max_batch_size=4, max_delay_ms=600_000, group_by_bucket=False) as batcher:
         def client(seed: int) -> None:
             rng = random.Random(seed)
@@ -275,6 +278,7 @@ def test_the_batcher_pads_requests_of_different_lengths_into_one_batch_and_slice
                 for _ in range(3):
                     length = rng.randint(2, 16)
                     inputs = tokens(1, length, rng.randint(1, length))
+                    rounds.wait(timeout=60)
                     got = batcher(*inputs)
                     assert got.shape == (1, length, 5)
                     close(got, eager(encoder, *inputs))
@@ -288,7 +292,7 @@ def test_the_batcher_pads_requests_of_different_lengths_into_one_batch_and_slice
             w.join()
         s = batcher.stats()
     assert not errors, errors[:3]
-    # 8 clients, one request at a time each, batches of 4 rows: full batches only.
+    # 8 clients, one request a round each, batches of 4 rows: full batches only.
     assert s.requests == 24 and s.batches == 6 and s.max_batch_rows == 4 and s.failed == 0
 
 
