@@ -318,6 +318,25 @@ def test_a_background_replan_leaves_requests_to_the_current_plans_until_it_swaps
         torch.testing.assert_close(cache(inputs), mlp(inputs))
 
 
+def test_a_queued_background_replan_compares_with_the_buckets_it_finds_when_it_runs(scripted, monkeypatch):
+    import threading
+    cache = PlanCache.from_traffic(scripted, {2: 50}, 1, (x(2),), miss_mode="pad", progress=False)
+    release = threading.Event()
+    preload = PlanCache.preload
+
+    def held_preload(self, *args, **kwargs):  # the first re-plan's build waits until the second is queued
+        assert release.wait(60)
+        return preload(self, *args, **kwargs)
+
+    monkeypatch.setattr(PlanCache, "preload", held_preload)
+    first = cache.replan(1, {12: 5}, background=True)
+    second = cache.replan(1, {2: 5}, background=True)  # queued while the buckets are still [[2]]
+    release.set()
+    assert first.result(timeout=60).buckets == [[12]]
+    # By the time it runs the cache holds [[12]]: choosing [[2]] is a change, and it is built.
+    assert second.result(timeout=60).buckets == [[2]] and cache.buckets == [[2]] and cache.cached_buckets() == [[2]]
+
+
 def test_replan_refuses_what_it_cannot_plan(scripted):
     cache = PlanCache(scripted)
     with pytest.raises(ValueError, match="plan_budget must be a positive integer, got 0"):

@@ -85,7 +85,7 @@ class Costs:
                  progress: bool) -> None:
         probes = []
 
-        def probe(**options: Any) -> PlanCache:
+        def probe(**options: Any) -> Any:
             probes.append(make(**options))
             return probes[-1]
 

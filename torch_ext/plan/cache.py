@@ -263,9 +263,8 @@ class PlanCache(ScriptObjectFace):
         self._check_replannable("PlanCache.replan")
         traffic = _traffic.as_traffic(self if traffic is None else traffic)
         example_inputs = self._replan_example(traffic, example_inputs)
-        current = [list(b) for b in self.buckets]
 
-        def keep(choice: _traffic.BucketChoice, _: _planning.Costs) -> bool:
+        def keep(choice: _traffic.BucketChoice, _: _planning.Costs, current: list) -> bool:
             return choice.buckets == current
 
         if not background:
@@ -284,9 +283,9 @@ class PlanCache(ScriptObjectFace):
         request of the window has no bucket, it re-plans on the window (as replan(traffic=window)
         in the background), and requests keep being served by the current plans until the swap.
         A cache made with no buckets learns them this way at its first check. The checks count
-        requests, not time, and never run on a request's thread. drift_stats() says what the checks found; every=None stops
-        them. Requests that reach the cache another way (its script_object, a Batcher) are not
-        counted."""
+        requests, not time, and never run on a request's thread. drift_stats() says what the
+        checks found; every=None stops them. Requests that reach the cache another way (its
+        script_object, a Batcher) are not counted."""
         if every is None:
             self._drift = None
             return
@@ -329,14 +328,17 @@ class PlanCache(ScriptObjectFace):
             return self._replanner.submit(fn, *args)
 
     def _replan(self, budget: _planning.Budget, traffic: dict, example_inputs: Any, progress: bool,
-                keep: Callable[[_traffic.BucketChoice, _planning.Costs], bool]) -> _traffic.BucketChoice:
-        """Choose for `traffic`; unless keep(choice, costs), build a cache with the chosen buckets and swap it in."""
+                keep: Callable[[_traffic.BucketChoice, _planning.Costs, list], bool]) -> _traffic.BucketChoice:
+        """Choose for `traffic`; unless keep(choice, costs, the current buckets), build a cache with
+        the chosen buckets and swap it in."""
         module, example, dynamic_shapes, inductor_configs, options = self._made_from
         unbucketed = {k: v for k, v in options.items() if k != "buckets"}  # the probes' and the new cache's own
         make = _maker(type(self), module, example, dynamic_shapes, inductor_configs, unbucketed)
         with self.__dict__.setdefault("_replanning", threading.Lock()):
+            current = [list(b) for b in self.buckets]  # read here: an earlier re-plan may have swapped
             choice, new, costs = _planning.planned(make, traffic, budget, example_inputs, self._in_spec is not None,
-                                          progress, self.__dict__.get("_costs"), keep)
+                                                   progress, self.__dict__.get("_costs"),
+                                                   lambda choice, costs: keep(choice, costs, current))
             if new is None:
                 self.bucket_choice, self._costs = choice, costs
                 return choice
@@ -363,9 +365,8 @@ class PlanCache(ScriptObjectFace):
         if not window or drift is not self._drift:
             return
         drift.checks += 1
-        current = [list(b) for b in self.buckets]
 
-        def keep(choice: _traffic.BucketChoice, costs: _planning.Costs) -> bool:
+        def keep(choice: _traffic.BucketChoice, costs: _planning.Costs, current: list) -> bool:
             now = (_traffic.predicted_seconds(window, current, costs.cost, costs.dynamic_cost) if current
                    else float("inf"))  # no buckets yet: learn them
             drift.found(now, choice.predicted_seconds)
