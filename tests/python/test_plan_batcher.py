@@ -226,3 +226,17 @@ def test_a_deadline_that_cannot_be_met_fails_at_once_saying_so(cache):
             batcher.submit(torch.randn(1, 8), deadline_ms=1e-6)
         s = batcher.stats()
         assert (s.expired, s.requests, s.queued) == (2, 2, 0)
+
+
+def test_follow_moves_later_batches_to_another_cache_and_refuses_one_that_cannot_take_them(cache):
+    module, plans = cache
+    other = PlanCache(module, miss_mode="pad", max_batch_size=16)
+    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
+        x = torch.randn(4, 8)
+        assert torch.equal(batcher(x), module(x)) and plans.stats().calls == 1
+        batcher.script_object.follow(other.script_object)
+        assert torch.equal(batcher(x), module(x))
+        assert (plans.stats().calls, other.stats().calls) == (1, 1)
+        with pytest.raises(ValueError, match="batches of at most 2 rows, below this batcher's max_batch_size 4"):
+            batcher.script_object.follow(PlanCache(module, max_batch_size=2).script_object)
+        assert torch.equal(batcher(x), module(x)) and other.stats().calls == 2  # still the one it follows

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.export import Dim
 
-from torch_ext import PlanCache
+from torch_ext import Batcher, PlanCache
 from torch_ext.plan import DriftStats
 from torch_ext.plan.traffic import as_traffic, choose_buckets, predicted_seconds
 from test_plan import Net as MLP  # noqa: E402  (pytest puts this folder on sys.path)
@@ -45,12 +45,16 @@ def test_the_log_counts_each_served_request_at_its_sizes(scripted):
     assert cache.traffic() == {(1,): 1, (3,): 2, (5,): 3}
     s = cache.stats()
     assert (s.traffic_requests, s.traffic_sizes, s.traffic_dropped) == (6, 3, 0)
-    cache.infer_batch(x(7))  # logged as the calls it makes: 5 + 1 + 1, the cached sizes
-    assert cache.traffic() == {(1,): 3, (3,): 2, (5,): 4}
+    calls = s.calls
+    cache.infer_batch(x(7))  # run as 5 + 1 + 1 (the cached sizes), logged as it came
+    assert cache.traffic() == {(1,): 1, (3,): 2, (5,): 3, (7,): 1} and cache.stats().calls == calls + 3
     cache.reset_stats()  # the statistics, not the log
-    assert cache.traffic()[(5,)] == 4
+    assert cache.traffic()[(5,)] == 3
     cache.clear_traffic()
     assert cache.traffic() == {} and cache.stats().traffic_requests == 0
+    capped = PlanCache(scripted, max_batch_size=4)
+    capped.infer_batch(x(10))  # in requests of at most max_batch_size
+    assert capped.traffic() == {(4,): 2, (2,): 1}
 
 
 def test_observed_traffic_is_added_and_bad_rows_are_refused_whole(scripted):
@@ -431,6 +435,25 @@ def test_drift_past_the_buckets_replans_and_traffic_they_serve_well_does_not(mlp
     serve(cache, [20] * 15)
     cache.wait_for_replans(60)
     assert cache.drift_stats() is None and cache.buckets == [[12]]
+
+
+def test_a_batchers_requests_count_toward_drift_and_its_batches_follow_the_replan(mlp, scripted):
+    cache = PlanCache.from_traffic(scripted, {2: 50}, 1, (x(2),), miss_mode="pad", progress=False)
+    cache.replan_on_drift(1, every=10)
+    planned = cache.script_object
+    with Batcher(cache, max_batch_size=12, max_delay_ms=0) as batcher:
+        for _ in range(10):  # each fills a batch of 12 rows: past every bucket
+            batcher(x(12))
+        cache.wait_for_replans(60)
+        stats = cache.drift_stats()
+        assert (stats.checks, stats.replans) == (1, 1) and cache.buckets == [[12]]
+        assert cache.script_object is not planned
+        served_before = planned.stats().calls
+        with torch.no_grad():
+            for n in (12, 5):  # the second waits for max_delay_ms (0) on the batcher's thread
+                inputs = x(n)
+                torch.testing.assert_close(batcher.submit(inputs).result(), mlp(inputs))
+        assert (cache.stats().calls, planned.stats().calls) == (2, served_before)  # the new plans served them
 
 
 def test_a_drift_check_is_never_run_by_a_request(mlp, scripted, monkeypatch):

@@ -88,14 +88,15 @@ class Batcher(ScriptObjectFace):
     that does not fill runs on the batcher's thread after max_delay_ms. deadline_ms (submit, infer):
     the request must be served within that many milliseconds; one that cannot be (not positive, or
     shorter than the fastest batch run so far) raises at once, one whose deadline passes in the queue
-    fails without running.
+    fails without running. When the cache re-plans (replan, replan_on_drift), later batches run on
+    its new plans; requests submitted here count toward its drift checks.
     """
 
     def __init__(self, cache: PlanCache, **options: Any) -> None:
         if not isinstance(cache, PlanCache):
             raise TypeError(f"Batcher: expected a torch_ext.PlanCache, got {type(cache).__name__}")
         self.cache = cache
-        self.script_object = torch.classes.torch_ext.Batcher(cache.script_object, **options)
+        self.script_object = cache._batcher(options)  # follows the cache's re-plans
         # Bound once: looking a method up on a ScriptObject costs about 1 us a call, and calling it
         # through TorchScript's dispatch about 15 us, with the GIL held; requests of tensors (infer and
         # submit) and a future's result are called directly.
@@ -118,6 +119,8 @@ class Batcher(ScriptObjectFace):
             handle = self._submit_tensors(flat, deadline)
         else:  # a tuple: TorchScript infers the type of a list of mixed values as no type at all
             handle = self._submit(tuple(flat), deadline)
+        if self.cache._drift is not None:  # a request toward its next drift check (replan_on_drift)
+            self.cache._count_request()
         return BatchFuture(handle, self.cache._structured, self._timeout)
 
     def infer(self, *inputs: Any, timeout: Optional[float] = None, deadline_ms: Optional[float] = None,
@@ -130,6 +133,8 @@ class Batcher(ScriptObjectFace):
             out = _waiting(self._infer_tensors, flat, wait, deadline)
         else:
             out = _waiting(self.script_object.infer, tuple(flat), wait, deadline)
+        if self.cache._drift is not None:
+            self.cache._count_request()
         return self.cache._structured(out)
 
     __call__ = infer

@@ -19,6 +19,7 @@ import concurrent.futures
 import os
 import tempfile
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -173,7 +174,8 @@ class PlanCache(ScriptObjectFace):
         return self._structured(self._infer_tensors(self._flat(inputs, kwargs)))
 
     def infer_batch(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Any number of elements: split into calls of select_batch_size(remaining), outputs concatenated."""
+        """Any number of elements: split into calls of select_batch_size(remaining), outputs
+        concatenated. The traffic log counts the batch as given (in requests of at most max_batch_size)."""
         try:
             if self._in_spec is None:
                 return self.script_object.infer_batch(self._positional_inputs(inputs, kwargs))
@@ -208,7 +210,7 @@ class PlanCache(ScriptObjectFace):
 
     def traffic(self) -> dict:
         """The traffic log: {sizes: requests} for each size served (sizes: a tuple, a size per dynamic
-        dimension, batch first), as infer() and infer_batch()'s calls brought them."""
+        dimension, batch first), as infer() and infer_batch()'s calls brought them (a Batcher's: its batches)."""
         return {tuple(row[:-1]): row[-1] for row in self.script_object.traffic()}
 
     def observe_traffic(self, traffic: Any) -> None:
@@ -345,8 +347,19 @@ class PlanCache(ScriptObjectFace):
             # The old cache's folder stays while requests may still run on it; its plans go with it.
             if self.__dict__.get("_workdir") is not None:
                 self.__dict__.setdefault("_retired_workdirs", []).append(self._workdir)
-            self.__dict__.update(new.__dict__)  # one step: a request reads the old cache's attributes or the new one's
+            with _swap_lock:
+                self.__dict__.update(new.__dict__)  # one step: a request reads the old cache's attributes or the new one's
+                for batcher in self.__dict__.get("_batchers", ()):
+                    batcher.follow(self.script_object)
             return choice
+
+    def _batcher(self, options: dict) -> Any:
+        """A torch.classes.torch_ext.Batcher in front of this cache, whose later batches run on each
+        re-plan's new cache."""
+        with _swap_lock:
+            batcher = torch.classes.torch_ext.Batcher(self.script_object, **options)
+            self.__dict__.setdefault("_batchers", weakref.WeakSet()).add(batcher)
+            return batcher
 
     def _count_request(self) -> None:
         drift = self._drift
@@ -412,6 +425,7 @@ class PlanCache(ScriptObjectFace):
 
 
 _replan_lock = threading.Lock()  # makes each cache's re-plan thread once
+_swap_lock = threading.Lock()  # a re-plan's swap, or a Batcher made in front of a cache
 
 
 def _maker(cls: type, module: Any, example_inputs: Any, dynamic_shapes: Any, inductor_configs: Any,

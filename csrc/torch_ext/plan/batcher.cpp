@@ -79,14 +79,35 @@ void Batcher::close() {
   if (thread_ && thread_->joinable()) blocking_section([this] { thread_->join(); });
 }
 
+c10::intrusive_ptr<PlanCache> Batcher::cache() const {
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  return cache_;
+}
+
+void Batcher::follow(c10::intrusive_ptr<PlanCache> cache) {
+  TORCH_CHECK_VALUE(cache, "Batcher.follow: no plan cache given");
+  const Layout& now = this->cache()->layout();
+  const Layout& next = cache->layout();
+  TORCH_CHECK_VALUE(next.rank() == now.rank(), "Batcher.follow: the new cache has ", next.rank(),
+                    " dynamic dimension(s), this batcher's ", now.rank());
+  TORCH_CHECK_VALUE(next.max_size(0) == 0 || next.max_size(0) >= max_rows_, "Batcher.follow: the new cache takes ",
+                    "batches of at most ", next.max_size(0), " rows, below this batcher's max_batch_size ", max_rows_);
+  c10::intrusive_ptr<PlanCache> old;  // may be the last reference: let it go after the lock
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    old = std::exchange(cache_, std::move(cache));
+  }
+}
+
 void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms) {
   TORCH_CHECK(!forked_.load(std::memory_order_relaxed), "Batcher.submit: this process was forked from the one that "
               "made the batcher, whose thread a forked child does not have; make a new Batcher in the child");
   TORCH_CHECK_VALUE(!std::isnan(deadline_ms), "Batcher.submit: deadline_ms is NaN");
-  const Bucket sizes = cache_->check_request(inputs);
+  const auto cache = this->cache();
+  const Bucket sizes = cache->check_request(inputs);
   TORCH_CHECK(sizes[0] <= max_rows_, "Batcher: a request of batch size ", sizes[0], " is above max_batch_size ",
               max_rows_);
-  const Bucket bucket = cache_->layout().bucket_of(sizes);
+  const Bucket bucket = cache->layout().bucket_of(sizes);
   const auto now = Clock::now();
   const bool has_deadline = deadline_ms >= 0;
   const auto deadline = has_deadline ? deadline_after(deadline_ms / 1000) : Clock::time_point::max();
@@ -194,7 +215,8 @@ c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_secon
 }
 
 bool Batcher::joins(const Request& first, const Request& other) const {
-  const Layout& layout = cache_->layout();
+  const auto cache = this->cache();
+  const Layout& layout = cache->layout();
   for (int k = 1; k < first.sizes.rank; ++k) {
     if (first.sizes[k] != other.sizes[k] && !layout.pads(k)) return false;  // only equal sizes join
     if (options_.group_by_bucket && first.bucket[k] != other.bucket[k]) return false;
@@ -276,7 +298,8 @@ void Batcher::loop() {
 }
 
 void Batcher::run_batch(std::vector<Request>& batch) {
-  const Layout& layout = cache_->layout();
+  const auto cache = this->cache();
+  const Layout& layout = cache->layout();
   const auto start = Clock::now();
   Bucket padded = batch.front().sizes;  // the longest of each other dimension; the batch's rows
   padded[0] = 0;
@@ -295,7 +318,7 @@ void Batcher::run_batch(std::vector<Request>& batch) {
       target[0] = request.sizes[0];
       inputs.push_back(target == request.sizes ? request.inputs : layout.pad(request.inputs, request.sizes, target));
     }
-    output = cache_->infer_batch(layout.concat_inputs(inputs));
+    output = cache->infer_batch(layout.concat_inputs(inputs));
   } catch (...) {
     error = std::current_exception();
   }

@@ -133,7 +133,11 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
 
   BatcherStats stats() const;
   const BatcherOptions& options() const { return options_; }
-  const c10::intrusive_ptr<PlanCache>& cache() const { return cache_; }
+  c10::intrusive_ptr<PlanCache> cache() const;
+  // Batches from now on run on `cache`, the re-plan of this one's (torch_ext.PlanCache's re-plans
+  // swap in a new cache and call it): queued requests included; a batch under way ends on the old
+  // one. Raises unless `cache` takes the same dynamic dimensions and this batcher's batch size.
+  void follow(c10::intrusive_ptr<PlanCache> cache);
   // Stops taking requests, runs those queued, and joins the thread (the destructor calls it).
   void close();
 
@@ -159,6 +163,7 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   void fork_parent() override;
   void fork_child() override;
 
+  mutable std::mutex cache_mutex_;  // held only to read or swap cache_
   c10::intrusive_ptr<PlanCache> cache_;
   BatcherOptions options_;
   int64_t max_rows_ = 0;

@@ -96,6 +96,8 @@ void register_batcher(torch::Library& m) {
            "infer() for tensor-only inputs (no type inference of an Any argument)",
            {torch::arg("inputs"), torch::arg("timeout_seconds") = -1.0, torch::arg("deadline_ms") = -1.0})
       .def("stats", [](const c10::intrusive_ptr<Batcher>& self) { return torch_ext::box(self->stats()); })
+      .def("follow", [](const c10::intrusive_ptr<Batcher>& self, const Self& cache) { self->follow(cache); },
+           "Later batches run on this cache (a re-plan of the one the batcher was made with)")
       .def("close", [](const c10::intrusive_ptr<Batcher>& self) { self->close(); });
 }
 

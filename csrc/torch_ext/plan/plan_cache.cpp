@@ -225,7 +225,7 @@ c10::IValue PlanCache::serve_miss(const Bucket& bucket, const Bucket& sizes, con
   return output;
 }
 
-c10::IValue PlanCache::run_request(const Bucket& sizes, const std::vector<c10::IValue>& inputs, bool count_call) {
+c10::IValue PlanCache::run_request(const Bucket& sizes, const std::vector<c10::IValue>& inputs) {
   const auto start = Clock::now();
   const Bucket bucket = layout_->bucket_of(sizes);
   std::shared_ptr<Plan> plan = table_->find(bucket);
@@ -243,13 +243,10 @@ c10::IValue PlanCache::run_request(const Bucket& sizes, const std::vector<c10::I
     rec->misses.fetch_add(1, std::memory_order_relaxed);
     output = serve_miss(bucket, sizes, inputs, *rec);
   }
-  if (count_call) {
-    traffic_->add(sizes);
-    const int64_t ns = elapsed_ns(start);
-    rec->calls.fetch_add(1, std::memory_order_relaxed);
-    rec->total_ns.fetch_add(ns, std::memory_order_relaxed);
-    atomic_max(rec->max_ns, ns);
-  }
+  const int64_t ns = elapsed_ns(start);
+  rec->calls.fetch_add(1, std::memory_order_relaxed);
+  rec->total_ns.fetch_add(ns, std::memory_order_relaxed);
+  atomic_max(rec->max_ns, ns);
   return output;
 }
 
@@ -262,7 +259,10 @@ void PlanCache::check_usable(const char* what) const {
 
 c10::IValue PlanCache::infer(const std::vector<c10::IValue>& inputs) {
   recover_after_fork();
-  return run_request(layout_->sizes_of(inputs), inputs, /*count_call=*/true);
+  const Bucket sizes = layout_->sizes_of(inputs);
+  c10::IValue output = run_request(sizes, inputs);
+  traffic_->add(sizes);
+  return output;
 }
 
 c10::IValue PlanCache::infer_batch(const std::vector<c10::IValue>& inputs) {
@@ -278,12 +278,20 @@ c10::IValue PlanCache::infer_batch(const std::vector<c10::IValue>& inputs) {
   }
   std::vector<c10::IValue> outputs;
   for (int64_t offset = 0; offset < total;) {
-    const int64_t size = select_batch_size(total - offset);
-    sizes[0] = size;
-    outputs.push_back(run_request(sizes, size == total ? inputs : layout_->slice_batch(inputs, offset, size), true));
-    offset += size;
+    sizes[0] = select_batch_size(total - offset);
+    outputs.push_back(run_request(sizes, sizes[0] == total ? inputs : layout_->slice_batch(inputs, offset, sizes[0])));
+    offset += sizes[0];
   }
-  return layout_->concat_outputs(outputs);
+  c10::IValue output = layout_->concat_outputs(outputs);
+  // The log holds the batch as it came (in requests of at most max_batch_size), not the pieces the
+  // cached plans split it into: a re-plan for it then chooses plans that run it whole.
+  const int64_t limit = layout_->max_size(0) > 0 ? std::min(layout_->max_size(0), total) : total;
+  if (limit == 0) return output;
+  sizes[0] = limit;
+  traffic_->add(sizes, total / limit);
+  sizes[0] = total % limit;
+  if (sizes[0] > 0) traffic_->add(sizes);
+  return output;
 }
 
 int64_t PlanCache::select_batch_size(int64_t max_count) const {

@@ -429,7 +429,8 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   PlanCacheStats stats() const;
   void reset_stats();  // the traffic log stays: clear_traffic() empties it
   // The traffic log: each request's sizes (a size per dynamic dimension, batch first) as infer()
-  // and infer_batch()'s calls brought them, with their count. Each row is the sizes then the count,
+  // and infer_batch()'s calls brought them (infer_batch's whole batch, in requests of at most
+  // max_batch_size, not the pieces the cached plans split it into), with their count. Each row is the sizes then the count,
   // sizes ascending. What buckets are chosen from (torch_ext.plan.choose_buckets), and what
   // plan_shapes='auto' times a bucket's plans at.
   std::vector<std::vector<int64_t>> traffic() const;
@@ -479,7 +480,7 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   std::shared_ptr<Plan> wait_for_plan(const Bucket& bucket, std::shared_future<std::shared_ptr<Plan>> future);
   c10::IValue serve_miss(const Bucket& bucket, const Bucket& sizes, const std::vector<c10::IValue>& inputs,
                          SizeRecord& rec);
-  c10::IValue run_request(const Bucket& sizes, const std::vector<c10::IValue>& inputs, bool count_call);
+  c10::IValue run_request(const Bucket& sizes, const std::vector<c10::IValue>& inputs);
   void preload_bucket_list(const std::vector<Bucket>& buckets, const std::vector<c10::IValue>& example_inputs,
                            const ProgressFn& progress);
   std::vector<c10::IValue> build_example(const Bucket& bucket, const Bucket& sizes,
