@@ -430,9 +430,9 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   void reset_stats();  // the traffic log stays: clear_traffic() empties it
   // The traffic log: each request's sizes (a size per dynamic dimension, batch first) as infer()
   // and infer_batch()'s calls brought them (infer_batch's whole batch, in requests of at most
-  // max_batch_size, not the pieces the cached plans split it into), with their count. Each row is the sizes then the count,
-  // sizes ascending. What buckets are chosen from (torch_ext.plan.choose_buckets), and what
-  // plan_shapes='auto' times a bucket's plans at.
+  // max_batch_size, not the pieces the cached plans split it into), with their count. Each row is
+  // the sizes then the count, sizes ascending. What buckets are chosen from
+  // (torch_ext.plan.choose_buckets), and what plan_shapes='auto' times a bucket's plans at.
   std::vector<std::vector<int64_t>> traffic() const;
   // Adds rows in traffic()'s form (another cache's log, a recorded stream) to the log.
   void observe_traffic(const std::vector<std::vector<int64_t>>& rows);
