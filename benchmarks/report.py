@@ -35,7 +35,8 @@ SECTIONS = [
     ("Plan", "The plan cache serving random batch sizes, what each step of a plan buys, serving torch.export "
      "programs (AOTInductor plans per bucket, a saved cache restarted, the dynamic batcher), and plans chosen "
      "from traffic.",
-     ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps", "plan_export", "plan_traffic", "plan_batcher"]),
+     ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps", "plan_export", "plan_traffic", "plan_traffic_intel_xeon",
+      "plan_drift", "plan_batcher"]),
 ]
 
 INTRO = """# Benchmarks
