@@ -286,8 +286,8 @@ class PlanCache(ScriptObjectFace):
         in the background), and requests keep being served by the current plans until the swap.
         A cache made with no buckets learns them this way at its first check. The checks count
         requests, not time, and never run on a request's thread. drift_stats() says what the
-        checks found; every=None stops them. Requests that reach the cache another way (its
-        script_object, a Batcher) are not counted."""
+        checks found; every=None stops them. A Batcher's requests count; requests made through
+        the script_object (TorchScript, C++) are logged but not counted."""
         if every is None:
             self._drift = None
             return
