@@ -111,7 +111,8 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double 
   const auto now = Clock::now();
   const bool has_deadline = deadline_ms >= 0;
   const auto deadline = has_deadline ? deadline_after(deadline_ms / 1000) : Clock::time_point::max();
-  std::vector<Request> batch, expired;
+  Batch batch;
+  std::vector<Request> expired;
   bool was_empty = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -137,13 +138,13 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double 
     // The request that fills a batch runs it here: no hand-off to the batcher's thread.
     if (queued_rows_ >= max_rows_) {
       batch = take_batch_locked(expired);
-      if (!batch.empty()) ++stats_.client_batches;
+      if (!batch.requests.empty()) ++stats_.client_batches;
     }
   }
   // The batcher's thread needs waking only to start a batch's max_delay_ms: a full one runs here.
-  if (was_empty && batch.empty()) cv_.notify_one();
+  if (was_empty && batch.requests.empty()) cv_.notify_one();
   fail_expired(expired);
-  if (batch.empty()) return;
+  if (batch.requests.empty()) return;
   // A client's thread computes with torch's intra-op thread count, as the batcher's does (a thread
   // torch did not start would use OpenMP's default: every core).
   thread_local bool threads_set = false;
@@ -214,9 +215,7 @@ c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_secon
       ->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
 }
 
-bool Batcher::joins(const Request& first, const Request& other) const {
-  const auto cache = this->cache();
-  const Layout& layout = cache->layout();
+bool Batcher::joins(const Layout& layout, const Request& first, const Request& other) const {
   for (int k = 1; k < first.sizes.rank; ++k) {
     if (first.sizes[k] != other.sizes[k] && !layout.pads(k)) return false;  // only equal sizes join
     if (options_.group_by_bucket && first.bucket[k] != other.bucket[k]) return false;
@@ -235,8 +234,9 @@ bool Batcher::joins(const Request& first, const Request& other) const {
   return true;
 }
 
-std::vector<Batcher::Request> Batcher::take_batch_locked(std::vector<Request>& expired) {
-  std::vector<Request> batch;
+Batcher::Batch Batcher::take_batch_locked(std::vector<Request>& expired) {
+  Batch batch{cache(), {}};
+  const Layout& layout = batch.cache->layout();
   int64_t rows = 0;
   const auto now = Clock::now();
   for (auto it = queue_.begin(); it != queue_.end() && rows < max_rows_;) {
@@ -245,10 +245,11 @@ std::vector<Batcher::Request> Batcher::take_batch_locked(std::vector<Request>& e
       ++stats_.expired;
       expired.push_back(std::move(*it));
       it = queue_.erase(it);
-    } else if (batch.empty() || (rows + it->sizes[0] <= max_rows_ && joins(batch.front(), *it))) {
+    } else if (batch.requests.empty() ||
+               (rows + it->sizes[0] <= max_rows_ && joins(layout, batch.requests.front(), *it))) {
       rows += it->sizes[0];
       queued_rows_ -= it->sizes[0];
-      batch.push_back(std::move(*it));
+      batch.requests.push_back(std::move(*it));
       it = queue_.erase(it);
     } else {
       ++it;
@@ -289,22 +290,21 @@ void Batcher::loop() {
       continue;
     }
     std::vector<Request> expired;
-    std::vector<Request> batch = take_batch_locked(expired);
+    Batch batch = take_batch_locked(expired);
     lock.unlock();
     fail_expired(expired);
-    if (!batch.empty()) run_batch(batch);
+    if (!batch.requests.empty()) run_batch(batch);
     lock.lock();
   }
 }
 
-void Batcher::run_batch(std::vector<Request>& batch) {
-  const auto cache = this->cache();
-  const Layout& layout = cache->layout();
+void Batcher::run_batch(Batch& batch) {
+  const Layout& layout = batch.cache->layout();
   const auto start = Clock::now();
-  Bucket padded = batch.front().sizes;  // the longest of each other dimension; the batch's rows
+  Bucket padded = batch.requests.front().sizes;  // the longest of each other dimension; the batch's rows
   padded[0] = 0;
   double waited = 0;
-  for (const auto& request : batch) {
+  for (const auto& request : batch.requests) {
     padded[0] += request.sizes[0];
     for (int k = 1; k < padded.rank; ++k) padded[k] = std::max(padded[k], request.sizes[k]);
     waited += std::chrono::duration<double>(start - request.arrived).count();
@@ -313,12 +313,12 @@ void Batcher::run_batch(std::vector<Request>& batch) {
   std::exception_ptr error;
   try {
     std::vector<std::vector<c10::IValue>> inputs;
-    for (const auto& request : batch) {
+    for (const auto& request : batch.requests) {
       Bucket target = padded;
       target[0] = request.sizes[0];
       inputs.push_back(target == request.sizes ? request.inputs : layout.pad(request.inputs, request.sizes, target));
     }
-    output = cache->infer_batch(layout.concat_inputs(inputs));
+    output = batch.cache->infer_batch(layout.concat_inputs(inputs));
   } catch (...) {
     error = std::current_exception();
   }
@@ -328,14 +328,14 @@ void Batcher::run_batch(std::vector<Request>& batch) {
     ++stats_.batches;
     stats_.rows += padded[0];
     stats_.max_batch_rows = std::max(stats_.max_batch_rows, padded[0]);
-    stats_.failed += error ? static_cast<int64_t>(batch.size()) : 0;
+    stats_.failed += error ? static_cast<int64_t>(batch.requests.size()) : 0;
     stats_.queue_seconds += waited;
     const double seconds = seconds_since(start);
     stats_.batch_seconds += seconds;
     if (!error && (fastest_batch_seconds_ == 0 || seconds < fastest_batch_seconds_)) fastest_batch_seconds_ = seconds;
   }
   int64_t offset = 0;
-  for (auto& request : batch) {
+  for (auto& request : batch.requests) {
     c10::IValue rows;
     std::exception_ptr failure = error;
     if (!failure) {

@@ -152,13 +152,20 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
     double deadline_ms = -1;
   };
 
+  // A batch's requests and the cache they were grouped for, which runs them (a follow() after the
+  // grouping applies to the next batch).
+  struct Batch {
+    c10::intrusive_ptr<PlanCache> cache;
+    std::vector<Request> requests;
+  };
+
   void loop();
   // The requests of the next batch, oldest first; those whose deadline has passed move to `expired`
   // (called with the lock held).
-  std::vector<Request> take_batch_locked(std::vector<Request>& expired);
+  Batch take_batch_locked(std::vector<Request>& expired);
   void fail_expired(std::vector<Request>& expired);
-  bool joins(const Request& first, const Request& other) const;
-  void run_batch(std::vector<Request>& batch);
+  bool joins(const Layout& layout, const Request& first, const Request& other) const;
+  void run_batch(Batch& batch);
   void fork_prepare() override;
   void fork_parent() override;
   void fork_child() override;
