@@ -119,8 +119,7 @@ class Batcher(ScriptObjectFace):
             handle = self._submit_tensors(flat, deadline)
         else:  # a tuple: TorchScript infers the type of a list of mixed values as no type at all
             handle = self._submit(tuple(flat), deadline)
-        if self.cache._drift is not None:  # a request toward its next drift check (replan_on_drift)
-            self.cache._count_request()
+        self.cache._count_request()
         return BatchFuture(handle, self.cache._structured, self._timeout)
 
     def infer(self, *inputs: Any, timeout: Optional[float] = None, deadline_ms: Optional[float] = None,
@@ -133,8 +132,7 @@ class Batcher(ScriptObjectFace):
             out = _waiting(self._infer_tensors, flat, wait, deadline)
         else:
             out = _waiting(self.script_object.infer, tuple(flat), wait, deadline)
-        if self.cache._drift is not None:
-            self.cache._count_request()
+        self.cache._count_request()
         return self.cache._structured(out)
 
     __call__ = infer

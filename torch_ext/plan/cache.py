@@ -143,8 +143,7 @@ class PlanCache(ScriptObjectFace):
                 return self._infer_tensors(list(inputs))
             return self._infer(tuple(inputs))
         finally:  # counted once served, so a drift check's window holds the request that made it due
-            if self._drift is not None:
-                self._count_request()
+            self._count_request()
 
     __call__ = infer
 
@@ -181,8 +180,7 @@ class PlanCache(ScriptObjectFace):
                 return self.script_object.infer_batch(self._positional_inputs(inputs, kwargs))
             return self._structured(self.script_object.infer_batch(self._flat(inputs, kwargs)))
         finally:
-            if self._drift is not None:
-                self._count_request()
+            self._count_request()
 
     def preload(self, sizes: Iterable[Union[int, Sequence[int]]], example_inputs: Optional[Sequence[Any]] = None,
                 progress: bool = True) -> None:
@@ -362,7 +360,10 @@ class PlanCache(ScriptObjectFace):
             return batcher
 
     def _count_request(self) -> None:
+        """One request served toward the next drift check (replan_on_drift; nothing when it is off)."""
         drift = self._drift
+        if drift is None:
+            return
         drift.countdown -= 1  # a count lost to a race only delays the check by a request
         if drift.countdown <= 0:
             with _replan_lock:
