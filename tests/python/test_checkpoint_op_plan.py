@@ -73,6 +73,21 @@ def test_measures_every_op_of_every_block(chain):
     assert len(loose.block_replay_seconds) == 16 and all(s >= 0 for s in loose.block_replay_seconds)
 
 
+
+def test_alike_blocks_share_their_timings_and_other_blocks_keep_their_own():
+    """Identical layers get one timing per op (the median over them), so they are planned alike
+    and not by the noise of timing each op once; a block of other shapes is timed on its own."""
+    layers = mlp_chain(4) + mlp_chain(1, width=64)
+    layers.insert(4, nn.Linear(128, 64))
+    plan = torch_ext.plan_ops(layers, torch.randn(128, 128), budget_bytes=1 << 40, repeat=1)
+    alike = plan.ops[:4]
+    assert all(block == alike[0] for block in alike)
+    assert len(set(plan.block_replay_seconds[:4])) == 1
+    assert [op[:3] for op in plan.ops[5]] == [["aten.addmm.default", 0, 128 * 128 * 4],
+                                              ["aten.gelu.default", 0, 128 * 128 * 4],
+                                              ["aten.addmm.default", 1, 128 * 64 * 4]]
+    assert plan.ops[5] != alike[0] and plan.ops[4] != alike[0]
+
 def test_minimum_is_below_40_percent_of_the_plain_peak_with_equal_gradients(chain):
     layers, x, loose = chain
     plan = torch_ext.plan_ops(layers, x, budget_bytes=loose.min_budget_bytes, repeat=1)
