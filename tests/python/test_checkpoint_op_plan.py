@@ -73,7 +73,6 @@ def test_measures_every_op_of_every_block(chain):
     assert len(loose.block_replay_seconds) == 16 and all(s >= 0 for s in loose.block_replay_seconds)
 
 
-
 def test_alike_blocks_share_their_timings_and_other_blocks_keep_their_own():
     """Identical layers get one timing per op (the median over them), so they are planned alike
     and not by the noise of timing each op once; a block of other shapes is timed on its own."""
@@ -87,6 +86,7 @@ def test_alike_blocks_share_their_timings_and_other_blocks_keep_their_own():
                                               ["aten.gelu.default", 0, 128 * 128 * 4],
                                               ["aten.addmm.default", 1, 128 * 64 * 4]]
     assert plan.ops[5] != alike[0] and plan.ops[4] != alike[0]
+
 
 def test_minimum_is_below_40_percent_of_the_plain_peak_with_equal_gradients(chain):
     layers, x, loose = chain
