@@ -520,6 +520,23 @@ TEST(Paging, StreamedBlocksMadeByAHelperThreadGiveTheCallersProduct) {
   }
 }
 
+TEST(Paging, StreamedConv1DWeightsConvertWholeRowsIntoAReusedBuffer) {
+  // A transposed (Conv1D) weight converts into one buffer of the whole weight: a scratch buffer
+  // with room is used (the next product's faults are spared), one without room is not, and the
+  // product is torch's addmm over the converted weight, to the last bit.
+  const at::Tensor x = at::randn({2, 64}), bias = at::randn({3000});
+  const at::Tensor stored = at::randn({64, 3000}).to(at::kBFloat16);
+  const at::Tensor expected = at::addmm(bias, x, stored.to(at::kFloat));
+  const at::Tensor roomy = at::empty({64 * 3000 + 7}), small = at::empty({64 * 2999});
+  pg::StreamedBlocks with_room(stored, x, bias, true, roomy);
+  EXPECT_TRUE(at::equal(with_room.multiply(), expected));
+  EXPECT_EQ(with_room.scratch().data_ptr(), roomy.data_ptr());
+  pg::StreamedBlocks without_room(stored, x, bias, true, small);
+  EXPECT_TRUE(at::equal(without_room.multiply(), expected));
+  EXPECT_NE(without_room.scratch().data_ptr(), small.data_ptr());
+  EXPECT_GE(without_room.scratch().numel(), 64 * 3000);
+}
+
 TEST(Paging, AConvertedLoadNeverReusesAViewsPages) {
   // "a" is served as a view (kept in float32), "b" converted to bfloat16: the same byte size, so
   // evicting "a" for "b" must not hand "a"'s mapped pages to "b" as memory to write into.

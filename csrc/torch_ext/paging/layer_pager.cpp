@@ -719,6 +719,7 @@ void LayerPager::evict_all() {
   for (auto& [id, e] : entries_) {
     if (evictable_locked(e)) evict_locked(e, dead);
   }
+  if (conversion_scratch_.defined()) dead.push_back(std::move(conversion_scratch_));
 }
 
 PagerStats LayerPager::stats() const {

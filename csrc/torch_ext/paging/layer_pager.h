@@ -251,7 +251,8 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   int64_t resident_count() const;
   bool is_resident(const std::string& id) const;
   bool is_pinned(const std::string& id) const;
-  // Drops every unpinned entry nobody else references (for tests and memory pressure).
+  // Drops every unpinned entry nobody else references, and the streamed products' conversion
+  // buffer (for tests and memory pressure).
   void evict_all();
   PagerStats stats() const;
   void reset_stats();
@@ -339,6 +340,10 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   uint64_t work_generation_ = 0;  // counts work_changed_locked() calls
   std::unordered_map<std::string, bool> exact_shapes_;  // matmul(): shape -> blocks equal the whole
   std::shared_ptr<StreamedBlocks> helped_blocks_;  // offered to the prefetch thread, not yet taken
+  // A streamed transposed weight's conversion buffer, kept for the next product (its pages stay
+  // faulted in): at most the largest such weight in the served dtype. Taken by one product at a
+  // time; evict_all() frees it.
+  at::Tensor conversion_scratch_;
 
   bool recycle_ = false;  // CPU target, copies, and a source that reads into any buffer
   std::optional<c10::Stream> copy_stream_;

@@ -28,8 +28,10 @@ at::Tensor whole_matmul(const at::Tensor& input, const at::Tensor& weight, const
 
 // The product computed over blocks of output features (streamed_blocks.h), shaped as the input.
 std::shared_ptr<StreamedBlocks> streamed_blocks(const at::Tensor& input, at::Tensor stored,
-                                                const std::optional<at::Tensor>& bias, bool transposed) {
-  return std::make_shared<StreamedBlocks>(std::move(stored), input.reshape({-1, input.size(-1)}), bias, transposed);
+                                                const std::optional<at::Tensor>& bias, bool transposed,
+                                                at::Tensor scratch = at::Tensor()) {
+  return std::make_shared<StreamedBlocks>(std::move(stored), input.reshape({-1, input.size(-1)}), bias, transposed,
+                                          std::move(scratch));
 }
 
 at::Tensor blocked_product(const at::Tensor& input, StreamedBlocks& blocks) {
@@ -82,6 +84,7 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
   bool stream = false, compare = false;
   std::optional<bool> exact;  // unknown: the first call of this shape
   std::string shape;
+  at::Tensor scratch;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     check_usable_locked();
@@ -93,18 +96,25 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
       const auto known = exact_shapes_.find(shape);
       if (known != exact_shapes_.end()) exact = known->second;
       stream = stream_matmul_locked(e, input);
-      if (stream && exact == true) note_access_locked(e);  // acquire() notes the others
+      if (stream && exact == true) {
+        note_access_locked(e);  // acquire() notes the others
+        if (transposed) scratch = std::move(conversion_scratch_);  // another product meanwhile makes its own
+      }
       // Compared while the weight is loaded anyway (see matmul() in the header).
       compare = !exact && input.scalar_type() == e.dtype && (stream || budget_below_source_);
     }
   }
   if (stream && exact == true) {
-    const auto blocks = streamed_blocks(input, source_->view(id), bias, transposed);
+    const auto blocks = streamed_blocks(input, source_->view(id), bias, transposed, std::move(scratch));
     offer_to_prefetcher(blocks);
     at::Tensor out = blocked_product(input, *blocks);
     source_->release_pages(id);
     std::lock_guard<std::mutex> lock(mutex_);
     if (helped_blocks_ == blocks) helped_blocks_.reset();  // the thread did not take it
+    const at::Tensor& used = blocks->scratch();
+    if (used.defined() && (!conversion_scratch_.defined() || used.numel() > conversion_scratch_.numel())) {
+      conversion_scratch_ = used;
+    }
     ++stats_.streamed_matmuls;
     stats_.streamed_blocks_by_prefetcher += blocks->made_by_helper();
     return out;

@@ -11,38 +11,52 @@
 namespace torch_ext::paging {
 namespace {
 
-// A block of converted weight stays in a core's L2 cache while it is multiplied.
+// A block of converted weight stays in a core's L2 cache while it is multiplied (or written).
 constexpr int64_t kBlockBytes = 512 << 10;
 
 }  // namespace
 
-StreamedBlocks::StreamedBlocks(at::Tensor stored, at::Tensor flat, std::optional<at::Tensor> bias, bool transposed)
+StreamedBlocks::StreamedBlocks(at::Tensor stored, at::Tensor flat, std::optional<at::Tensor> bias, bool transposed,
+                               at::Tensor scratch)
     : stored_(std::move(stored)), flat_(std::move(flat)), bias_(std::move(bias)), transposed_(transposed) {
   in_ = stored_.size(transposed_ ? 0 : 1);
   out_features_ = stored_.size(transposed_ ? 1 : 0);
-  const int64_t fit = kBlockBytes / (in_ * static_cast<int64_t>(flat_.element_size()));
-  block_ = std::min(out_features_, std::max<int64_t>(64, fit / 64 * 64));
-  blocks_ = block_ == 0 ? 0 : (out_features_ + block_ - 1) / block_;
+  const auto element = static_cast<int64_t>(flat_.element_size());
+  if (transposed_) {  // blocks of whole rows
+    block_ = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, out_features_ * element));
+    blocks_ = in_ == 0 ? 0 : (in_ + block_ - 1) / block_;
+    const bool fits = scratch.defined() && scratch.scalar_type() == flat_.scalar_type() &&
+                      scratch.numel() >= in_ * out_features_;
+    scratch_ = fits ? std::move(scratch) : at::empty({in_ * out_features_}, flat_.options());
+    whole_ = scratch_.narrow(0, 0, in_ * out_features_).view({in_, out_features_});
+  } else {  // blocks of output features, multiples of 64
+    const int64_t fit = kBlockBytes / (in_ * element);
+    block_ = std::min(out_features_, std::max<int64_t>(64, fit / 64 * 64));
+    blocks_ = block_ == 0 ? 0 : (out_features_ + block_ - 1) / block_;
+  }
   out_ = at::empty({flat_.size(0), out_features_}, flat_.options());
 }
 
-// The same addmm/mm calls at::linear makes, for the block's output features.
 void StreamedBlocks::make(int64_t index, const at::Tensor& buffer) {
+  if (transposed_) {
+    const int64_t start = index * block_, n = std::min(block_, in_ - start);
+    whole_.narrow(0, start, n).copy_(stored_.narrow(0, start, n));
+    return;
+  }
+  // The same addmm/mm calls at::linear makes, for the block's output features.
   const int64_t start = index * block_, n = std::min(block_, out_features_ - start);
-  at::Tensor w = buffer.narrow(0, 0, n * in_).view(transposed_ ? std::vector<int64_t>{in_, n}
-                                                             : std::vector<int64_t>{n, in_});
-  w.copy_(stored_.narrow(transposed_ ? 1 : 0, start, n));
+  at::Tensor w = buffer.narrow(0, 0, n * in_).view({n, in_});
+  w.copy_(stored_.narrow(0, start, n));
   at::Tensor part = out_.narrow(1, start, n);
-  const at::Tensor rhs = transposed_ ? w : w.t();
   if (bias_) {
-    at::addmm_out(part, bias_->narrow(0, start, n), flat_, rhs);
+    at::addmm_out(part, bias_->narrow(0, start, n), flat_, w.t());
   } else {
-    at::mm_out(part, flat_, rhs);
+    at::mm_out(part, flat_, w.t());
   }
 }
 
 at::Tensor StreamedBlocks::multiply() {
-  const at::Tensor buffer = at::empty({block_ * in_}, flat_.options());
+  const at::Tensor buffer = transposed_ ? at::Tensor() : at::empty({block_ * in_}, flat_.options());
   while (true) {
     int64_t index;
     {
@@ -59,6 +73,13 @@ at::Tensor StreamedBlocks::multiply() {
     failed = std::move(failed_);
   }
   for (const int64_t index : failed) make(index, buffer);  // raises here if it fails again
+  if (transposed_) {  // transformers' Conv1D.forward on the converted weight
+    if (bias_) {
+      at::addmm_out(out_, *bias_, flat_, whole_);
+    } else {
+      at::mm_out(out_, flat_, whole_);
+    }
+  }
   return out_;
 }
 
@@ -75,7 +96,7 @@ void StreamedBlocks::help() {
     }
     bool made = false;
     try {
-      if (!buffer.defined()) buffer = at::empty({block_ * in_}, flat_.options());
+      if (!transposed_ && !buffer.defined()) buffer = at::empty({block_ * in_}, flat_.options());
       make(index, buffer);
       made = true;
     } catch (...) {  // the calling thread makes it again, and raises there if it fails again

@@ -1,11 +1,18 @@
 #pragma once
 // StreamedBlocks: one streamed product (LayerPager::matmul) of an input with a weight that stays
-// in the file's dtype, made block by block: each block of output features is converted into a
-// buffer that stays in the core's cache and multiplied there, into its own columns of the output.
+// in the file's dtype, converted block by block as it is multiplied.
+//
+// A weight stored (out, in) (nn.Linear): each block is a run of output features, contiguous in
+// the file, converted into a buffer that stays in the core's cache and multiplied there into its
+// own columns of the output. A weight stored (in, out) (transformers' Conv1D): a run of output
+// features is a strided gather across every row of the file (measured about twice as slow as
+// converting whole rows), so each block is a run of rows, converted into one buffer of the whole
+// weight, and the product is made once over it, the same call torch makes for the resident weight.
+//
 // The calling thread makes blocks until none is left to claim; one other thread may help() at
 // the same time (the pager's prefetch thread, which has nothing to load then: the budget has no
 // room). Each block is made by the same calls whoever makes it (the helper first takes torch's
-// thread settings), and blocks write disjoint columns, so the product does not depend on which
+// thread settings), and blocks write disjoint memory, so the product does not depend on which
 // thread made which block, or on whether a helper came.
 #include <condition_variable>
 #include <cstdint>
@@ -21,8 +28,11 @@ class StreamedBlocks {
  public:
   // `stored`: the weight as the file holds it, (out, in), or (in, out) when `transposed`
   // (transformers' Conv1D). `flat`: the input, rows x in, in the dtype the weight is served in.
-  // The product is at::linear's (or Conv1D's addmm with `bias`).
-  StreamedBlocks(at::Tensor stored, at::Tensor flat, std::optional<at::Tensor> bias, bool transposed);
+  // The product is at::linear's (or Conv1D's addmm with `bias`). `scratch`, for a transposed
+  // weight: a buffer to convert it into, used when it has room (the caller keeps it for the next
+  // product; see scratch()).
+  StreamedBlocks(at::Tensor stored, at::Tensor flat, std::optional<at::Tensor> bias, bool transposed,
+                 at::Tensor scratch = at::Tensor());
 
   // Calling thread: makes blocks until none is left, waits for the helper's, and returns the
   // product (rows x out). A block whose conversion failed on the helper is made again here.
@@ -32,8 +42,12 @@ class StreamedBlocks {
 
   int64_t blocks() const { return blocks_; }
   int64_t made_by_helper() const;  // final once multiply() has returned
+  // The transposed weight's conversion buffer (undefined otherwise), for the next product.
+  const at::Tensor& scratch() const { return scratch_; }
 
  private:
+  // Converts block `index`, and multiplies it unless the weight is transposed; `buffer` is the
+  // thread's own for an (out, in) weight.
   void make(int64_t index, const at::Tensor& buffer);
 
   const at::Tensor stored_, flat_;
@@ -41,6 +55,8 @@ class StreamedBlocks {
   const bool transposed_;
   int64_t in_ = 0, out_features_ = 0, block_ = 0, blocks_ = 0;
   at::Tensor out_;
+  at::Tensor scratch_;  // transposed: a flat buffer of the served dtype, at least in x out
+  at::Tensor whole_;    // transposed: the converted weight, (in, out), over scratch_
 
   mutable std::mutex mutex_;
   std::condition_variable finished_;
