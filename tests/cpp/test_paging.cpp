@@ -66,7 +66,7 @@ std::string with_length(const std::string& header, const std::string& data) {
   return out + header + data;
 }
 
-// A valid safetensors file of float32 tensors, written the way the format specifies.
+// A valid safetensors file of float32, bfloat16 or float16 tensors, written the way the format specifies.
 std::string safetensors_bytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                               const std::string& metadata = "") {
   std::string header = "{";
@@ -78,7 +78,8 @@ std::string safetensors_bytes(const std::vector<std::pair<std::string, at::Tenso
     for (int64_t d = 0; d < t.dim(); ++d) shape += (d ? "," : "") + std::to_string(t.size(d));
     const size_t begin = data.size();
     data.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-    header += (i ? "," : "") + std::string("\"") + name + "\":{\"dtype\":\"F32\",\"shape\":[" + shape +
+    const char* dtype = t.scalar_type() == at::kBFloat16 ? "BF16" : t.scalar_type() == at::kHalf ? "F16" : "F32";
+    header += (i ? "," : "") + std::string("\"") + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":[" + shape +
               "],\"data_offsets\":[" + std::to_string(begin) + "," + std::to_string(data.size()) + "]}";
   }
   header += "}";
@@ -518,6 +519,42 @@ TEST(Paging, StreamedBlocksMadeByAHelperThreadGiveTheCallersProduct) {
     helper.join();
     EXPECT_TRUE(at::equal(both, expected));
   }
+}
+
+TEST(Paging, AStreamedWeightsFilePagesStayMappedWithinTheBudgetAndAreEvictedLikeATensor) {
+  // "w" is stored bfloat16 (192 KiB) and served float32 (384 KiB); the 200 KiB budget is below the
+  // source, so w streams and never loads whole after its first call. Its file pages stay mapped
+  // while the budget has room for them, counted at the file's bytes, until a load needs the room.
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  const at::Tensor w = at::randn({1024, 96}).to(at::kBFloat16);
+  write_bytes(path, safetensors_bytes({{"w", w}, {"other", values(40000, 1.0f)}}));
+  pg::PagerOptions options;
+  options.budget_bytes = 200 << 10;
+  options.prefetch = 0;
+  options.dtype = at::kFloat;
+  auto pager = c10::make_intrusive<pg::LayerPager>(open(path), options);
+  const at::Tensor x = at::randn({1, 96}), expected = at::linear(x, w.to(at::kFloat));
+  const int64_t file_bytes = 1024 * 96 * 2;
+  EXPECT_TRUE(at::equal(pager->matmul("w", x, std::nullopt, false), expected));  // loads whole, compares
+  if (pager->stats().unstreamed_shapes > 0) GTEST_SKIP() << "this BLAS blocks the product differently";
+  EXPECT_FALSE(pager->is_resident("w"));  // loaded only to compare
+  EXPECT_EQ(pager->resident_bytes(), 0);
+  EXPECT_TRUE(at::equal(pager->matmul("w", x, std::nullopt, false), expected));  // streams; pages kept
+  EXPECT_EQ(pager->resident_bytes(), file_bytes);
+  EXPECT_EQ(pager->stats().streamed_from_mapped_pages, 0);
+  EXPECT_TRUE(at::equal(pager->matmul("w", x, std::nullopt, false), expected));
+  EXPECT_EQ(pager->stats().streamed_from_mapped_pages, 1);
+  EXPECT_FALSE(pager->is_resident("w"));
+
+  const int64_t evictions = pager->stats().evictions;
+  EXPECT_TRUE(at::equal(pager->acquire("other"), values(40000, 1.0f)));  // needs the room: w's pages go
+  EXPECT_EQ(pager->stats().evictions, evictions + 1);
+  EXPECT_EQ(pager->resident_bytes(), 160000);
+  EXPECT_TRUE(at::equal(pager->matmul("w", x, std::nullopt, false), expected));  // no room: given back
+  EXPECT_EQ(pager->stats().streamed_from_mapped_pages, 1);
+  EXPECT_EQ(pager->resident_bytes(), 160000);
+  EXPECT_EQ(pager->stats().streamed_matmuls, 3);
 }
 
 TEST(Paging, StreamedConv1DWeightsConvertWholeRowsIntoAReusedBuffer) {

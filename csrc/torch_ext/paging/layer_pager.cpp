@@ -342,6 +342,7 @@ at::Tensor LayerPager::acquire(const std::string& id) {
     const auto load_start = Clock::now();
     at::Tensor recycled;
     std::vector<at::Tensor> dead;
+    forget_mapping_locked(e);  // the load converts from the pages, then gives them back
     if (!make_room_locked(e.nbytes, 0, recycle_ ? &recycled : nullptr, dead)) ++stats_.over_budget_loads;
     e.state = State::Loading;
     e.prefetched = false;
@@ -388,7 +389,7 @@ at::Tensor LayerPager::gather_rows(const std::string& id, const at::Tensor& indi
   at::Tensor rows = at::embedding(source_->view(id), indices).to(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
   const Entry& e = entry_locked(id);
-  if (!e.view || e.state == State::Absent) source_->release_pages(id);
+  if ((!e.view || e.state == State::Absent) && e.mapped_bytes == 0) source_->release_pages(id);
   return rows;
 }
 
@@ -504,7 +505,12 @@ at::Tensor LayerPager::load(const Entry& e, at::Tensor recycled) {
 
 bool LayerPager::evictable_locked(const Entry& e) const {
   // A handed-out tensor has its own storage over the entry's memory; holders counts those alive.
-  return e.state == State::Ready && !e.pinned && e.waiters == 0 && e.holders == 0;
+  return (e.state == State::Ready || e.mapped_bytes > 0) && !e.pinned && e.waiters == 0 && e.holders == 0;
+}
+
+void LayerPager::forget_mapping_locked(Entry& e) {
+  resident_bytes_ -= e.mapped_bytes;
+  e.mapped_bytes = 0;
 }
 
 int64_t LayerPager::next_use_distance_locked(const Entry& e) const {
@@ -533,6 +539,12 @@ bool LayerPager::advance_cursor_locked(const std::string& id) {
 }
 
 void LayerPager::evict_locked(Entry& e, std::vector<at::Tensor>& dead) {
+  if (e.mapped_bytes > 0) {  // a streamed weight's pages (state Absent)
+    source_->release_pages(e.id);
+    forget_mapping_locked(e);
+    ++stats_.evictions;
+    return;
+  }
   if (e.tensor.defined()) dead.push_back(std::move(e.tensor));
   e.tensor = at::Tensor();
   if (e.view) source_->release_pages(e.id);
@@ -572,7 +584,7 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
       break;
     }
     // Only memory the pager owns is reused: a view's pages are the mapped file's.
-    if (recycled != nullptr && !recycled->defined() && !victim->view && victim->nbytes == incoming &&
+    if (recycled != nullptr && !recycled->defined() && !victim->view && victim->tensor.defined() && victim->nbytes == incoming &&
         victim->tensor.storage().nbytes() == static_cast<size_t>(incoming)) {
       *recycled = std::move(victim->tensor);
     }
@@ -660,7 +672,9 @@ void LayerPager::prefetch_ahead_locked(std::unique_lock<std::mutex>& lock) {
     if (cursor_generation_ != cursor_generation) return;  // the caller moved on: start from its new position
     Entry& e = entries_.at(order_[(cursor_ + k) % n]);
     if (e.state != State::Absent || e.error) continue;
-    if (e.streamed && resident_bytes_ + e.nbytes > budget_) continue;  // matmul() streams it: evict nothing for it
+    // matmul() streams it: evict nothing for it, and load it whole only into free room where that
+    // costs no more than its pages.
+    if (e.streamed && (prefers_streaming_locked(e) || resident_bytes_ + e.nbytes > budget_)) continue;
     // Only evict entries needed later than this one; otherwise prefetching would cost a miss.
     at::Tensor recycled;
     std::vector<at::Tensor> dead;

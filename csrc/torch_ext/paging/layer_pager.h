@@ -122,6 +122,7 @@ struct PagerStats {
   bool budget_below_largest_tensor = false;
   int64_t release_evictions = 0;
   int64_t streamed_matmuls = 0;
+  int64_t streamed_from_mapped_pages = 0;
   int64_t streamed_blocks_by_prefetcher = 0;
   int64_t unstreamed_shapes = 0;
 
@@ -146,6 +147,8 @@ struct PagerStats {
               "evictions made when a caller released its tensors while the pager was over budget"),
         field("streamed_matmuls", &PagerStats::streamed_matmuls,
               "matmul() calls served block by block from the file, the weight never loaded whole"),
+        field("streamed_from_mapped_pages", &PagerStats::streamed_from_mapped_pages,
+              "streamed matmul() calls that found the weight's file pages kept mapped (no page faults)"),
         field("streamed_blocks_by_prefetcher", &PagerStats::streamed_blocks_by_prefetcher,
               "blocks of those products that the prefetch thread made (converted and multiplied) beside the caller"),
         field("unstreamed_shapes", &PagerStats::unstreamed_shapes,
@@ -225,11 +228,13 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // The product of `input` and the 2-D weight `id`, plus `bias`: torch.nn.functional.linear
   // (weight stored (out, in)), or, with `transposed`, transformers' Conv1D (weight stored (in,
   // out): addmm(bias, input, weight)). A weight converted from the file's dtype that is not
-  // resident, when the budget has no free room for it, is streamed: each block of output features
-  // is converted from the mapped file into a buffer that stays in cache and multiplied there, so
-  // the weight is never loaded or converted whole (the conversion writes and rereads the whole
-  // weight otherwise) and nothing is evicted for it; the prefetch thread, which has nothing to
-  // load then, makes blocks too (streamed_blocks.h). Streaming a shape is decided on its first
+  // resident is streamed when the budget has no free room for it, or cannot hold the whole source
+  // and the file's bytes are no more than the converted ones (a widening conversion): it is
+  // converted block by block from the mapped file and multiplied (streamed_blocks.h),
+  // so it is never loaded or converted whole and nothing is evicted for it; the prefetch thread,
+  // which has nothing to load then, makes blocks too. The weight's file pages stay mapped for the
+  // next product while the budget has free room for them (counted at the file's bytes, half or
+  // less of the converted weight's, and evicted like any tensor); otherwise they are given back. Streaming a shape is decided on its first
   // call, which acquire()s the weight and compares the two products: a shape is streamed only if
   // they are equal in every bit (a BLAS may block a narrower product differently), otherwise it
   // keeps acquire()ing, as do calls where autograd needs the weight. Where the budget cannot hold
@@ -277,6 +282,9 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
     int64_t waiters = 0;      // acquire() calls loading it or waiting for it
     int64_t holders = 0;      // tensors handed out by acquire() and not yet released
     bool streamed = false;    // matmul() streams it when absent: the prefetcher loads it only into free room
+    // Absent and streamed: the file's pages kept mapped for the next product, counted in
+    // resident_bytes_ (evicted like a ready entry: the pages are given back).
+    int64_t mapped_bytes = 0;
     std::exception_ptr error;
   };
 
@@ -284,14 +292,22 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // An access to `e` in the recorded order: recording, the cursor and the LRU clock.
   void note_access_locked(Entry& e);
   bool streams_locked(const Entry& e) const;  // see streams()
-  // Whether matmul() may stream this call (no room for `e`, the served dtype); marks `e` as streamed.
+  // Whether a streamable `e` streams even with room for it: the budget is below the source and
+  // its file pages cost no more than the converted weight (bf16 or fp16 served as fp32).
+  bool prefers_streaming_locked(const Entry& e) const;
+  // Whether matmul() may stream this call (`e` absent and not pinned, the served dtype, and
+  // prefers_streaming_locked() or no room for `e`); marks `e` as streamed.
   bool stream_matmul_locked(Entry& e, const at::Tensor& input);
+  // After a streamed product: whether `e`'s file pages stay mapped (they were, or the budget has
+  // free room for them now: they are counted from here on).
+  bool keep_mapped_locked(Entry& e);
   // Evicts until `incoming` more bytes fit; only entries whose next use is farther than
   // `protect_within` positions of the order may go. False if it did not fit. A victim of exactly
   // `incoming` bytes is handed over in *recycled (when not null) so the load reuses its memory.
   // Evicted tensors go to `dead`, for the caller to free after unlocking (munmap is not free).
   bool make_room_locked(int64_t incoming, int64_t protect_within, at::Tensor* recycled, std::vector<at::Tensor>& dead);
   void evict_locked(Entry& e, std::vector<at::Tensor>& dead);
+  void forget_mapping_locked(Entry& e);  // stops counting e's kept pages (does not give them back)
   at::Tensor hand_out_locked(Entry& e);
   void release(Entry& e);  // the last alias of a handed-out tensor died
   void wait_for_load_locked(std::unique_lock<std::mutex>& lock, Entry& e);  // throws after wait_timeout_seconds

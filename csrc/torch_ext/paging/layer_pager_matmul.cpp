@@ -53,6 +53,15 @@ std::string shape_key(const at::Tensor& input, const std::vector<int64_t>& weigh
 
 }  // namespace
 
+bool LayerPager::keep_mapped_locked(Entry& e) {
+  if (e.mapped_bytes > 0) return true;
+  const int64_t file_bytes = source_->info(e.id).nbytes;
+  if (e.state != State::Absent || e.pinned || resident_bytes_ + file_bytes > budget_) return false;
+  e.mapped_bytes = file_bytes;
+  resident_bytes_ += file_bytes;
+  return true;
+}
+
 bool LayerPager::streams_locked(const Entry& e) const {
   return e.dtype != source_->info(e.id).dtype && gathers_rows(e.id);
 }
@@ -64,10 +73,15 @@ bool LayerPager::streams(const std::string& id) const {
   return streams_locked(it->second);
 }
 
+bool LayerPager::prefers_streaming_locked(const Entry& e) const {
+  return budget_below_source_ && source_->info(e.id).nbytes <= e.nbytes;
+}
+
 bool LayerPager::stream_matmul_locked(Entry& e, const at::Tensor& input) {
   e.streamed = true;
-  // Room for it, or a dtype at::linear refuses: acquire() it.
-  return e.state == State::Absent && resident_bytes_ + e.nbytes > budget_ && input.scalar_type() == e.dtype;
+  // A dtype at::linear refuses, or room for the weight where its pages would not cost less: acquire() it.
+  return e.state == State::Absent && !e.pinned && input.scalar_type() == e.dtype &&
+         (prefers_streaming_locked(e) || resident_bytes_ + e.nbytes > budget_);
 }
 
 void LayerPager::offer_to_prefetcher(const std::shared_ptr<StreamedBlocks>& blocks) {
@@ -98,6 +112,7 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
       stream = stream_matmul_locked(e, input);
       if (stream && exact == true) {
         note_access_locked(e);  // acquire() notes the others
+        if (e.mapped_bytes > 0) ++stats_.streamed_from_mapped_pages;
         if (transposed) scratch = std::move(conversion_scratch_);  // another product meanwhile makes its own
       }
       // Compared while the weight is loaded anyway (see matmul() in the header).
@@ -108,8 +123,12 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
     const auto blocks = streamed_blocks(input, source_->view(id), bias, transposed, std::move(scratch));
     offer_to_prefetcher(blocks);
     at::Tensor out = blocked_product(input, *blocks);
-    source_->release_pages(id);
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!keep_mapped_locked(entry_locked(id))) {
+      lock.unlock();
+      source_->release_pages(id);  // a product that kept them meanwhile faults them in again
+      lock.lock();
+    }
     if (helped_blocks_ == blocks) helped_blocks_.reset();  // the thread did not take it
     const at::Tensor& used = blocks->scratch();
     if (used.defined() && (!conversion_scratch_.defined() || used.numel() > conversion_scratch_.numel())) {
@@ -125,8 +144,12 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
   if (compare) {
     const bool equal = at::equal(blocked_product(input, *streamed_blocks(input, source_->view(id), bias, transposed)), whole);
     source_->release_pages(id);
+    std::vector<at::Tensor> dead;  // freed after the lock
     std::lock_guard<std::mutex> lock(mutex_);
     if (exact_shapes_.emplace(shape, equal).second && !equal) ++stats_.unstreamed_shapes;
+    // Loaded only to compare: a weight that streams leaves the budget to file pages, which cost less.
+    Entry& e = entry_locked(id);
+    if (equal && prefers_streaming_locked(e) && evictable_locked(e)) evict_locked(e, dead);
   }
   return whole;
 }
