@@ -319,6 +319,27 @@ def test_the_batcher_joins_only_requests_of_one_sequence_bucket_unless_told_othe
     assert (s.batches, s.max_batch_rows) == ((2, 3) if group_by_bucket else (1, 4))
 
 
+def test_requests_queued_before_a_follow_are_grouped_by_the_new_caches_buckets(encoder, encoder_cache):
+    from torch_ext import Batcher
+
+    # Lengths 5 and 12 fall in seq buckets 8 and 16 of encoder_cache, in one bucket (16) of `wide`.
+    # admit_after keeps `wide` from compiling: its misses run the program.
+    batch, seq = Dim("batch", min=1, max=4), Dim("seq", min=2, max=16)
+    wide = PlanCache(encoder, tokens(2, 8, 8), {"ids": {0: batch, 1: seq}, "mask": {0: batch, 1: seq}},
+                     buckets=[[4], [16]], pad_values=[0, 0], dim_names=["batch", "seq"], miss_mode="pad",
+                     admit_after=1_000_000, inductor_configs=FAST)
+    requests = [tokens(1, 5, 5), tokens(1, 12, 12)]
+    with Batcher(encoder_cache, max_batch_size=2, max_delay_ms=600_000) as batcher:
+        first = batcher.submit(*requests[0])
+        batcher.script_object.follow(wide.script_object)
+        second = batcher.submit(*requests[1])  # 2 rows: the batch runs, both requests in it
+        for inputs, future in zip(requests, (first, second)):
+            close(future.result(timeout=60), eager(encoder, *inputs))
+        s = batcher.stats()
+    assert (s.batches, s.max_batch_rows) == (1, 2)
+    assert wide.stats().calls == 1  # the batch ran on the cache it was grouped for
+
+
 class ConvNet(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

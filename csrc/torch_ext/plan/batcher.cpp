@@ -107,7 +107,6 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double 
   const Bucket sizes = cache->check_request(inputs);
   TORCH_CHECK(sizes[0] <= max_rows_, "Batcher: a request of batch size ", sizes[0], " is above max_batch_size ",
               max_rows_);
-  const Bucket bucket = cache->layout().bucket_of(sizes);
   const auto now = Clock::now();
   const bool has_deadline = deadline_ms >= 0;
   const auto deadline = has_deadline ? deadline_after(deadline_ms / 1000) : Clock::time_point::max();
@@ -131,7 +130,7 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double 
                   options_.max_queue, "); retry later, or raise max_queue");
     }
     was_empty = queue_.empty();
-    queue_.push_back(Request{std::move(inputs), sizes, bucket, std::move(callback), now, deadline, deadline_ms});
+    queue_.push_back(Request{std::move(inputs), sizes, std::move(callback), now, deadline, deadline_ms});
     queued_rows_ += sizes[0];
     ++stats_.requests;
     stats_.max_queued = std::max(stats_.max_queued, static_cast<int64_t>(queue_.size()));
@@ -218,7 +217,13 @@ c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_secon
 bool Batcher::joins(const Layout& layout, const Request& first, const Request& other) const {
   for (int k = 1; k < first.sizes.rank; ++k) {
     if (first.sizes[k] != other.sizes[k] && !layout.pads(k)) return false;  // only equal sizes join
-    if (options_.group_by_bucket && first.bucket[k] != other.bucket[k]) return false;
+  }
+  // The buckets of the cache that runs the batch: a follow() since the requests came may have changed them.
+  if (options_.group_by_bucket) {
+    const Bucket a = layout.bucket_of(first.sizes), b = layout.bucket_of(other.sizes);
+    for (int k = 1; k < a.rank; ++k) {
+      if (a[k] != b[k]) return false;
+    }
   }
   for (size_t i = 0; i < first.inputs.size(); ++i) {
     const bool batched = first.inputs[i].isTensor() && layout.input_dim(i, 0) >= 0;

@@ -145,7 +145,6 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   struct Request {
     std::vector<c10::IValue> inputs;
     Bucket sizes;
-    Bucket bucket;  // the cache's bucket of sizes (group_by_bucket compares it after the batch)
     Callback callback;
     std::chrono::steady_clock::time_point arrived;
     std::chrono::steady_clock::time_point deadline;  // time_point::max(): none
