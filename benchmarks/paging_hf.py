@@ -335,10 +335,11 @@ def inference_report(results: list[dict], weights: int, largest: int, sizes: dic
         report.notes.append(
             f"The folder holds {stored} weights ({format_bytes(weights // 2)}); every variant serves them as fp32. "
             f"torch_ext converts each tensor as it is paged in (from the mapped file into memory of its own); the "
-            f"budget counts the converted, resident bytes. The weights it has no room for are streamed: each "
-            f"Conv1D and lm_head product converts them block by block from the file again (LayerPager.matmul), "
-            f"the pager's prefetch thread making part of the blocks on the core the benchmark leaves it: the "
-            f"streamed products use two cores where every other row's products use one.")
+            f"budget counts the converted, resident bytes. Below the whole model, the Conv1D and lm_head weights "
+            f"are streamed instead: each product converts them block by block from the mapped file "
+            f"(LayerPager.matmul), the pager's prefetch thread making part of the blocks on the core the benchmark "
+            f"leaves it, and their file pages stay mapped while the budget has room for them (counted at the "
+            f"file's bytes); the others are read from the file again each time.")
     return report
 
 
