@@ -96,7 +96,8 @@ def page_weights(model: nn.Module, source: SafetensorsSource | str | os.PathLike
     on its module acquires it from the pager and a forward hook puts the placeholder back. A plain
     nn.Embedding on the CPU instead reads the rows it looks up from the file (LayerPager.gather_rows)
     and never loads its table, and a plain nn.Linear or transformers Conv1D whose weight converts
-    multiplies from the file when the budget has no room for it (LayerPager.matmul); unpage() gives
+    multiplies from the file (LayerPager.matmul) when the budget has no room for it, or, for a
+    widening conversion (bf16 served as fp32), whenever the budget is below the model; unpage() gives
     them their own forwards back. Tied
     weights are one pager entry. The checkpoint key of a tensor named `name` in the model is
     key_map(name) (a callable or mapping), else add_prefix + name with strip_prefix removed.

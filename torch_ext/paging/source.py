@@ -49,8 +49,9 @@ class LayerPager(ScriptObjectFace):
     you hold it; the pager never evicts a tensor someone holds, a pinned one, or one being loaded),
     acquire_many(ids), gather_rows(id, indices) (an embedding lookup from the file, without loading
     the table; gathers_rows(id) says whether it can), matmul(id, input, bias, transposed) (a linear
-    layer's product, streamed from the file where the weight converts and has no room; streams(id)
-    says whether it can), begin_pass(), set_order(ids), order(),
+    layer's product, streamed from the file where the weight converts and has no room, or widens
+    and the budget is below the source; streams(id) says whether it can), begin_pass(),
+    set_order(ids), order(),
     resident_bytes(), resident_count(), is_resident(id), is_pinned(id), evict_all(), stats() (a
     PagerStats), reset_stats(), and each
     option as a property. source: a SafetensorsSource or the path of one. Keyword options are those

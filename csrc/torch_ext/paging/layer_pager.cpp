@@ -584,8 +584,8 @@ bool LayerPager::make_room_locked(int64_t incoming, int64_t protect_within, at::
       break;
     }
     // Only memory the pager owns is reused: a view's pages are the mapped file's.
-    if (recycled != nullptr && !recycled->defined() && !victim->view && victim->tensor.defined() && victim->nbytes == incoming &&
-        victim->tensor.storage().nbytes() == static_cast<size_t>(incoming)) {
+    if (recycled != nullptr && !recycled->defined() && !victim->view && victim->tensor.defined() &&
+        victim->nbytes == incoming && victim->tensor.storage().nbytes() == static_cast<size_t>(incoming)) {
       *recycled = std::move(victim->tensor);
     }
     evict_locked(*victim, dead);

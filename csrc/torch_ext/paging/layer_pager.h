@@ -230,16 +230,16 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // out): addmm(bias, input, weight)). A weight converted from the file's dtype that is not
   // resident is streamed when the budget has no free room for it, or cannot hold the whole source
   // and the file's bytes are no more than the converted ones (a widening conversion): it is
-  // converted block by block from the mapped file and multiplied (streamed_blocks.h),
-  // so it is never loaded or converted whole and nothing is evicted for it; the prefetch thread,
-  // which has nothing to load then, makes blocks too. The weight's file pages stay mapped for the
-  // next product while the budget has free room for them (counted at the file's bytes, half or
-  // less of the converted weight's, and evicted like any tensor); otherwise they are given back. Streaming a shape is decided on its first
+  // converted block by block from the mapped file and multiplied (streamed_blocks.h), so it is
+  // never loaded or converted whole and nothing is evicted for it; the prefetch thread, which has
+  // nothing to load then, makes blocks too. The weight's file pages stay mapped for the next
+  // product while the budget has free room for them (counted at the file's bytes, and evicted
+  // like any tensor); otherwise they are given back. Streaming a shape is decided on its first
   // call, which acquire()s the weight and compares the two products: a shape is streamed only if
   // they are equal in every bit (a BLAS may block a narrower product differently), otherwise it
   // keeps acquire()ing, as do calls where autograd needs the weight. Where the budget cannot hold
-  // the whole source, that first call compares even when the weight has room, so a later call that
-  // finds none streams at once instead of loading the weight whole and evicting what the budget holds.
+  // the whole source, that first call compares even when the weight has room, and a widened
+  // weight loaded only to compare is evicted after it.
   at::Tensor matmul(const std::string& id, const at::Tensor& input, const std::optional<at::Tensor>& bias,
                     bool transposed);
   // Whether matmul() can stream `id`: gathers_rows(id), and a tensor converted from the file's dtype.
