@@ -232,9 +232,9 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // and the file's bytes are no more than the converted ones (a widening conversion): it is
   // converted block by block from the mapped file and multiplied (streamed_blocks.h), so it is
   // never loaded or converted whole and nothing is evicted for it; the prefetch thread, which has
-  // nothing to load then, makes blocks too. The weight's file pages stay mapped for the next
-  // product while the budget has free room for them (counted at the file's bytes, and evicted
-  // like any tensor); otherwise they are given back. Streaming a shape is decided on its first
+  // nothing to load then, makes blocks too. A widened weight's file pages stay mapped for the
+  // next product while the budget has free room for them (counted at the file's bytes, and
+  // evicted like any tensor); otherwise they are given back. Streaming a shape is decided on its first
   // call, which acquire()s the weight and compares the two products: a shape is streamed only if
   // they are equal in every bit (a BLAS may block a narrower product differently), otherwise it
   // keeps acquire()ing, as do calls where autograd needs the weight. Where the budget cannot hold
@@ -298,8 +298,8 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // Whether matmul() may stream this call (`e` absent and not pinned, the served dtype, and
   // prefers_streaming_locked() or no room for `e`); marks `e` as streamed.
   bool stream_matmul_locked(Entry& e, const at::Tensor& input);
-  // After a streamed product: whether `e`'s file pages stay mapped (they were, or the budget has
-  // free room for them now: they are counted from here on).
+  // After a streamed product: whether `e`'s file pages stay mapped (they were, or `e` prefers
+  // streaming and the budget has free room for them now: they are counted from here on).
   bool keep_mapped_locked(Entry& e);
   // Evicts until `incoming` more bytes fit; only entries whose next use is farther than
   // `protect_within` positions of the order may go. False if it did not fit. A victim of exactly

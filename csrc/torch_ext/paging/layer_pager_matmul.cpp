@@ -55,8 +55,12 @@ std::string shape_key(const at::Tensor& input, const std::vector<int64_t>& weigh
 
 bool LayerPager::keep_mapped_locked(Entry& e) {
   if (e.mapped_bytes > 0) return true;
+  // Only pages that cost less than the converted weight: such an entry is never loaded whole
+  // but by acquire(), which stops counting them first.
   const int64_t file_bytes = source_->info(e.id).nbytes;
-  if (e.state != State::Absent || e.pinned || resident_bytes_ + file_bytes > budget_) return false;
+  if (e.state != State::Absent || e.pinned || !prefers_streaming_locked(e) || resident_bytes_ + file_bytes > budget_) {
+    return false;
+  }
   e.mapped_bytes = file_bytes;
   resident_bytes_ += file_bytes;
   return true;
