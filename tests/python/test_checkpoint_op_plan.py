@@ -88,6 +88,30 @@ def test_alike_blocks_share_their_timings_and_other_blocks_keep_their_own():
     assert plan.ops[5] != alike[0] and plan.ops[4] != alike[0]
 
 
+class CountedForwards(nn.Module):
+    def __init__(self, width, calls):
+        super().__init__()
+        self.layer, self.calls = nn.Sequential(nn.Linear(width, width), nn.GELU()), calls
+
+    def forward(self, x):
+        self.calls.append(self)
+        return self.layer(x)
+
+
+def test_blocks_alike_to_repeat_measured_blocks_run_once_per_measurement():
+    """repeat=3: the first three identical layers run 3 recorded forwards, the native policy's probe
+    and 3 forwards with backward (7 forwards); later ones, whose timings are pooled with theirs,
+    one of each (3 forwards). A block of other shapes is measured in full again."""
+    torch.manual_seed(0)
+    calls = []
+    layers = [CountedForwards(64, calls) for _ in range(5)] + [nn.Linear(64, 32), CountedForwards(32, calls)]
+    plan = torch_ext.plan_ops(layers, torch.randn(16, 64), budget_bytes=1 << 40, repeat=3)
+    runs = Counter(id(layer) for layer in calls)
+    assert [runs[id(layer)] for layer in layers[:5]] == [7, 7, 7, 3, 3]
+    assert runs[id(layers[6])] == 7
+    assert all(block == plan.ops[0] for block in plan.ops[:5])
+
+
 def test_minimum_is_below_40_percent_of_the_plain_peak_with_equal_gradients(chain):
     layers, x, loose = chain
     plan = torch_ext.plan_ops(layers, x, budget_bytes=loose.min_budget_bytes, repeat=1)

@@ -255,19 +255,28 @@ def _draws(func, args: tuple, kwargs: dict) -> bool:
     return p is None or p != 0.0
 
 
-def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool) -> list[list]:
-    """The candidate ops of one forward of layer (with grad, as in training); seconds are the
-    median of `repeat` forwards."""
-    runs = []
-    for _ in range(repeat):
+def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool,
+                measured: Counter) -> tuple[list[list], list[str], int]:
+    """The candidate ops of one forward of layer (with grad, as in training), the names the native
+    policy counts alike, and how many times the block is to be measured: seconds are the median of
+    `repeat` forwards, or of one when `repeat` earlier blocks ran the same ops with the same bytes
+    (counted in measured): their timings are pooled with this block's (_pool_alike_blocks), so a
+    deep model of identical layers is not timed `repeat` times over."""
+    runs: list = []
+    while len(runs) < repeat:
         with torch.enable_grad(), _OpRecorder() as recorder:
             _call(layer, _detach_like(value, recorded), kwargs, first)
         runs.append(recorder.ops)
+        signature = tuple(tuple(op[:3]) for op in runs[0])
+        if len(runs) == 1 and measured[signature] >= repeat:
+            break
     if any([op[:3] for op in run] != [op[:3] for op in runs[0]] for run in runs):
         raise ValueError("plan_ops: a block ran different ops on the same input in repeated forwards; "
                          "an op-level plan needs a block whose ops do not depend on data or state")
+    if len(runs) == repeat:
+        measured[signature] += 1
     ops = [op[:3] + [statistics.median(run[i][3] for run in runs)] for i, op in enumerate(runs[0])]
-    return ops, _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen)
+    return ops, _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen), len(runs)
 
 
 def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, recorded: bool, ops: list,
@@ -307,7 +316,8 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     restored afterwards): forward and backward `repeat` times (its saved and workspace bytes, as
     plan_checkpoints measures them) and `repeat` forwards under a dispatch mode that times every
     op and counts its output bytes; blocks with the same ops and bytes share their timings (the
-    median over them). Raises ValueError, stating the minimum, when no plan fits.
+    median over them), and once `repeat` such blocks were measured, the next ones run once each.
+    Raises ValueError, stating the minimum, when no plan fits.
     Apply the plan with plan.apply(layers); plan.with_budget(B) plans another budget from the same
     measurements (plans of one measurement are monotonic in the budget; a new measurement may
     time ops differently and so order them differently). kwargs go to the first block."""
@@ -342,6 +352,7 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
                                    "replay", "seconds")}
     buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
     value: Any = inputs
+    measured: Counter = Counter()
     with torch.random.fork_rng(devices=devices):
         try:
             for index in progress(range(len(layers)), desc="measuring ops"):
@@ -350,13 +361,13 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
                     value, kwargs = recorded[index]
                 boundary = _tensor_leaves(value)[:1] if recorded is not None else _tensor_leaves(value)
                 m["inputs"].append(_bytes(boundary))
-                ops, native = _record_ops(layer, value, kwargs, first, repeat, recorded is not None)
+                ops, native, runs = _record_ops(layer, value, kwargs, first, repeat, recorded is not None, measured)
                 # Only ops the native policy can save as measured are candidates: every block of a
                 # plan then saves natively (no Python dispatch mode per op).
                 m["ops"].append([op for op in ops if op[0] in native])
                 m["native"].append(native)
                 samples = [_measure_once(layer, value, kwargs, first, device, recorded is not None)
-                           for _ in range(repeat)]
+                           for _ in range(runs)]
                 m["seconds"].append(statistics.median(s[0] + s[1] for s in samples))
                 forward = statistics.median(s[0] for s in samples)
                 m["replay"].append(max(0.0, forward - sum(op[3] for op in m["ops"][-1])))
