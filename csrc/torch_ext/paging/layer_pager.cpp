@@ -172,7 +172,9 @@ LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions opti
     }
     e.view = *options_.zero_copy && e.dtype == info.dtype;
     copies = copies || !e.view;
+    e.file_nbytes = info.nbytes;
     e.nbytes = e.dtype == info.dtype ? info.nbytes : info.nbytes / c10::elementSize(info.dtype) * c10::elementSize(e.dtype);
+    e.streamable = e.dtype != info.dtype && gathers_rows(name);
     source_bytes += e.nbytes;
     if (e.nbytes > stats_.largest_tensor_bytes) {
       stats_.largest_tensor_bytes = e.nbytes;

@@ -271,7 +271,8 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   enum class State { Absent, Loading, Ready };
   struct Entry {
     std::string id;
-    int64_t nbytes = 0;  // resident bytes: in `dtype`
+    int64_t nbytes = 0;       // resident bytes: in `dtype`
+    int64_t file_nbytes = 0;  // the source's bytes: in the file's dtype
     c10::ScalarType dtype = c10::kFloat;  // as stored, or options_.dtype where it converts
     bool view = false;  // served as a view of the source (zero_copy and no conversion)
     bool pinned = false;
@@ -281,6 +282,7 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
     bool prefetched = false;  // loaded by the prefetcher and not yet acquired
     int64_t waiters = 0;      // acquire() calls loading it or waiting for it
     int64_t holders = 0;      // tensors handed out by acquire() and not yet released
+    bool streamable = false;  // see streams(); fixed at construction
     bool streamed = false;    // matmul() streams it when absent: the prefetcher loads it only into free room
     // Absent and streamed: the file's pages kept mapped for the next product, counted in
     // resident_bytes_ (evicted like a ready entry: the pages are given back).
@@ -291,7 +293,6 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   Entry& entry_locked(const std::string& id);
   // An access to `e` in the recorded order: recording, the cursor and the LRU clock.
   void note_access_locked(Entry& e);
-  bool streams_locked(const Entry& e) const;  // see streams()
   // Whether a streamable `e` streams even with room for it: the budget is below the source and
   // its file pages cost no more than the converted weight (bf16 or fp16 served as fp32).
   bool prefers_streaming_locked(const Entry& e) const;

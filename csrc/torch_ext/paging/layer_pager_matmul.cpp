@@ -57,28 +57,23 @@ bool LayerPager::keep_mapped_locked(Entry& e) {
   if (e.mapped_bytes > 0) return true;
   // Only pages that cost less than the converted weight: such an entry is never loaded whole
   // but by acquire(), which stops counting them first.
-  const int64_t file_bytes = source_->info(e.id).nbytes;
-  if (e.state != State::Absent || e.pinned || !prefers_streaming_locked(e) || resident_bytes_ + file_bytes > budget_) {
+  if (e.state != State::Absent || e.pinned || !prefers_streaming_locked(e) || resident_bytes_ + e.file_nbytes > budget_) {
     return false;
   }
-  e.mapped_bytes = file_bytes;
-  resident_bytes_ += file_bytes;
+  e.mapped_bytes = e.file_nbytes;
+  resident_bytes_ += e.file_nbytes;
   return true;
-}
-
-bool LayerPager::streams_locked(const Entry& e) const {
-  return e.dtype != source_->info(e.id).dtype && gathers_rows(e.id);
 }
 
 bool LayerPager::streams(const std::string& id) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto it = entries_.find(id);
   TORCH_CHECK(it != entries_.end(), "LayerPager(", source_->describe(), "): no tensor \"", id, "\" in the source");
-  return streams_locked(it->second);
+  return it->second.streamable;
 }
 
 bool LayerPager::prefers_streaming_locked(const Entry& e) const {
-  return budget_below_source_ && source_->info(e.id).nbytes <= e.nbytes;
+  return budget_below_source_ && e.file_nbytes <= e.nbytes;
 }
 
 bool LayerPager::stream_matmul_locked(Entry& e, const at::Tensor& input) {
@@ -108,7 +103,7 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
     check_usable_locked();
     Entry& e = entry_locked(id);
     const TensorInfo& info = source_->info(id);
-    if (!for_autograd && streams_locked(e) && input.dim() >= 2 && input.is_contiguous() &&
+    if (!for_autograd && e.streamable && input.dim() >= 2 && input.is_contiguous() &&
         input.size(-1) == info.shape[transposed ? 0 : 1]) {
       shape = shape_key(input, info.shape, bias, transposed);
       const auto known = exact_shapes_.find(shape);

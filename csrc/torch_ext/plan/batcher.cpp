@@ -214,15 +214,14 @@ c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_secon
       ->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
 }
 
-bool Batcher::joins(const Layout& layout, const Request& first, const Request& other) const {
+bool Batcher::joins(const Layout& layout, const Request& first, const Bucket& first_bucket, const Request& other) const {
   for (int k = 1; k < first.sizes.rank; ++k) {
     if (first.sizes[k] != other.sizes[k] && !layout.pads(k)) return false;  // only equal sizes join
   }
-  // The buckets of the cache that runs the batch: a follow() since the requests came may have changed them.
   if (options_.group_by_bucket) {
-    const Bucket a = layout.bucket_of(first.sizes), b = layout.bucket_of(other.sizes);
-    for (int k = 1; k < a.rank; ++k) {
-      if (a[k] != b[k]) return false;
+    const Bucket bucket = layout.bucket_of(other.sizes);
+    for (int k = 1; k < bucket.rank; ++k) {
+      if (bucket[k] != first_bucket[k]) return false;
     }
   }
   for (size_t i = 0; i < first.inputs.size(); ++i) {
@@ -241,7 +240,9 @@ bool Batcher::joins(const Layout& layout, const Request& first, const Request& o
 
 Batcher::Batch Batcher::take_batch_locked(std::vector<Request>& expired) {
   Batch batch{cache(), {}};
+  // The buckets of the cache that runs the batch: a follow() since the requests came may have changed them.
   const Layout& layout = batch.cache->layout();
+  Bucket first_bucket;
   int64_t rows = 0;
   const auto now = Clock::now();
   for (auto it = queue_.begin(); it != queue_.end() && rows < max_rows_;) {
@@ -251,7 +252,8 @@ Batcher::Batch Batcher::take_batch_locked(std::vector<Request>& expired) {
       expired.push_back(std::move(*it));
       it = queue_.erase(it);
     } else if (batch.requests.empty() ||
-               (rows + it->sizes[0] <= max_rows_ && joins(layout, batch.requests.front(), *it))) {
+               (rows + it->sizes[0] <= max_rows_ && joins(layout, batch.requests.front(), first_bucket, *it))) {
+      if (batch.requests.empty() && options_.group_by_bucket) first_bucket = layout.bucket_of(it->sizes);
       rows += it->sizes[0];
       queued_rows_ -= it->sizes[0];
       batch.requests.push_back(std::move(*it));

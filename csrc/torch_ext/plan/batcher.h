@@ -163,7 +163,8 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   // (called with the lock held).
   Batch take_batch_locked(std::vector<Request>& expired);
   void fail_expired(std::vector<Request>& expired);
-  bool joins(const Layout& layout, const Request& first, const Request& other) const;
+  // Whether `other` may run in one batch with `first` (whose bucket in `layout` is first_bucket).
+  bool joins(const Layout& layout, const Request& first, const Bucket& first_bucket, const Request& other) const;
   void run_batch(Batch& batch);
   void fork_prepare() override;
   void fork_parent() override;
