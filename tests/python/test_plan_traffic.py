@@ -147,6 +147,22 @@ def test_a_dynamic_plan_is_predicted_where_it_is_cheaper_than_padding():
     assert two.plans == [(1,), (16,)] and two.plan_kinds == ["static", "static"]
 
 
+@pytest.mark.parametrize("dims", [1, 2])
+def test_dynamic_buckets_that_save_nothing_are_merged_into_one_plan(dims):
+    """A dynamic plan costs each request at its own sizes, so more dynamic buckets over the same
+    requests predict the same time, up to rounding: the choice takes the fewest plans."""
+    rng = random.Random(5)
+    traffic = collections.Counter(tuple(rng.randint(1, 128) for _ in range(dims)) for _ in range(2000))
+
+    def dynamic(points):
+        return 1e-4 + 1e-7 * np.prod(points.astype(np.float64), axis=1) ** 1.1
+
+    for plans in (1, 2, 4):
+        choice = choose_buckets(traffic, plans, lambda points: 3 * dynamic(points), dynamic)
+        assert choice.plan_kinds == ["dynamic"] and len(choice.plans) == 1
+        assert choice.predicted_seconds == pytest.approx(choice.unpadded_seconds, rel=1e-9)
+
+
 def test_bad_traffic_is_refused():
     with pytest.raises(ValueError, match="no requests"):
         as_traffic({})

@@ -163,9 +163,10 @@ class _Problem:
                 target[better] = before[better]
                 back[i + 1, occupied:][better] = np.stack([np.full(better.sum(), j),
                                                             np.nonzero(better)[0]], axis=1)
-        p = int(np.argmin(best[m]))
-        if not np.isfinite(best[m, p]):
+        least = float(best[m].min())
+        if not np.isfinite(least):
             return None
+        p = _fewest(best[m], least)
         chosen, x = [], m
         while x > 0:
             chosen.append(x - 1)
@@ -209,9 +210,24 @@ def choose_buckets(traffic: Union[Mapping, Iterable, Any], max_plans: int, cost:
                 trial_total = problem.evaluate(trial)[0]
                 if trial_total < total * (1 - 1e-12):
                     bounds, total, improved = trial, trial_total, True
-        if best is None or total < best[0]:  # every start and every step keeps within max_plans
+        # Every start and every step keeps within max_plans; a start with more bounds wins only by
+        # more than rounding (see _fewest).
+        if best is None or total < best[0] and not _ties(total, best[0]):
             best = (total, bounds)
     return _choice(problem, best[1], max_plans)
+
+
+def _ties(a: float, b: float) -> bool:
+    """Whether two predicted totals differ by no more than the rounding of summing the same costs
+    in other groupings: dynamic plans cost each request at its own sizes, so one bucket or four
+    over the same requests predict the same time, up to the last bits."""
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+def _fewest(totals: np.ndarray, least: float) -> int:
+    """The fewest plans whose total ties the least: a plan more that saves nothing costs a compile,
+    its memory, and its code and weights competing for the caches with the others'."""
+    return int(next(p for p, total in enumerate(totals) if np.isfinite(total) and _ties(float(total), least)))
 
 
 def _choice(problem: _Problem, bounds: list, max_plans: int) -> BucketChoice:
