@@ -131,6 +131,7 @@ def test_a_fresh_process_serves_the_saved_cache_with_zero_compiles(mlp, mlp_fold
 import sys, torch, torch_ext
 inputs, outputs = torch.load({str(tmp_path / 'reference.pt')!r})
 cache = torch_ext.PlanCache({str(mlp_folder)!r}, miss_mode="pad", warmup_calls=1)
+assert cache.traffic() == {{(4,): 1, (16,): 1}}, cache.traffic()  # the saved log: the fixture's two calls
 for i, want in zip(inputs, outputs):
     torch.testing.assert_close(cache(i), want, rtol=1e-4, atol=1e-5)
 s = cache.stats()

@@ -58,13 +58,16 @@ def edit_manifest(folder, old: str, new: str) -> None:
     ("plan 6x lower 6 static", "'6x' is not an integer"),
     ("plan 6 lower 6 static\nsizes 2 6", "unknown line"),
     ("plan 6 lower 6 static\nplan 6 lower 6 static", "bucket 6 is listed twice"),
+    ("plan 6 lower 6 static\ntraffic 6 0", r"line \d+: the count of 6 must be > 0, got 0"),
+    ("plan 6 lower 6 static\ntraffic 6 8 1", r"line \d+: each row is a size per dynamic dimension \(batch\) then a count"),
+    ("plan 6 lower 6 static\ntraffic 6 x", "'x' is not an integer"),
 ])
 def test_a_manifest_is_parsed_strictly_and_its_sizes_checked_before_anything_is_built(rowwise, saved, line, error):
     edit_manifest(saved, "plan 6 lower 6 static", line)
     cache = PlanCache(rowwise, warmup_calls=1)
-    with pytest.raises(RuntimeError, match=error):
+    with pytest.raises((RuntimeError, ValueError), match=error):
         cache.load(saved)
-    assert cache.stats().builds == 0 and cache.cached_sizes() == []
+    assert cache.stats().builds == 0 and cache.cached_sizes() == [] and cache.traffic() == {}
 
 
 def sha256_of(path) -> str:

@@ -74,6 +74,21 @@ def test_observed_traffic_is_added_and_bad_rows_are_refused_whole(scripted):
     assert cache.traffic() == {(2,): 5, (6,): 1, (9,): 3}  # nothing of a refused call was added
 
 
+def test_save_keeps_the_traffic_log_and_a_restarted_cache_replans_from_it(scripted, tmp_path):
+    cache = PlanCache(scripted, buckets=[[2, 8]], miss_mode="pad")
+    for n in [1, 2, 2, 7, 7, 7, 8]:
+        cache(x(n))
+    cache.wait_for_builds()
+    cache.save(tmp_path / "plans")
+    assert "traffic 7 3" in (tmp_path / "plans" / "manifest.txt").read_text()
+    restarted = PlanCache(scripted, buckets=[[2, 8]], miss_mode="pad")
+    assert restarted.load(tmp_path / "plans") == 2
+    assert restarted.traffic() == {(1,): 1, (2,): 2, (7,): 3, (8,): 1}
+    # The learned traffic is what a re-plan chooses from: 7 of 8 requests need a bucket of 2 or 8.
+    choice = restarted.replan(1)
+    assert choice.plans == [(8,)] and choice.plan_requests == [7]
+
+
 def test_the_log_keeps_4096_sizes_and_counts_the_rest_as_dropped(scripted):
     cache = PlanCache(scripted)
     cache.script_object.observe_traffic([[n, 1] for n in range(1, 4100)])

@@ -407,14 +407,15 @@ class PlanCache(ScriptObjectFace):
         return torch.jit._recursive.wrap_cpp_module(module._c if hasattr(module, "_c") else module)
 
     def save(self, directory: Union[str, os.PathLike]) -> None:
-        """Write the plans and a manifest (every file's SHA-256) to directory: TorchScript, the frozen
-        module and an example row; an exported program, its packages and the program."""
+        """Write the plans and a manifest (every file's SHA-256, the traffic log) to directory:
+        TorchScript, the frozen module and an example row; an exported program, its packages and
+        the program."""
         self.script_object.save(os.fspath(directory))
 
     def load(self, directory: Union[str, os.PathLike]) -> int:
         """Load the plans a save() wrote to directory (checked against this cache's source and layout);
-        returns how many were loaded. TorchScript plans are re-optimised and warmed; an exported
-        program's packages load with no compile."""
+        returns how many were loaded, and adds the saved traffic log to this cache's. TorchScript
+        plans are re-optimised and warmed; an exported program's packages load with no compile."""
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"PlanCache.load: {directory} is not a directory")

@@ -205,6 +205,7 @@ void write_manifest(const std::string& dir, const Manifest& manifest) {
     if (!plan.file.empty()) out << " " << plan.file << " " << plan.sha256;
     out << "\n";
   }
+  for (const auto& row : manifest.traffic) out << "traffic" << ints(row) << "\n";
   out << "end\n";
   std::ofstream stream(file, std::ios::trunc);
   stream << out.str();
@@ -271,6 +272,9 @@ Manifest read_manifest(const std::string& dir, const std::string& expected_sha25
     } else if (key == "plan") {
       manifest.plans.push_back(read_plan(tokens, fail));
       manifest.plans.back().line = number;
+    } else if (key == "traffic") {  // checked against the layout by the cache that loads it
+      manifest.traffic.push_back(read_ints(tokens, fail));
+      manifest.traffic_lines.push_back(number);
     } else {
       fail("unknown line");
     }

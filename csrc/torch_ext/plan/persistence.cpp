@@ -20,6 +20,7 @@
 #include "torch_ext/plan/plan.h"
 #include "torch_ext/common/sha256.h"
 #include "torch_ext/plan/plan_table.h"
+#include "torch_ext/plan/traffic.h"
 
 namespace torch_ext::plan {
 
@@ -98,6 +99,7 @@ void PlanCache::save(const std::string& dir) const {
     }
     manifest.plans.push_back(entry);
   }
+  manifest.traffic = traffic();
   write_manifest(dir, manifest);
 }
 
@@ -129,6 +131,9 @@ int64_t PlanCache::load_folder(const std::string& dir, const ProgressFn& progres
   check_signature(rows, row_sizes);
   remember_example(rows);
   check_plans(*layout_, manifest);
+  const auto traffic = checked_traffic(manifest.traffic, "PlanCache.load: " + manifest.path, [&](size_t i) {
+    return " line " + std::to_string(manifest.traffic_lines[i]);
+  });
   int64_t loaded = 0;
   const auto total = static_cast<int64_t>(manifest.plans.size());
   for (int64_t i = 0; i < total; ++i) {
@@ -139,6 +144,7 @@ int64_t PlanCache::load_folder(const std::string& dir, const ProgressFn& progres
     }
     if (progress) progress(i + 1, total, entry.upper[0]);
   }
+  for (const auto& [sizes, count] : traffic) traffic_->add(sizes, count);
   return loaded;
 }
 

@@ -26,6 +26,9 @@ struct Manifest {
   std::map<std::string, std::string> files;   // file name -> SHA-256
   PlanCacheOptions layout;                    // the layout options (PlanCacheOptions' first eight)
   std::vector<ManifestPlan> plans;
+  // The traffic log as PlanCache::traffic() gives it (sizes, then the count), and each row's line.
+  std::vector<std::vector<int64_t>> traffic;
+  std::vector<int> traffic_lines;
 
   // Adds a file written to dir: its hash is taken now.
   void add_file(const std::string& dir, const std::string& name);

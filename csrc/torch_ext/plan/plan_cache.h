@@ -36,6 +36,7 @@
 #include <optional>
 #include <shared_mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
@@ -434,7 +435,8 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   // the sizes then the count, sizes ascending. What buckets are chosen from
   // (torch_ext.plan.choose_buckets), and what plan_shapes='auto' times a bucket's plans at.
   std::vector<std::vector<int64_t>> traffic() const;
-  // Adds rows in traffic()'s form (another cache's log, a recorded stream) to the log.
+  // Adds rows in traffic()'s form (another cache's log, a recorded stream) to the log. save()
+  // keeps the log; load() adds the saved one.
   void observe_traffic(const std::vector<std::vector<int64_t>>& rows);
   void clear_traffic();
   // Inputs at `sizes` (a size per dynamic dimension, batch first) made from the example the cache
@@ -491,6 +493,11 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   void check_signature(const std::vector<c10::IValue>& inputs, const Bucket& sizes) const;
   void check_signature(const Signature* signature, const std::vector<c10::IValue>& inputs, const Bucket& sizes) const;
   void remember_example(const std::vector<c10::IValue>& inputs);
+  // Rows in traffic()'s form, checked against the layout (`owner` and where(i), the i-th row's
+  // place, start the error), before any is added to the log.
+  std::vector<std::pair<Bucket, int64_t>> checked_traffic(const std::vector<std::vector<int64_t>>& rows,
+                                                          const std::string& owner,
+                                                          const std::function<std::string(size_t)>& where) const;
   std::vector<c10::IValue> example_at(const Bucket& sizes) const;
 
   // Plans, whatever runs them (plan.cpp).

@@ -223,23 +223,30 @@ std::vector<std::vector<int64_t>> PlanCache::traffic() const {
   return rows;
 }
 
-void PlanCache::observe_traffic(const std::vector<std::vector<int64_t>>& rows) {
+std::vector<std::pair<Bucket, int64_t>> PlanCache::checked_traffic(
+    const std::vector<std::vector<int64_t>>& rows, const std::string& owner,
+    const std::function<std::string(size_t)>& where) const {
   const int rank = layout_->rank();
   std::string dims;
   for (int d = 0; d < rank; ++d) dims += (d ? ", " : "") + layout_->name(d);
-  std::vector<std::pair<Bucket, int64_t>> checked;  // all rows are checked before any is added
-  for (const auto& row : rows) {
-    TORCH_CHECK_VALUE(row.size() == static_cast<size_t>(rank) + 1, "PlanCache.observe_traffic: each row is a size per "
-                      "dynamic dimension (", dims, ") then a count; got ", row.size(),
-                      " numbers");
+  std::vector<std::pair<Bucket, int64_t>> checked;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& row = rows[i];
+    TORCH_CHECK_VALUE(row.size() == static_cast<size_t>(rank) + 1, owner, where(i), ": each row is a size per dynamic "
+                      "dimension (", dims, ") then a count; got ", row.size(), " numbers");
     const Bucket sizes = Bucket::of({row.begin(), row.end() - 1});
     for (int d = 0; d < rank; ++d) {
-      TORCH_CHECK_VALUE(sizes[d] > 0, "PlanCache.observe_traffic: sizes must be > 0, got ", sizes.str());
+      TORCH_CHECK_VALUE(sizes[d] > 0, owner, where(i), ": sizes must be > 0, got ", sizes.str());
     }
-    TORCH_CHECK_VALUE(row.back() > 0, "PlanCache.observe_traffic: the count of ", sizes.str(),
-                      " must be > 0, got ", row.back());
+    TORCH_CHECK_VALUE(row.back() > 0, owner, where(i), ": the count of ", sizes.str(), " must be > 0, got ",
+                      row.back());
     checked.emplace_back(sizes, row.back());
   }
+  return checked;
+}
+
+void PlanCache::observe_traffic(const std::vector<std::vector<int64_t>>& rows) {
+  const auto checked = checked_traffic(rows, "PlanCache.observe_traffic", [](size_t) { return std::string(); });
   for (const auto& [sizes, count] : checked) traffic_->add(sizes, count);
 }
 
