@@ -208,7 +208,7 @@ def choose_buckets(traffic: Union[Mapping, Iterable, Any], max_plans: int, cost:
                     continue
                 trial = bounds[:d] + [found] + bounds[d + 1:]
                 trial_total = problem.evaluate(trial)[0]
-                if trial_total < total * (1 - 1e-12):
+                if trial_total < total and not _ties(trial_total, total):
                     bounds, total, improved = trial, trial_total, True
         # Every start and every step keeps within max_plans; a start with more bounds wins only by
         # more than rounding (see _fewest).
