@@ -11,9 +11,11 @@ shape (seed 1), by:
   (c) torch.compile(dynamic=True), warmed on 4 requests of the recorded stream
   (d) one AOTInductor package compiled with dynamic batch (and sequence) dimensions
   (e) PlanCache with hand-chosen buckets (BERT [[4, 16], [32, 128]], the CNN [[4, 8, 16]]), every
-      bucket preloaded, plan_shapes 'auto'
+      bucket preloaded, plan_shapes 'auto' (a static and a dynamic package and, where the module
+      scripts, its frozen TorchScript, the fastest kept per bucket)
   (f) PlanCache.from_traffic on the recorded stream, a budget of 4 plans (an exported program: 3
-      compiles to measure, then 2 a plan with plan_shapes 'auto')
+      compiles to measure, and the frozen TorchScript timed where the module scripts; then 2
+      compiles a plan with plan_shapes 'auto')
 Every variant builds and serves in a process of its own, one intra-op thread, Inductor's caches
 empty (its start-up includes every compile cold).
 

@@ -1,8 +1,9 @@
 // torch_ext._C.plan: Python callables for a torch.classes.torch_ext.PlanCache of an exported
 // program (the compiler that builds its AOTInductor packages, the source that runs a request no
-// plan serves), and the blocking section that releases the GIL while a thread waits for one that
-// may be running Python. No logic lives here.
+// plan serves), the module it was exported from, scripted, and the blocking section that
+// releases the GIL while a thread waits for one that may be running Python. No logic lives here.
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,13 @@ void set_source(const py::object& script_object, py::object fn) {
   });
 }
 
+void set_script_module(const py::object& script_object, const py::object& module) {
+  const std::optional<torch::jit::Module> scripted = torch::jit::as_module(module);
+  TORCH_CHECK_TYPE(scripted.has_value(), "PlanCache: the script module must be a torch.jit.ScriptModule, got ",
+                   py::str(py::type::of(module)).cast<std::string>());
+  cache_of(script_object)->set_script_module(*scripted);
+}
+
 // Calls from Python without TorchScript's method dispatch, which builds a schema-checked stack and
 // looks up the compilation unit on every call: about 15 us with the GIL held, per request (a
 // batcher's clients serialize on it). The GIL is released while `run` runs.
@@ -175,6 +183,9 @@ void bind_plan(py::module_& m) {
           "cancelled() turns true when the cache goes away");
   sub.def("set_source", &set_source, py::arg("cache"), py::arg("source"),
           "source(*inputs) runs a request no plan serves: a tensor, or a tuple of tensors as the plans return");
+  sub.def("set_script_module", &set_script_module, py::arg("cache"), py::arg("module"),
+          "the module an exported program's cache was exported from, scripted and in eval mode: plans of kind "
+          "'script' are it, frozen");
   sub.def("cache_infer", &cache_infer, py::arg("cache"),
           "PlanCache.infer_tensors(inputs) of a torch.classes.torch_ext.PlanCache, called directly (no TorchScript "
           "method dispatch), the GIL released while it runs");

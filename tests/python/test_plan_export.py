@@ -199,22 +199,79 @@ def test_the_compile_request_holds_only_tensors_and_plain_values_and_is_read_wei
         _compile.read_request(path)
 
 
-def test_auto_compiles_static_and_dynamic_measures_both_and_keeps_the_faster(mlp):
+def test_auto_builds_every_kind_measures_each_and_keeps_the_fastest(mlp):
     cache = PlanCache(mlp, (x(2),), MLP_SHAPES, buckets=[[8, 16]], plan_shapes="auto", inductor_configs=FAST,
                       warmup_calls=2)
+    assert cache.has_script_module  # the MLP scripts: its frozen TorchScript is a third kind
     cache.preload([8], progress=False)  # the bucket of sizes 1..8
     s = cache.stats()
     z = {z.batch_size: z for z in s.sizes}[8]
-    assert s.compiles == 2 and z.compiles == 2 and z.shapes in ("static", "dynamic")
-    assert z.static_seconds > 0 and z.dynamic_seconds > 0
-    assert z.shapes == ("dynamic" if z.dynamic_seconds < z.static_seconds else "static")
+    assert s.compiles == 2 and z.compiles == 2  # a static and a dynamic package; TorchScript compiles nothing
+    measured = {"static": z.static_seconds, "dynamic": z.dynamic_seconds, "script": z.script_seconds}
+    assert all(seconds > 0 for seconds in measured.values())
+    assert z.shapes == min(measured, key=lambda kind: (measured[kind], kind != "static"))
     for n in range(1, 9):
         inputs = x(n)
         close(cache(inputs), eager(mlp, inputs))
     s = cache.stats()
     assert s.hits == 8 and s.compiles == 2
-    # A static plan pads the smaller sizes of its bucket; a dynamic one runs them as they are.
+    # A static plan pads the smaller sizes of its bucket; the others run them as they are.
     assert (s.padded_elements > 0) == (z.shapes == "static")
+
+
+def test_a_script_plan_serves_an_exported_programs_buckets_and_is_saved_and_loaded_with_them(mlp, tmp_path):
+    cache = PlanCache(mlp, (x(2),), MLP_SHAPES, buckets=[[4, 16]], plan_shapes="script", warmup_calls=1)
+    cache.preload([4, 16], progress=False)
+    for n in (1, 3, 4, 9, 16):  # each size runs as it is: no padding
+        inputs = x(n)
+        close(cache(inputs), eager(mlp, inputs))
+    s = cache.stats()
+    assert [(z.batch_size, z.shapes) for z in s.sizes] == [(4, "script"), (16, "script")]
+    assert s.compiles == 0 and s.padded_elements == 0
+    folder = tmp_path / "cache"
+    cache.save(folder)
+    manifest = (folder / "manifest.txt").read_text()
+    assert "plan 4 lower 1 script\n" in manifest and "file module.pt " in manifest
+
+    served = PlanCache(str(folder))  # no module given: the saved frozen module serves
+    restarted = PlanCache(mlp, (x(2),), MLP_SHAPES, buckets=[[4, 16]], plan_shapes="script", warmup_calls=1)
+    assert restarted.load(folder) == 2
+    for loaded in (served, restarted):
+        for n in (2, 11):
+            inputs = x(n)
+            close(loaded(inputs), eager(mlp, inputs))
+        assert [z.shapes for z in loaded.stats().sizes] == ["script", "script"] and loaded.stats().compiles == 0
+    served.save(tmp_path / "again")  # the adopted module keeps its origin's hashes: the module loads it
+    assert PlanCache(mlp, (x(2),), MLP_SHAPES, buckets=[[4, 16]], warmup_calls=1).load(tmp_path / "again") == 2
+
+    other = MLP().eval()  # other weights: its scripted module would not serve the saved one
+    with torch.no_grad():
+        other.fc1.weight.add_(1)
+    stranger = PlanCache(other, (x(2),), MLP_SHAPES, buckets=[[4, 16]], warmup_calls=1)
+    with pytest.raises(RuntimeError, match="saved from a different (exported program|module)"):
+        stranger.load(folder)
+
+
+class Unscriptable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x) for layer in (self.fc, self.fc))  # a generator: torch.export takes it, TorchScript not
+
+
+def test_script_plans_need_the_module_in_eval_mode_and_scripting(mlp, tmp_path):
+    with pytest.raises(ValueError, match=r"plan_shapes='script' needs a module torch.jit.script takes \(Unscriptable"):
+        PlanCache(Unscriptable().eval(), (x(2),), MLP_SHAPES, plan_shapes="script")
+    assert not PlanCache(Unscriptable().eval(), (x(2),), MLP_SHAPES).has_script_module  # 'auto': compiled kinds only
+    training = MLP()
+    with pytest.raises(ValueError, match=r"needs the module \(Net\) in eval mode"):
+        PlanCache(training, (x(2),), MLP_SHAPES, plan_shapes="script")
+    program = torch.export.export(mlp, (x(2),), dynamic_shapes=MLP_SHAPES)
+    with pytest.raises(ValueError, match="needs the nn.Module the program is exported from"):
+        PlanCache(program, plan_shapes="script")
+    assert not PlanCache(program).has_script_module
 
 
 @pytest.fixture(scope="module")

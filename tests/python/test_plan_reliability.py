@@ -56,6 +56,8 @@ def edit_manifest(folder, old: str, new: str) -> None:
     ("plan 4000000000 lower 4000000000 static", "batch 4000000000 is above 65536, the most a cache without a limit"),
     ("plan 6 lower 6 static junk", "needs its SHA-256"),
     ("plan 6x lower 6 static", "'6x' is not an integer"),
+    ("plan 6 lower 6", "expected 'static', 'dynamic' or 'script' after the lower sizes"),
+    ("plan 6 lower 6 script", "a TorchScript module's cache holds static plans only; this line has a script one"),
     ("plan 6 lower 6 static\nsizes 2 6", "unknown line"),
     ("plan 6 lower 6 static\nplan 6 lower 6 static", "bucket 6 is listed twice"),
     ("plan 6 lower 6 static\ntraffic 6 0", r"line \d+: the count of 6 must be > 0, got 0"),

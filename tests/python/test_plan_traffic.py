@@ -162,6 +162,26 @@ def test_a_dynamic_plan_is_predicted_where_it_is_cheaper_than_padding():
     assert two.plans == [(1,), (16,)] and two.plan_kinds == ["static", "static"]
 
 
+def test_each_bucket_is_predicted_at_its_cheapest_kind_script_included():
+    """TorchScript plans run each request at its own sizes, like dynamic ones, at their own cost:
+    cheaper on small batches here, dearer on large ones."""
+    traffic = {(1,): 40, (2,): 40, (16,): 20}
+
+    def static(points):
+        return 1e-4 * points[:, 0]
+
+    def script(points):
+        return np.where(points[:, 0] <= 2, 0.5, 2.0) * static(points)
+
+    one = choose_buckets(traffic, 2, static, lambda points: 1.1 * static(points), script_cost=script)
+    assert one.plans == [(2,), (16,)] and one.plan_kinds == ["script", "static"]
+    assert one.predicted_seconds == pytest.approx((40 * 0.5e-4 + 40 * 1e-4 + 20 * 16e-4) / 100)
+    assert predicted_seconds(traffic, one.buckets, static, lambda points: 1.1 * static(points),
+                             script_cost=script) == pytest.approx(one.predicted_seconds, rel=1e-12)
+    without = choose_buckets(traffic, 2, static, lambda points: 1.1 * static(points))
+    assert "script" not in without.plan_kinds and without.predicted_seconds > one.predicted_seconds
+
+
 @pytest.mark.parametrize("dims", [1, 2])
 def test_dynamic_buckets_that_save_nothing_are_merged_into_one_plan(dims):
     """A dynamic plan costs each request at its own sizes, so more dynamic buckets over the same
@@ -252,7 +272,8 @@ def test_from_traffic_on_an_exported_program_builds_within_its_budget_and_equals
     lowers = dict(zip(choice.buckets[0], [1] + [b + 1 for b in choice.buckets[0][:-1]]))
     ranged = {(n,) for n, lower in lowers.items() if lower < n}
     assert s.compiles == sum(2 if p in ranged else 1 for p in choice.plans)
-    assert all((z.probe_sizes > 0) == ((z.batch_size,) in ranged) for z in s.sizes)
+    # The MLP scripts, so even a bucket of one size has two kinds to time (static and TorchScript).
+    assert all(z.probe_sizes > 0 and z.script_seconds > 0 for z in s.sizes)
     for n in sorted(set(traffic)):
         inputs = x(n)
         with torch.no_grad():

@@ -89,12 +89,15 @@ class Costs:
             probes.append(make(**options))
             return probes[-1]
 
-        self.cost, self.dynamic_cost = _traffic.measure_plans(probe, traffic, example_inputs, exported,
-                                                              progress=progress)
+        self.cost, self.dynamic_cost, self.script_cost = _traffic.measure_plans(probe, traffic, example_inputs,
+                                                                                exported, progress=progress)
         self.smallest, self.largest = (tuple(map(f, zip(*traffic))) for f in (min, max))
         stats = [p.stats() for p in probes]
         self.build_seconds = sum(s.build_seconds for s in stats)
-        self.seconds_per_build = self.build_seconds / max(1, sum(s.builds for s in stats))
+        # A plan's build is predicted at the probes' that compile (an exported program's TorchScript
+        # probe compiles nothing, and would make compiles look cheaper than they are).
+        compiled = [s for s in stats if s.compiles] or stats
+        self.seconds_per_build = sum(s.build_seconds for s in compiled) / max(1, sum(s.builds for s in compiled))
 
     def span(self, traffic: dict) -> bool:
         return all(all(lo <= n <= hi for n, lo, hi in zip(sizes, self.smallest, self.largest)) for sizes in traffic)
@@ -112,7 +115,7 @@ def planned(make: Callable[..., Any], traffic: dict, budget: Budget, example_inp
         spent = costs.build_seconds
     builds_per_plan = 2 if exported and make.plan_shapes == "auto" else 1  # 'auto': a static and a dynamic
     choice = _traffic.choose_buckets(traffic, budget.max_plans(traffic, costs, spent, builds_per_plan),
-                                     costs.cost, costs.dynamic_cost)
+                                     costs.cost, costs.dynamic_cost, script_cost=costs.script_cost)
     if keep is not None and keep(choice, costs):
         return choice, None, costs
     cache = make(buckets=choice.buckets)

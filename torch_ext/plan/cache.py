@@ -71,6 +71,9 @@ class PlanCache(ScriptObjectFace):
     def __init__(self, module: Source, example_inputs: Optional[Sequence[Any]] = None, dynamic_shapes: Any = None, *,
                  inductor_configs: Optional[dict] = None, **options: Any) -> None:
         self._in_spec = self._out_spec = None
+        # An exported program's cache made from an nn.Module that scripts: plans may be its frozen
+        # TorchScript module (plan_shapes 'script', and 'auto' weighs them with the compiled kinds).
+        self.has_script_module = False
         path = os.fspath(module) if isinstance(module, (str, os.PathLike)) else None
         # What replan() makes a cache of other buckets from; a saved export cache's folder has no
         # program to compile other buckets with.
@@ -126,6 +129,13 @@ class PlanCache(ScriptObjectFace):
         _C.plan.set_source(self.script_object, _export.Source(program, self._in_spec))
         self._program, self._example = program, example
         self._positional = self._in_spec == pytree.tree_flatten((tuple([0] * self._in_spec.num_leaves), {}))[1]
+        plan_shapes = options.get("plan_shapes", _option_default("plan_shapes"))
+        if folder is None and plan_shapes in ("auto", "script"):
+            scripted = _export.scripted_module(program.eager_given(), example, self._positional,
+                                               self._out_spec.num_leaves, required=plan_shapes == "script")
+            if scripted is not None:
+                _C.plan.set_script_module(self.script_object, scripted)
+                self.has_script_module = True
 
     def _example_inputs(self) -> list:
         if self._example is None:
@@ -381,7 +391,8 @@ class PlanCache(ScriptObjectFace):
         drift.checks += 1
 
         def keep(choice: _traffic.BucketChoice, costs: _planning.Costs, current: list) -> bool:
-            now = (_traffic.predicted_seconds(window, current, costs.cost, costs.dynamic_cost) if current
+            now = (_traffic.predicted_seconds(window, current, costs.cost, costs.dynamic_cost,
+                                              script_cost=costs.script_cost) if current
                    else float("inf"))  # no buckets yet: learn them
             drift.found(now, choice.predicted_seconds)
             return choice.buckets == current or now <= choice.predicted_seconds * (1 + drift.tolerance)

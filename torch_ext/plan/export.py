@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -154,6 +155,10 @@ class Program:
                 self._layout = program_layout(program)
             return self._layout
 
+    def eager_given(self) -> Optional[torch.nn.Module]:
+        """The nn.Module the program was exported from here, if it was."""
+        return self._eager
+
     def module(self) -> torch.nn.Module:
         """The eager module given, else the program's."""
         if self._eager is None:
@@ -162,6 +167,38 @@ class Program:
                 if self._eager is None:
                     self._eager = program.module()
         return self._eager
+
+
+def scripted_module(module: Optional[torch.nn.Module], example: Optional[list], positional: bool, outputs: int, *,
+                    required: bool) -> Optional[torch.jit.ScriptModule]:
+    """The module the program was exported from, scripted, where its frozen TorchScript can be a plan:
+    it scripts, is in eval mode, takes the program's inputs as positional tensors and returns a tensor
+    or a tuple of `outputs` tensors (checked on the example). None where not; required: raise why."""
+    def refuse(why: str) -> None:
+        if required:
+            raise ValueError(f"PlanCache: plan_shapes='script' needs {why}")
+        return None
+
+    if module is None or example is None:
+        return refuse("the nn.Module the program is exported from (pass it with example_inputs)")
+    if module.training:
+        return refuse(f"the module ({type(module).__name__}) in eval mode; call .eval() on it first")
+    if not positional:
+        return refuse("a program whose inputs are positional tensors; this one takes keywords or nested inputs")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's deprecation, once per script
+            scripted = torch.jit.script(module)
+        with torch.no_grad():
+            out = scripted(*example)
+    except Exception as error:  # whatever TorchScript cannot compile or run: no script plans
+        return refuse(f"a module torch.jit.script takes ({type(module).__name__}: {type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''})")
+    flat = (out,) if isinstance(out, torch.Tensor) else out
+    if not isinstance(flat, tuple) or len(flat) != outputs or not all(isinstance(t, torch.Tensor) for t in flat):
+        return refuse(f"a scripted module that returns the program's {outputs} output tensor(s) as a tensor or a tuple; "
+                      f"{type(module).__name__} returns {type(out).__name__}")
+    return scripted
 
 
 class Compiler:

@@ -8,8 +8,9 @@ the model (measure_plans: the seconds of one call at each size, of a static and 
 and picks the bounds with the least predicted time within a plan budget.
 
 PlanCache.from_traffic measures, chooses, makes the cache with the chosen buckets, hands it the
-traffic (so plan_shapes='auto' times each bucket's static and dynamic plans at the sizes that
-bucket serves, weighted by their requests) and builds the plans.
+traffic (so plan_shapes='auto' times each bucket's kinds of plan, static, dynamic and, where the
+module scripts, TorchScript, at the sizes that bucket serves, weighted by their requests) and
+builds the plans.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class BucketChoice:
     buckets: list             # the PlanCache option: per dynamic dimension, its ascending upper bounds
     plans: list               # the buckets the traffic uses (their largest sizes): the plans to build
     plan_requests: list       # requests each of `plans` serves
-    plan_kinds: list          # the kind predicted cheaper for each: 'static' (padded) or 'dynamic'
+    plan_kinds: list          # the kind predicted cheapest for each: 'static' (padded), 'dynamic' or 'script'
     plan_seconds: list        # predicted mean seconds of a request in each of `plans`
     predicted_seconds: float  # mean predicted seconds per request, padding included
     unpadded_seconds: float   # the same were every request run at its own sizes (one plan per size)
@@ -85,9 +86,10 @@ def _candidates(values: np.ndarray, limit: int) -> np.ndarray:
 
 class _Problem:
     """The traffic on the candidate grid: per request its sizes, count, minimal bound per dimension,
-    its own (dynamic) cost, and the static cost table over every combination of candidate bounds."""
+    its cost at its own sizes in each plan kind that runs it so (dynamic, script), and the static
+    cost table over every combination of candidate bounds."""
 
-    def __init__(self, traffic: Traffic, cost: CostFn, dynamic_cost: CostFn | None, max_candidates: int) -> None:
+    def __init__(self, traffic: Traffic, cost: CostFn, own_costs: dict, max_candidates: int) -> None:
         self.sizes = np.array(list(traffic), dtype=np.int64)
         self.counts = np.array(list(traffic.values()), dtype=np.float64)
         self.rank = self.sizes.shape[1]
@@ -98,7 +100,7 @@ class _Problem:
         grid = np.array(list(itertools.product(*self.cands)), dtype=np.int64)
         self.table = np.asarray(cost(grid), dtype=np.float64).reshape([c.size for c in self.cands])
         self.own_static = np.asarray(cost(self.sizes), dtype=np.float64)
-        self.dynamic = None if dynamic_cost is None else np.asarray(dynamic_cost(self.sizes), dtype=np.float64)
+        self.own = {kind: np.asarray(fn(self.sizes), dtype=np.float64) for kind, fn in own_costs.items() if fn is not None}
 
     def uppers(self, bounds: list) -> np.ndarray:
         """Each request's bucket: the index of its upper bound in each dimension (n x rank)."""
@@ -107,14 +109,15 @@ class _Problem:
 
     def evaluate(self, bounds: list) -> tuple:
         """(total predicted seconds, the buckets in use as flat grid indices, each request's bucket
-        (an index into them), each bucket's predicted seconds, and its kind: True for dynamic)."""
+        (an index into them), each bucket's predicted seconds, and its kind: 'static', or a kind of
+        self.own where that is cheaper)."""
         flat = np.ravel_multi_index(self.uppers(bounds).T, self.table.shape)
         used, inverse = np.unique(flat, return_inverse=True)
-        static = np.bincount(inverse, self.counts * self.table.ravel()[flat])
-        dynamic = (np.bincount(inverse, self.counts * self.dynamic) if self.dynamic is not None
-                   else np.full(used.size, np.inf))
-        seconds = np.minimum(static, dynamic)
-        return float(seconds.sum()), used, inverse, seconds, dynamic < static
+        per_kind = np.stack([np.bincount(inverse, self.counts * self.table.ravel()[flat], minlength=used.size)] +
+                            [np.bincount(inverse, self.counts * own, minlength=used.size) for own in self.own.values()])
+        seconds = per_kind.min(axis=0)
+        kinds = np.array(["static", *self.own])[per_kind.argmin(axis=0)]
+        return float(seconds.sum()), used, inverse, seconds, kinds
 
     def best_bounds(self, d: int, bounds: list, max_plans: int) -> np.ndarray | None:
         """The bounds of dimension d, the others' fixed, that give the least total with at most
@@ -135,7 +138,7 @@ class _Problem:
             return np.concatenate([np.zeros((groups, 1)), np.cumsum(cells, axis=1)], axis=1)
 
         requests = prefix(self.counts)
-        dynamic = prefix(self.counts * self.dynamic) if self.dynamic is not None else None
+        owns = [prefix(self.counts * own) for own in self.own.values()]
         index = [None] * self.rank
         for k, other in enumerate(others):
             index[other] = other_up[:, k]
@@ -152,8 +155,9 @@ class _Problem:
                 occupied = int((n > 0).sum())
                 if occupied == 0:  # a bound no request needs: merged into the next one costs nothing
                     continue
-                seg_static = static[i][:, i + 1] - static[i][:, j]
-                seg = seg_static if dynamic is None else np.minimum(seg_static, dynamic[:, i + 1] - dynamic[:, j])
+                seg = static[i][:, i + 1] - static[i][:, j]
+                for own in owns:
+                    seg = np.minimum(seg, own[:, i + 1] - own[:, j])
                 cost = float(seg[n > 0].sum())
                 if occupied > max_plans:
                     continue
@@ -175,20 +179,22 @@ class _Problem:
 
 
 def choose_buckets(traffic: Union[Mapping, Iterable, Any], max_plans: int, cost: CostFn,
-                   dynamic_cost: CostFn | None = None, *, max_candidates: int = 32) -> BucketChoice:
+                   dynamic_cost: CostFn | None = None, *, script_cost: CostFn | None = None,
+                   max_candidates: int = 32) -> BucketChoice:
     """Bucket bounds for `traffic` (see as_traffic) with at most max_plans buckets in use, at the
     least predicted time. cost(sizes): the seconds of a static plan's call at those sizes (each
     request runs padded to its bucket's largest sizes); dynamic_cost(sizes), where plans may be
-    compiled over a range: the seconds of a dynamic plan's call at the request's own sizes. Each
-    bucket is predicted at the cheaper kind over its requests. max_candidates: the most sizes per
-    dimension considered as bounds.
+    compiled over a range: the seconds of a dynamic plan's call at the request's own sizes;
+    script_cost(sizes), where an exported program's module scripts: the seconds of its frozen
+    TorchScript plan's call at the request's own sizes. Each bucket is predicted at the cheapest
+    kind over its requests. max_candidates: the most sizes per dimension considered as bounds.
 
     The search: for one dimension with the others' bounds fixed, dynamic programming finds the best
     bounds exactly; with several dimensions it starts from each count of bounds in the last
     dimension (spread by requests) and optimises one dimension at a time until none improves."""
     if not isinstance(max_plans, (int, np.integer)) or max_plans < 1:
         raise ValueError(f"choose_buckets: max_plans must be a positive integer, got {max_plans!r}")
-    problem = _Problem(as_traffic(traffic), cost, dynamic_cost, max_candidates)
+    problem = _Problem(as_traffic(traffic), cost, {"dynamic": dynamic_cost, "script": script_cost}, max_candidates)
     if problem.rank == 1:
         return _choice(problem, [problem.best_bounds(0, [], max_plans)], max_plans)
     best = None
@@ -231,29 +237,30 @@ def _fewest(totals: np.ndarray, least: float) -> int:
 
 
 def _choice(problem: _Problem, bounds: list, max_plans: int) -> BucketChoice:
-    total, used, inverse, seconds, dynamic = problem.evaluate(bounds)
+    total, used, inverse, seconds, kinds = problem.evaluate(bounds)
     counts = problem.counts
     requests = np.bincount(inverse, counts)
     plan_sizes = [tuple(int(problem.cands[d][i]) for d, i in enumerate(np.unravel_index(f, problem.table.shape)))
                   for f in used]
     padded = np.array([np.prod(p) for p in plan_sizes], dtype=np.float64)
     own_volume = counts * np.prod(problem.sizes, axis=1)
-    computed = np.where(dynamic[inverse], own_volume, counts * padded[inverse])
-    own = problem.own_static if problem.dynamic is None else np.minimum(problem.own_static, problem.dynamic)
+    computed = np.where(kinds[inverse] != "static", own_volume, counts * padded[inverse])
+    own = np.min(np.stack([problem.own_static, *problem.own.values()]), axis=0)
     return BucketChoice(
         buckets=[[int(problem.cands[d][j]) for j in bounds[d]] for d in range(problem.rank)],
         plans=plan_sizes, plan_requests=[int(r) for r in requests],
-        plan_kinds=["dynamic" if k else "static" for k in dynamic],
+        plan_kinds=[str(k) for k in kinds],
         plan_seconds=[float(t / r) for t, r in zip(seconds, requests)],
         predicted_seconds=total / float(counts.sum()), unpadded_seconds=float((counts * own).sum() / counts.sum()),
         padding=float(1 - own_volume.sum() / computed.sum()), max_plans=int(max_plans))
 
 
 def predicted_seconds(traffic: Union[Mapping, Iterable, Any], buckets: list, cost: CostFn,
-                      dynamic_cost: CostFn | None = None) -> float:
+                      dynamic_cost: CostFn | None = None, *, script_cost: CostFn | None = None) -> float:
     """The mean predicted seconds of a request of `traffic` served by `buckets` (the PlanCache option:
     per dynamic dimension, its upper bounds), as choose_buckets predicts its own choice: each request
-    padded to its bucket's upper bounds, or each bucket at its dynamic cost where that is cheaper.
+    padded to its bucket's upper bounds, or each bucket at its dynamic or script cost (each request
+    at its own sizes) where that is cheaper.
     inf when a request is past every bound of a dimension (no bucket holds it)."""
     traffic = as_traffic(traffic)
     sizes = np.array(list(traffic), dtype=np.int64)
@@ -271,8 +278,9 @@ def predicted_seconds(traffic: Union[Mapping, Iterable, Any], buckets: list, cos
     _, bucket = np.unique(uppers, axis=0, return_inverse=True)
     bucket = bucket.reshape(-1)
     seconds = np.bincount(bucket, counts * np.asarray(cost(uppers), dtype=np.float64))
-    if dynamic_cost is not None:
-        seconds = np.minimum(seconds, np.bincount(bucket, counts * np.asarray(dynamic_cost(sizes), dtype=np.float64)))
+    for own_cost in (dynamic_cost, script_cost):
+        if own_cost is not None:
+            seconds = np.minimum(seconds, np.bincount(bucket, counts * np.asarray(own_cost(sizes), dtype=np.float64)))
     return float(seconds.sum() / counts.sum())
 
 
@@ -317,12 +325,14 @@ def _fastest(run: Callable[[tuple], Any], sizes: tuple, repeat: int) -> float:
 
 def measure_plans(make: Callable[..., Any], traffic: Traffic, example_inputs: Any, exported: bool, *,
                   progress: bool = False) -> tuple:
-    """(cost, dynamic_cost) for choose_buckets, measured on probe caches make(**options) returns.
-    TorchScript: its plans at a grid of the traffic's sizes (a plan per size, no compile); static
-    plans only (dynamic_cost None). An exported program: one dynamic package spanning the traffic's
-    sizes, timed on that grid, is the dynamic cost; static packages at the traffic's smallest and
-    largest sizes (two compiles), timed against it there, scale it into the static cost (their
-    ratio interpolated in the log of the sizes' product)."""
+    """(cost, dynamic_cost, script_cost) for choose_buckets, measured on probe caches make(**options)
+    returns. TorchScript: its plans at a grid of the traffic's sizes (a plan per size, no compile);
+    static plans only (dynamic_cost and script_cost None). An exported program: one dynamic package
+    spanning the traffic's sizes, timed on that grid, is the dynamic cost; static packages at the
+    traffic's smallest and largest sizes (two compiles), timed against it there, scale it into the
+    static cost (their ratio interpolated in the log of the sizes' product). Where the program's
+    module scripts (the cache has a script module), its frozen TorchScript plan timed on the same
+    grid is the script cost (None otherwise)."""
     sizes = np.array(list(traffic), dtype=np.int64)
     smallest, largest = tuple(int(v) for v in sizes.min(axis=0)), tuple(int(v) for v in sizes.max(axis=0))
     # Whatever the cache serving the traffic does with a miss, a probe builds each size it is timed
@@ -345,10 +355,15 @@ def measure_plans(make: Callable[..., Any], traffic: Traffic, example_inputs: An
     if not exported:
         plans = make(**probe)
         plans.preload([largest], example_inputs, progress=False)
-        return measured_cost(timer(plans), traffic, progress=progress), None
+        return measured_cost(timer(plans), traffic, progress=progress), None, None
     ranged = make(buckets=[[n] for n in largest], plan_shapes="dynamic", **probe)
     ranged.preload([largest], example_inputs, progress=False)
     dynamic = measured_cost(timer(ranged), traffic, progress=progress)
+    script = None
+    if ranged.has_script_module:
+        scripted = make(buckets=[[n] for n in largest], plan_shapes="script", **probe)
+        scripted.preload([largest], example_inputs, progress=False)
+        script = measured_cost(timer(scripted), traffic, progress=progress)
     ends = [smallest, largest] if smallest != largest else [largest]
     fixed = make(buckets=[sorted({a, b}) for a, b in zip(smallest, largest)], plan_shapes="static", **probe)
     fixed.preload(ends, example_inputs, progress=False)
@@ -359,7 +374,7 @@ def measure_plans(make: Callable[..., Any], traffic: Traffic, example_inputs: An
         points = np.asarray(points).reshape(-1, sizes.shape[1])
         return np.interp(np.log(np.prod(points, axis=1).astype(np.float64)), volumes, ratios) * dynamic(points)
 
-    return static, dynamic
+    return static, dynamic, script
 
 
 def _interpolated(axes: list, seconds: np.ndarray) -> CostFn:

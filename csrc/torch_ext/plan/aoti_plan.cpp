@@ -1,6 +1,8 @@
 // Exported programs' plans: AOTInductor packages, one per bucket, loaded and run with
 // torch::inductor::AOTIModelPackageLoader (no Python). Packages are compiled by a compiler
-// callback (Python's torch._inductor); a process without one serves what it loaded.
+// callback (Python's torch._inductor); a process without one serves what it loaded. Where the
+// module the program was exported from scripts, a bucket's plan may be its frozen TorchScript
+// module instead (a TorchScript source inside this one, saved and loaded with it).
 #include "torch_ext/plan/plan.h"
 
 #include <unistd.h>
@@ -16,6 +18,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/csrc/jit/serialization/import.h>
 
 #include "torch_ext/plan/persistence.h"
 #include "torch_ext/common/sha256.h"
@@ -102,6 +105,8 @@ class ExportSourceImpl final : public PlanSource {
   std::string name() const override { return program_.empty() ? "an exported program" : program_; }
   bool builds_dynamic() const override { return true; }
 
+  bool builds_script() const override { return script() != nullptr; }
+
   bool can_build(std::string& why) const override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (compiler_) return true;
@@ -112,6 +117,11 @@ class ExportSourceImpl final : public PlanSource {
 
   std::unique_ptr<Executable> build(const PlanSpec& spec, const std::vector<c10::IValue>& example,
                                     int64_t& compiles) override {
+    if (spec.script) {
+      PlanSource* scripted = script();
+      TORCH_CHECK(scripted, "PlanCache: no script module to build a TorchScript plan from (set_script_module)");
+      return scripted->build(spec, example, compiles);
+    }
     CompileFn compiler;
     std::string path;
     {
@@ -155,6 +165,7 @@ class ExportSourceImpl final : public PlanSource {
       manifest.add_file(dir, "program.pt2");
     }
     manifest.values["fingerprint"] = fingerprint_.empty() ? "none" : fingerprint_;
+    if (PlanSource* scripted = script()) scripted->save(dir, manifest);
   }
 
   void check_saved(const std::string& dir, const Manifest& manifest, bool adopt) override {
@@ -167,10 +178,33 @@ class ExportSourceImpl final : public PlanSource {
                   fingerprint_, ")");
     }
     if (manifest.files.count("program.pt2")) manifest.checked_file(dir, "program.pt2");
+    if (!manifest.files.count("module.pt")) return;
+    if (PlanSource* scripted = script()) {
+      scripted->check_saved(dir, manifest, adopt);
+      return;
+    }
+    // No module given: the saved one is the script module (the manifest lists its SHA-256, and
+    // the program's fingerprint was checked above).
+    const std::string path = manifest.checked_file(dir, "module.pt");
+    torch::jit::Module module;
+    try {
+      module = torch::jit::load(path);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "PlanCache.load: cannot load ", path, ": ", message_of(e));
+    }
+    auto scripted = make_script_source(std::move(module), options_, /*frozen=*/true);
+    scripted->check_saved(dir, manifest, /*adopt=*/true);
+    set_script(std::move(scripted));
   }
 
   std::unique_ptr<Executable> load_plan(const std::string& dir, const ManifestPlan& plan,
-                                        const std::vector<c10::IValue>& /*example*/) override {
+                                        const std::vector<c10::IValue>& example) override {
+    if (plan.script) {
+      PlanSource* scripted = script();
+      TORCH_CHECK(scripted, "PlanCache.load: line ", plan.line, " of the manifest is a TorchScript plan, and ", dir,
+                  " holds no module.pt");
+      return scripted->load_plan(dir, plan, example);
+    }
     const std::string file = (fs::path(dir) / plan.file).string();
     TORCH_CHECK(!plan.file.empty() && plan.file.find("..") == std::string::npos, "PlanCache.load: line ", plan.line,
                 " of the manifest names no package inside ", dir);
@@ -191,7 +225,19 @@ class ExportSourceImpl final : public PlanSource {
     runner_ = std::move(runner);
   }
 
+  // Once, before plans are built from it: a plan keeps a reference into the script source.
+  void set_script(std::unique_ptr<PlanSource> scripted) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!script_, "PlanCache: the cache has its script module already");
+    script_ = std::move(scripted);
+  }
+
  private:
+  PlanSource* script() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return script_.get();
+  }
+
   const std::string& package_dir_locked() {
     if (package_dir_.empty()) {
       std::string pattern = (fs::temp_directory_path() / "torch_ext_plans_XXXXXX").string();
@@ -211,6 +257,7 @@ class ExportSourceImpl final : public PlanSource {
   mutable std::mutex mutex_;  // guards the members below; never held while compiling or running
   CompileFn compiler_;
   SourceFn runner_;
+  std::unique_ptr<PlanSource> script_;  // set once, never replaced
   std::string package_dir_;
   bool owns_package_dir_ = false;
   int64_t packages_ = 0;
@@ -232,5 +279,9 @@ std::unique_ptr<PlanSource> make_export_source(const std::string& program_path, 
 void set_export_compiler(PlanSource& source, CompileFn compiler) { export_source(source).set_compiler(std::move(compiler)); }
 
 void set_export_runner(PlanSource& source, SourceFn runner) { export_source(source).set_runner(std::move(runner)); }
+
+void set_export_script(PlanSource& source, torch::jit::Module module, const PlanCacheOptions& options) {
+  export_source(source).set_script(make_script_source(std::move(module), options));
+}
 
 }  // namespace torch_ext::plan

@@ -124,16 +124,18 @@ const std::vector<LayoutField>& layout_fields() {
   return fields;
 }
 
-// Reads `plan <upper...> lower <lower...> static|dynamic [<file> <sha256>]`.
+// Reads `plan <upper...> lower <lower...> static|dynamic|script [<file> <sha256>]`.
 ManifestPlan read_plan(std::istringstream& in, const Fail& fail) {
   ManifestPlan plan;
   std::vector<int64_t> upper, lower;
   std::string token;
   while (in >> token && token != "lower") upper.push_back(parse_int(token, fail));
   if (token != "lower") fail("expected 'lower' after the bucket's sizes");
-  while (in >> token && token != "static" && token != "dynamic") lower.push_back(parse_int(token, fail));
-  if (token != "static" && token != "dynamic") fail("expected 'static' or 'dynamic' after the lower sizes");
-  plan.dynamic = token == "dynamic";
+  const auto is_kind = [](const std::string& t) { return t == "static" || t == "dynamic" || t == "script"; };
+  while (in >> token && !is_kind(token)) lower.push_back(parse_int(token, fail));
+  if (!is_kind(token)) fail("expected 'static', 'dynamic' or 'script' after the lower sizes");
+  plan.script = token == "script";
+  plan.dynamic = token != "static";
   if (upper.empty() || upper.size() > static_cast<size_t>(kMaxDims) || lower.size() != upper.size()) {
     fail("a plan needs 1 to " + std::to_string(kMaxDims) + " sizes and as many lower sizes");
   }
@@ -201,7 +203,7 @@ void write_manifest(const std::string& dir, const Manifest& manifest) {
   for (const auto& field : layout_fields()) out << "layout " << field.name << field.write(manifest.layout) << "\n";
   for (const auto& plan : manifest.plans) {
     out << "plan" << ints(plan.upper.vec()) << " lower" << ints(plan.lower.vec()) << " "
-        << (plan.dynamic ? "dynamic" : "static");
+        << (plan.script ? "script" : plan.dynamic ? "dynamic" : "static");
     if (!plan.file.empty()) out << " " << plan.file << " " << plan.sha256;
     out << "\n";
   }

@@ -47,8 +47,9 @@ std::vector<c10::IValue> read_rows(const std::string& path) {
   }
 }
 
-// Every plan line against the layout, before anything is allocated for one.
-void check_plans(const Layout& layout, const Manifest& manifest) {
+// Every plan line against the layout and the kinds of plan the source has, before anything is
+// allocated for one.
+void check_plans(const Layout& layout, const Manifest& manifest, bool builds_dynamic) {
   std::set<std::vector<int64_t>> seen;
   for (const auto& entry : manifest.plans) {
     const std::string where = "PlanCache.load: " + manifest.path + " line " + std::to_string(entry.line);
@@ -60,6 +61,8 @@ void check_plans(const Layout& layout, const Manifest& manifest) {
     }
     TORCH_CHECK(layout.bucket_of(entry.upper) == entry.upper, where, ": ", entry.upper.str(),
                 " is not a bucket of this cache's layout (buckets)");
+    TORCH_CHECK(!entry.dynamic || builds_dynamic, where, ": a TorchScript module's cache holds static plans only; this "
+                "line has a ", entry.script ? "script" : "dynamic", " one");
     TORCH_CHECK(!entry.dynamic || layout.lower_of(entry.upper) == entry.lower, where, ": the plan's range starts at ",
                 entry.lower.str(), "; this layout's bucket starts at ", layout.lower_of(entry.upper).str());
     TORCH_CHECK(seen.insert(entry.upper.vec()).second, where, ": bucket ", entry.upper.str(), " is listed twice");
@@ -88,7 +91,7 @@ void PlanCache::save(const std::string& dir) const {
   manifest.add_file(dir, "example.pkl");
   source_->save(dir, manifest);
   for (const auto& plan : plans) {
-    ManifestPlan entry{plan->spec.upper, plan->spec.lower, plan->spec.dynamic, "", "", 0};
+    ManifestPlan entry{plan->spec.upper, plan->spec.lower, plan->spec.dynamic, plan->spec.script, "", "", 0};
     if (const std::string file = plan->exec->file(); !file.empty()) {
       entry.file = "plans/" + plan->bucket().str() + (plan->spec.dynamic ? "-dynamic.pt2" : "-static.pt2");
       const fs::path target = fs::path(dir) / entry.file;
@@ -130,7 +133,7 @@ int64_t PlanCache::load_folder(const std::string& dir, const ProgressFn& progres
   TORCH_CHECK(row_sizes[0] == 1, "PlanCache.load: ", example_path, " holds ", row_sizes[0], " rows, not 1");
   check_signature(rows, row_sizes);
   remember_example(rows);
-  check_plans(*layout_, manifest);
+  check_plans(*layout_, manifest, source_->builds_dynamic());
   const auto traffic = checked_traffic(manifest.traffic, "PlanCache.load: " + manifest.path, [&](size_t i) {
     return " line " + std::to_string(manifest.traffic_lines[i]);
   });
@@ -151,7 +154,7 @@ int64_t PlanCache::load_folder(const std::string& dir, const ProgressFn& progres
 void PlanCache::load_plan(const std::string& dir, const ManifestPlan& entry) {
   const auto start = Clock::now();
   auto plan = std::make_shared<Plan>();
-  plan->spec = PlanSpec{entry.upper, entry.lower, entry.dynamic};
+  plan->spec = PlanSpec{entry.upper, entry.lower, entry.dynamic, false, entry.script};
   plan->record = table_->record(entry.upper);
   const auto example = example_at(entry.upper);
   try {

@@ -14,6 +14,7 @@ namespace torch_ext::plan {
 struct ManifestPlan {
   Bucket upper, lower;
   bool dynamic = false;
+  bool script = false;  // a TorchScript plan of an exported program's cache (dynamic too)
   std::string file;    // an exported program's package, relative to the folder; empty for TorchScript
   std::string sha256;  // of that file
   int line = 0;

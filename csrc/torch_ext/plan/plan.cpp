@@ -1,5 +1,5 @@
 // Plans, whatever runs them: building one (its executable from the source; with
-// plan_shapes="auto", a static and a dynamic candidate measured on the bucket, the faster kept),
+// plan_shapes="auto", every kind the bucket can have measured on it, the fastest kept),
 // warming it up at its bucket's sizes, running it (padded to its sizes, by its CUDA graph where
 // it has one), and capturing that graph once the plan is cached.
 #include "torch_ext/plan/plan.h"
@@ -10,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <c10/core/GradMode.h>
@@ -51,32 +52,42 @@ std::string shapes_of(const std::vector<c10::IValue>& example) {
 void PlanCache::make_executable(Plan& plan, const std::vector<c10::IValue>& example) {
   int64_t compiles = 0;
   const bool ranged = source_->builds_dynamic() && !(plan.spec.lower == plan.spec.upper);
+  const bool scripts = source_->builds_script();
+  const PlanShapes shapes = options_.plan_shapes;
+  TORCH_CHECK(shapes != PlanShapes::script || scripts, "plan_shapes='script' is for an exported program's cache that has "
+              "the module the program was exported from, scripted (set_script_module; torch_ext.PlanCache sets it "
+              "for an nn.Module that torch.jit.script takes)");
+  // The candidates: a static plan (where a bucket is one size, or plan_shapes asks for it), a
+  // dynamic one over the bucket's range, a TorchScript one (any size runs as it is).
+  bool fixed = shapes == PlanShapes::static_ || shapes == PlanShapes::auto_ || (shapes == PlanShapes::dynamic && !ranged);
+  const bool over_range = ranged && (shapes == PlanShapes::dynamic || shapes == PlanShapes::auto_);
+  const bool scripted = scripts && (shapes == PlanShapes::script || shapes == PlanShapes::auto_);
   // A static plan serves a bucket's smaller sizes padded: not along a dimension never padded.
-  int unpadded = -1;
   for (int k = 1; k < plan.spec.upper.rank; ++k) {
-    if (plan.spec.lower[k] < plan.spec.upper[k] && !layout_->pads(k)) unpadded = k;
+    if (plan.spec.lower[k] < plan.spec.upper[k] && !layout_->pads(k)) {
+      TORCH_CHECK(over_range || scripted, "the bucket spans ", layout_->name(k), " sizes ", plan.spec.lower[k], "..",
+                  plan.spec.upper[k], ", which a static plan serves only padded, and ", layout_->name(k),
+                  " is not padded (no pad_values): give pad_values, use plan_shapes='dynamic', or bucket every ",
+                  layout_->name(k), " size on its own");
+      fixed = false;
+    }
   }
-  PlanShapes shapes = ranged ? options_.plan_shapes : PlanShapes::static_;
-  if (unpadded >= 0) {
-    TORCH_CHECK(ranged && shapes != PlanShapes::static_, "the bucket spans ", layout_->name(unpadded), " sizes ",
-                plan.spec.lower[unpadded], "..", plan.spec.upper[unpadded], ", which a static plan serves only padded, and ",
-                layout_->name(unpadded), " is not padded (no pad_values): give pad_values, use plan_shapes='dynamic', "
-                "or bucket every ", layout_->name(unpadded), " size on its own");
-    shapes = PlanShapes::dynamic;
+  std::vector<PlanSpec> candidates;
+  for (const auto& [wanted, dynamic, script] : {std::tuple{fixed, false, false}, std::tuple{over_range, true, false},
+                                                std::tuple{scripted, true, true}}) {
+    if (!wanted) continue;
+    candidates.push_back(plan.spec);
+    candidates.back().dynamic = dynamic;
+    candidates.back().script = script;
   }
-  if (shapes != PlanShapes::auto_) {
-    plan.spec.dynamic = shapes == PlanShapes::dynamic;
+  if (candidates.size() == 1) {
+    plan.spec = candidates[0];
     plan.exec = source_->build(plan.spec, example, compiles);
   } else {
-    // Both candidates, timed on the same probe sizes: the sizes the traffic log has in the bucket
+    // Each candidate, timed on the same probe sizes: the sizes the traffic log has in the bucket
     // (its most requested), each weighted by its requests; with none, the bucket's smallest,
-    // middle and largest sizes, alike. The static plan runs every probe padded to the largest
-    // sizes, the dynamic one runs each as it is. The faster serves; stats keep both figures.
-    PlanSpec fixed = plan.spec, ranged_spec = plan.spec;
-    fixed.dynamic = false;
-    ranged_spec.dynamic = true;
-    auto static_exec = source_->build(fixed, example, compiles);
-    auto dynamic_exec = source_->build(ranged_spec, example, compiles);
+    // middle and largest sizes, alike. A static plan runs every probe padded to the largest
+    // sizes, the others run each as it is. The fastest serves; stats keep every figure.
     std::vector<std::pair<Bucket, int64_t>> probes = traffic_->within(plan.spec.lower, plan.spec.upper, kTrafficProbes);
     plan.probe_sizes = static_cast<int64_t>(probes.size());
     if (probes.empty()) {
@@ -90,18 +101,28 @@ void PlanCache::make_executable(Plan& plan, const std::vector<c10::IValue>& exam
       }
     }
     c10::AutoGradMode no_grad(false);
-    const int64_t static_ns = fastest_run(*static_exec, example, options_.warmup_calls);
-    double weighted_ns = 0, requests = 0;
-    for (const auto& [sizes, count] : probes) {
-      weighted_ns += static_cast<double>(count) *
-                     static_cast<double>(fastest_run(*dynamic_exec, layout_->resize(example, sizes), options_.warmup_calls));
-      requests += static_cast<double>(count);
+    int64_t best_ns = 0;
+    for (const PlanSpec& spec : candidates) {
+      auto exec = source_->build(spec, example, compiles);
+      int64_t ns = 0;
+      if (!spec.dynamic) {
+        ns = fastest_run(*exec, example, options_.warmup_calls);
+      } else {
+        double weighted_ns = 0, requests = 0;
+        for (const auto& [sizes, count] : probes) {
+          weighted_ns += static_cast<double>(count) *
+                         static_cast<double>(fastest_run(*exec, layout_->resize(example, sizes), options_.warmup_calls));
+          requests += static_cast<double>(count);
+        }
+        ns = static_cast<int64_t>(weighted_ns / requests);
+      }
+      (spec.script ? plan.script_ns : spec.dynamic ? plan.dynamic_ns : plan.static_ns) = ns;
+      if (!plan.exec || ns < best_ns) {
+        best_ns = ns;
+        plan.spec = spec;
+        plan.exec = std::move(exec);
+      }
     }
-    const auto dynamic_ns = static_cast<int64_t>(weighted_ns / requests);
-    plan.static_ns = static_ns;
-    plan.dynamic_ns = dynamic_ns;
-    plan.spec.dynamic = dynamic_ns < static_ns;
-    plan.exec = plan.spec.dynamic ? std::move(dynamic_exec) : std::move(static_exec);
   }
   plan.record->compiles.fetch_add(compiles, std::memory_order_relaxed);
 }

@@ -62,6 +62,7 @@ struct PlanSpec {
   Bucket upper, lower;
   bool dynamic = false;
   bool background = false;  // built by the worker: a compile must not hold up request threads
+  bool script = false;      // a TorchScript plan of an exported program's cache (dynamic too: any size runs)
 };
 
 // The fastest of `calls` runs after the first (the first may profile, compile or fill caches).
@@ -81,6 +82,8 @@ class PlanSource {
   virtual bool can_build(std::string& why) const = 0;
   // Whether plans over a range of sizes exist for this kind (plan_shapes applies).
   virtual bool builds_dynamic() const = 0;
+  // Whether TorchScript plans exist beside the compiled ones (an exported program's script module).
+  virtual bool builds_script() const { return false; }
   // The executable for spec from example (inputs at spec.upper); counts its compiles.
   virtual std::unique_ptr<Executable> build(const PlanSpec& spec, const std::vector<c10::IValue>& example,
                                             int64_t& compiles) = 0;
@@ -97,10 +100,13 @@ class PlanSource {
                                                 const std::vector<c10::IValue>& example) = 0;
 };
 
-std::unique_ptr<PlanSource> make_script_source(torch::jit::Module module, const PlanCacheOptions& options);
+// frozen: a saved cache's frozen module, served as it is (check_saved with adopt takes its hashes).
+std::unique_ptr<PlanSource> make_script_source(torch::jit::Module module, const PlanCacheOptions& options,
+                                               bool frozen = false);
 std::unique_ptr<PlanSource> make_export_source(const std::string& program_path, const PlanCacheOptions& options);
 void set_export_compiler(PlanSource& source, CompileFn compiler);
 void set_export_runner(PlanSource& source, SourceFn runner);
+void set_export_script(PlanSource& source, torch::jit::Module module, const PlanCacheOptions& options);
 
 struct PlanCache::SizeRecord {
   explicit SizeRecord(const Bucket& b) : bucket(b) {}
@@ -116,7 +122,7 @@ struct PlanCache::Plan {
   std::unique_ptr<Executable> exec;
   // plan_shapes="auto": each candidate's latency over the bucket's probe sizes (ns), and how many
   // of them came from the traffic log (0: its smallest, middle and largest sizes).
-  int64_t static_ns = 0, dynamic_ns = 0;
+  int64_t static_ns = 0, dynamic_ns = 0, script_ns = 0;
   int64_t probe_sizes = 0;
 
   // With cuda_graphs on CUDA inputs that could be captured; written under the cache's unique

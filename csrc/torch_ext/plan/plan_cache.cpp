@@ -149,6 +149,10 @@ void PlanCache::set_compiler(CompileFn compiler) { set_export_compiler(*source_,
 
 void PlanCache::set_source(SourceFn source) { set_export_runner(*source_, std::move(source)); }
 
+void PlanCache::set_script_module(torch::jit::Module module) {
+  set_export_script(*source_, std::move(module), options_);
+}
+
 std::shared_ptr<PlanCache::Plan> PlanCache::wait_for_plan(const Bucket& bucket,
                                                           std::shared_future<std::shared_ptr<Plan>> future) {
   // The builder always fulfils the future (value or error: build_plan's callers catch

@@ -61,7 +61,10 @@ enum class MissMode {
 enum class PlanShapes {
   static_,  // each plan compiled for its bucket's largest sizes; smaller requests are padded
   dynamic,  // each plan compiled for a range of sizes covering its bucket; requests run as they are
-  auto_,    // compile both, measure both on the bucket, keep the faster (stats say which and why)
+  script,   // each plan the frozen TorchScript module of the program's eager module (set_script_module);
+            // requests run as they are, nothing compiles
+  auto_,    // build each kind the bucket can have, measure them on it, keep the fastest (stats say which
+            // and why)
 };
 
 }  // namespace torch_ext::plan
@@ -77,9 +80,9 @@ struct EnumNames<plan::MissMode> {
 template <>
 struct EnumNames<plan::PlanShapes> {
   static constexpr std::string_view owner = "PlanCache", what = "plan_shapes";
-  static constexpr std::array<std::pair<plan::PlanShapes, std::string_view>, 3> names{
+  static constexpr std::array<std::pair<plan::PlanShapes, std::string_view>, 4> names{
       {{plan::PlanShapes::static_, "static"}, {plan::PlanShapes::dynamic, "dynamic"},
-       {plan::PlanShapes::auto_, "auto"}}};
+       {plan::PlanShapes::script, "script"}, {plan::PlanShapes::auto_, "auto"}}};
 };
 }  // namespace torch_ext
 
@@ -214,8 +217,10 @@ struct PlanCacheOptions {
         field("method", &PlanCacheOptions::method, "TorchScript: the module's method to serve"),
         field("plan_shapes", &PlanCacheOptions::plan_shapes,
               "exported programs: compile each bucket's plan with its sizes 'static' (smaller requests padded), "
-              "'dynamic' (a range over the bucket, requests run as they are), or 'auto': both, measured on the "
-              "bucket at build, the faster kept (SizeStats.shapes, static_seconds, dynamic_seconds)"),
+              "'dynamic' (a range over the bucket, requests run as they are), 'script' (the frozen TorchScript "
+              "module given by set_script_module; requests run as they are, nothing compiles), or 'auto': every "
+              "kind the bucket can have, measured on it at build, the fastest kept (SizeStats.shapes, "
+              "static_seconds, dynamic_seconds, script_seconds)"),
         field("runners", &PlanCacheOptions::runners,
               "exported programs: model instances per plan, the most calls one plan runs at once (more wait)"),
         field("package_dir", &PlanCacheOptions::package_dir,
@@ -255,6 +260,7 @@ struct SizeStats {
   std::string shapes;
   double static_seconds = 0;
   double dynamic_seconds = 0;
+  double script_seconds = 0;
   int64_t probe_sizes = 0;
   int64_t plan_bytes = 0;
   int64_t graph_bytes = 0;
@@ -283,13 +289,18 @@ struct SizeStats {
         field("cached", &SizeStats::cached, "a plan for this bucket is cached"),
         field("cuda_graph", &SizeStats::cuda_graph, "the cached plan runs as a CUDA graph"),
         field("shapes", &SizeStats::shapes,
-              "how the cached plan was compiled: 'static', 'dynamic' (exported programs), '' (TorchScript)"),
+              "what the cached plan is, for an exported program: 'static' or 'dynamic' (an AOTInductor package), "
+              "'script' (the frozen TorchScript module of the module it was exported from); '' in a TorchScript "
+              "module's cache"),
         field("static_seconds", &SizeStats::static_seconds,
               "plan_shapes='auto': the static plan's latency over the bucket's probe sizes (padded), measured at "
               "build"),
         field("dynamic_seconds", &SizeStats::dynamic_seconds,
               "plan_shapes='auto': the dynamic plan's latency over the same probe sizes, each weighted by its "
               "requests"),
+        field("script_seconds", &SizeStats::script_seconds,
+              "plan_shapes='auto' with a script module (set_script_module): the TorchScript plan's latency over "
+              "the same probe sizes, weighted alike"),
         field("probe_sizes", &SizeStats::probe_sizes,
               "plan_shapes='auto': how many sizes of the traffic the cache had logged in the bucket were the probe "
               "sizes (its most requested, at most 8); 0: there were none, and the probes were the bucket's "
@@ -451,6 +462,10 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   // Exported programs: what builds and what runs a miss in this process (Python sets both).
   void set_compiler(CompileFn compiler);
   void set_source(SourceFn source);
+  // Exported programs: the module the program was exported from, scripted (same inputs, flat, and
+  // outputs), in eval mode: plans of kind 'script' are it, frozen (plan_shapes 'script', or 'auto''s
+  // third candidate). save() keeps it; a cache loaded from the folder serves it with no module given.
+  void set_script_module(torch::jit::Module module);
 
   // Writes what load() needs to dir, with a manifest of the cached buckets and the SHA-256 of
   // every file: TorchScript, the frozen module and the hashes of the served code and weights

@@ -172,9 +172,10 @@ PlanCacheStats PlanCache::stats() const {
       const Plan& plan = *cached;
       s.cached = true;
       s.plan_bytes = plan.bytes;
-      if (source_->builds_dynamic()) s.shapes = plan.spec.dynamic ? "dynamic" : "static";
+      if (source_->builds_dynamic()) s.shapes = plan.spec.script ? "script" : plan.spec.dynamic ? "dynamic" : "static";
       s.static_seconds = seconds(plan.static_ns);
       s.dynamic_seconds = seconds(plan.dynamic_ns);
+      s.script_seconds = seconds(plan.script_ns);
       s.probe_sizes = plan.probe_sizes;
       if (const auto& graph = plan.graph) {
         s.cuda_graph = true;

@@ -225,9 +225,16 @@ std::string weights_hash(const torch::jit::Module& module) {
 
 class ScriptSource final : public PlanSource {
  public:
-  ScriptSource(torch::jit::Module module, const PlanCacheOptions& options) : source_(std::move(module)), options_(options) {
+  // frozen: a module a saved cache holds, frozen already (it has no training flag left).
+  ScriptSource(torch::jit::Module module, const PlanCacheOptions& options, bool frozen)
+      : source_(std::move(module)), options_(options) {
     TORCH_CHECK(source_.find_method(options_.method).has_value(), "PlanCache: the module (", name(),
                 ") has no method '", options_.method, "'");
+    if (frozen) {
+      frozen_ = source_;
+      frozen_ready_ = true;
+      return;
+    }
     TORCH_CHECK(!source_.is_training(), "PlanCache: the module (", name(),
                 ") is in training mode and cannot be frozen; call .eval() on it first");
   }
@@ -279,6 +286,9 @@ class ScriptSource final : public PlanSource {
   mutable torch::jit::Module optimized_;  // frozen_ through optimize_for_inference, once
   mutable bool optimized_ready_ = false;
   bool base_executor_chosen_ = false;  // for plans that share the base
+  // A source adopted from a saved folder (its frozen module, check_saved with adopt): the hashes
+  // of the module it was frozen from, which save() writes again.
+  std::string adopted_code_, adopted_weights_;
 };
 
 torch::jit::Module ScriptSource::frozen_locked() const {
@@ -350,13 +360,18 @@ void ScriptSource::save(const std::string& dir, Manifest& manifest) const {
   }
   manifest.add_file(dir, "module.pt");
   manifest.values["method"] = options_.method;
-  manifest.values["code"] = code_hash(source_);
-  manifest.values["weights"] = weights_hash(source_);
+  manifest.values["code"] = adopted_code_.empty() ? code_hash(source_) : adopted_code_;
+  manifest.values["weights"] = adopted_weights_.empty() ? weights_hash(source_) : adopted_weights_;
 }
 
-void ScriptSource::check_saved(const std::string& dir, const Manifest& manifest, bool /*adopt*/) {
+void ScriptSource::check_saved(const std::string& dir, const Manifest& manifest, bool adopt) {
   TORCH_CHECK(manifest.value("method") == options_.method, "PlanCache.load: ", manifest.path, " holds plans of method '",
               manifest.value("method"), "'; this cache serves '", options_.method, "'");
+  if (adopt) {  // the source is the saved frozen module: it serves, and save() keeps its origin's hashes
+    adopted_code_ = manifest.value("code");
+    adopted_weights_ = manifest.value("weights");
+    return;
+  }
   TORCH_CHECK(manifest.value("code") == code_hash(source_), "PlanCache.load: ", manifest.path,
               " was saved from a different module: the code of this cache's module (", name(),
               ") differs from the saved one's, so its saved frozen module would serve the old code");
@@ -377,8 +392,8 @@ void ScriptSource::check_saved(const std::string& dir, const Manifest& manifest,
 
 }  // namespace
 
-std::unique_ptr<PlanSource> make_script_source(torch::jit::Module module, const PlanCacheOptions& options) {
-  return std::make_unique<ScriptSource>(std::move(module), options);
+std::unique_ptr<PlanSource> make_script_source(torch::jit::Module module, const PlanCacheOptions& options, bool frozen) {
+  return std::make_unique<ScriptSource>(std::move(module), options, frozen);
 }
 
 }  // namespace torch_ext::plan
