@@ -4,8 +4,9 @@ to keep the compile short) and saves the cache; C++ then loads and serves it wit
 
     python save_export_cache.py FOLDER
 
-FOLDER/cache: the saved cache; FOLDER/reference.pt: a list [x0, mask0, y0, x1, mask1, y1, ...]
-of requests and the eager model's outputs for them.
+FOLDER/cache: the saved cache; FOLDER/script_cache: the same buckets as TorchScript plans (the
+module's frozen TorchScript, plan_shapes 'script': no compile); FOLDER/reference.pt: a list
+[x0, mask0, y0, x1, mask1, y1, ...] of requests and the eager model's outputs for them.
 """
 import os
 import shutil
@@ -46,6 +47,11 @@ def main(folder: str) -> None:
                                 inductor_configs={"aot_inductor.compile_wrapper_opt_level": "O0"})
     cache.preload([(4, 8), (4, 16)], progress=False)
     cache.save(os.path.join(folder, "cache"))
+    scripted = torch_ext.PlanCache(model, example, {"ids": {0: batch, 1: seq}, "mask": {0: batch, 1: seq}},
+                                   buckets=[[4], [8, 16]], pad_values=[0, 0], dim_names=["batch", "seq"],
+                                   miss_mode="pad", plan_shapes="script")
+    scripted.preload([(4, 8), (4, 16)], progress=False)
+    scripted.save(os.path.join(folder, "script_cache"))
     reference = []
     with torch.no_grad():
         for n, length, valid in ((4, 8, 8), (3, 6, 6), (4, 16, 16), (2, 12, 9)):

@@ -89,6 +89,21 @@ TEST(PlanExport, ACacheSavedByPythonServesInCppWithNoCompileAndEqualsEager) {
   EXPECT_GT(s.padded_elements, 0);  // 3x6 ran at 4x8; 2x12 at 4x16
 }
 
+TEST(PlanExport, TorchScriptPlansSavedByPythonServeInCppWithNoModuleGiven) {
+  REQUIRE_FIXTURE();
+  plan::PlanCache cache(plan::ExportSource{(fs::path(fixture()) / "script_cache").string()}, serving());
+  EXPECT_EQ(cache.cached_buckets(), (std::vector<std::vector<int64_t>>{{4, 8}, {4, 16}}));
+  const auto ref = reference();
+  for (size_t i = 0; i + 2 < ref.size(); i += 3) {
+    const auto out = cache.infer({ref[i], ref[i + 1]}).toTensor();
+    EXPECT_TRUE(at::allclose(out, ref[i + 2], 1e-4, 1e-5)) << "request " << i / 3 << " of shape " << ref[i].sizes();
+  }
+  const auto s = cache.stats();
+  EXPECT_EQ(s.compiles, 0);
+  EXPECT_EQ(s.padded_elements, 0);  // each request runs at its own sizes
+  for (const auto& z : s.sizes) EXPECT_EQ(z.shapes, "script");
+}
+
 TEST(PlanExport, WithoutACompilerAMissIsPaddedEvenInExactModeOrRefusedClearly) {
   REQUIRE_FIXTURE();
   plan::PlanCache cache(plan::ExportSource{cache_dir()}, serving(plan::MissMode::exact));
