@@ -59,6 +59,16 @@ std::string copy_of_cache(const std::string& name) {
   return target.string();
 }
 
+// Each reference request served by the cache equals the eager model's output: AOTInductor's fused
+// kernels (and TorchScript's) round differently from eager's; padded key positions are masked.
+void expect_serves_the_reference(plan::PlanCache& cache) {
+  const auto ref = reference();
+  for (size_t i = 0; i + 2 < ref.size(); i += 3) {
+    const auto out = cache.infer({ref[i], ref[i + 1]}).toTensor();
+    EXPECT_TRUE(at::allclose(out, ref[i + 2], 1e-4, 1e-5)) << "request " << i / 3 << " of shape " << ref[i].sizes();
+  }
+}
+
 plan::PlanCacheOptions serving(plan::MissMode mode = plan::MissMode::pad) {
   plan::PlanCacheOptions options;
   options.miss_mode = mode;
@@ -76,12 +86,7 @@ TEST(PlanExport, ACacheSavedByPythonServesInCppWithNoCompileAndEqualsEager) {
   // The saved layout came with the folder: batch and sequence, padded with the saved values.
   EXPECT_EQ(cache.options().dims, (std::vector<std::vector<int64_t>>{{1, 1}}));
   EXPECT_EQ(cache.options().pad_values, (std::vector<double>{0, 0}));
-  const auto ref = reference();
-  for (size_t i = 0; i + 2 < ref.size(); i += 3) {
-    const auto out = cache.infer({ref[i], ref[i + 1]}).toTensor();
-    // AOTInductor's fused kernels round differently from eager's; padded key positions are masked.
-    EXPECT_TRUE(at::allclose(out, ref[i + 2], 1e-4, 1e-5)) << "request " << i / 3 << " of shape " << ref[i].sizes();
-  }
+  expect_serves_the_reference(cache);
   const auto s = cache.stats();
   EXPECT_EQ(s.compiles, 0);
   EXPECT_EQ(s.builds, 2);
@@ -93,11 +98,7 @@ TEST(PlanExport, TorchScriptPlansSavedByPythonServeInCppWithNoModuleGiven) {
   REQUIRE_FIXTURE();
   plan::PlanCache cache(plan::ExportSource{(fs::path(fixture()) / "script_cache").string()}, serving());
   EXPECT_EQ(cache.cached_buckets(), (std::vector<std::vector<int64_t>>{{4, 8}, {4, 16}}));
-  const auto ref = reference();
-  for (size_t i = 0; i + 2 < ref.size(); i += 3) {
-    const auto out = cache.infer({ref[i], ref[i + 1]}).toTensor();
-    EXPECT_TRUE(at::allclose(out, ref[i + 2], 1e-4, 1e-5)) << "request " << i / 3 << " of shape " << ref[i].sizes();
-  }
+  expect_serves_the_reference(cache);
   const auto s = cache.stats();
   EXPECT_EQ(s.compiles, 0);
   EXPECT_EQ(s.padded_elements, 0);  // each request runs at its own sizes
