@@ -59,6 +59,9 @@ class _PlanModule:
         AOTInductor package; cache: a torch.classes.torch_ext.PlanCache of an exported program."""
     def set_source(self, cache: torch.ScriptObject, source: Callable[..., Any]) -> None:
         """source(*inputs) runs a request no plan serves: a tensor or a tuple of tensors."""
+    def set_script_module(self, cache: torch.ScriptObject, module: torch.jit.ScriptModule) -> None:
+        """The module an exported program's cache was exported from, scripted and in eval mode: plans of
+        kind 'script' are it, frozen."""
     def cache_infer(self, cache: torch.ScriptObject) -> Callable[[list[torch.Tensor]], Any]:
         """cache.infer_tensors(inputs) called directly, without TorchScript's method dispatch; the GIL is
         released while it runs."""

@@ -216,11 +216,8 @@ struct PlanCacheOptions {
               "thread; ignored on CPU"),
         field("method", &PlanCacheOptions::method, "TorchScript: the module's method to serve"),
         field("plan_shapes", &PlanCacheOptions::plan_shapes,
-              "exported programs: compile each bucket's plan with its sizes 'static' (smaller requests padded), "
-              "'dynamic' (a range over the bucket, requests run as they are), 'script' (the frozen TorchScript "
-              "module given by set_script_module; requests run as they are, nothing compiles), or 'auto': every "
-              "kind the bucket can have, measured on it at build, the fastest kept (SizeStats.shapes, "
-              "static_seconds, dynamic_seconds, script_seconds)"),
+              "exported programs: each bucket's plan 'static' (requests padded), 'dynamic' (a range), 'script' "
+              "(set_script_module's module, frozen; no compile) or 'auto': each kind, the fastest kept (SizeStats)"),
         field("runners", &PlanCacheOptions::runners,
               "exported programs: model instances per plan, the most calls one plan runs at once (more wait)"),
         field("package_dir", &PlanCacheOptions::package_dir,
@@ -289,9 +286,8 @@ struct SizeStats {
         field("cached", &SizeStats::cached, "a plan for this bucket is cached"),
         field("cuda_graph", &SizeStats::cuda_graph, "the cached plan runs as a CUDA graph"),
         field("shapes", &SizeStats::shapes,
-              "what the cached plan is, for an exported program: 'static' or 'dynamic' (an AOTInductor package), "
-              "'script' (the frozen TorchScript module of the module it was exported from); '' in a TorchScript "
-              "module's cache"),
+              "an exported program's plan: 'static' or 'dynamic' (an AOTInductor package), 'script' (its module's "
+              "frozen TorchScript); '' in a TorchScript module's cache"),
         field("static_seconds", &SizeStats::static_seconds,
               "plan_shapes='auto': the static plan's latency over the bucket's probe sizes (padded), measured at "
               "build"),
@@ -299,8 +295,7 @@ struct SizeStats {
               "plan_shapes='auto': the dynamic plan's latency over the same probe sizes, each weighted by its "
               "requests"),
         field("script_seconds", &SizeStats::script_seconds,
-              "plan_shapes='auto' with a script module (set_script_module): the TorchScript plan's latency over "
-              "the same probe sizes, weighted alike"),
+              "plan_shapes='auto', a script module set: the TorchScript plan's latency over them, weighted alike"),
         field("probe_sizes", &SizeStats::probe_sizes,
               "plan_shapes='auto': how many sizes of the traffic the cache had logged in the bucket were the probe "
               "sizes (its most requested, at most 8); 0: there were none, and the probes were the bucket's "
