@@ -16,8 +16,9 @@ shape (seed 1), by:
   (f) PlanCache.from_traffic on the recorded stream, a budget of 4 plans (an exported program: 3
       compiles to measure, and the frozen TorchScript timed where the module scripts; then 2
       compiles a plan with plan_shapes 'auto')
-Every variant builds and serves in a process of its own, one intra-op thread, Inductor's caches
-empty (its start-up includes every compile cold).
+Every variant builds in a process of its own, one at a time (one intra-op thread, Inductor's caches
+empty: its start-up includes every compile cold); then every process serves the stream in chunks,
+in rounds over the variants, so each comparison is paired chunk by chunk.
 
     python benchmarks/bench_plan.py --traffic            # results in plan_traffic.{md,json}
     python benchmarks/bench_plan.py --traffic --quick    # 200 requests, the CNN only: a smoke run
@@ -38,10 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Report, format_seconds  # noqa: E402
+from harness import Report, format_seconds, paired_ratio, timing_of  # noqa: E402
 
 MAX_BATCH, SEQ = 16, (2, 128)
 PLAN_BUDGET = 4
+CHUNKS = 10  # the served stream in rounds of this many chunks
 VARIANTS = ["(a) eager", "(b) TorchScript, frozen", "(c) torch.compile(dynamic=True)",
             "(d) one dynamic AOTInductor package", "(e) PlanCache, hand-chosen buckets",
             f"(f) PlanCache.from_traffic, {PLAN_BUDGET} plans"]
@@ -134,23 +136,38 @@ def build(label: str, module: torch.nn.Module, model: dict, recorded: list):
 
 
 def child(label: str, model_name: str, shape: str, requests: int, out: str) -> None:
+    """Builds the variant, says "ready", then serves the chunks the parent names ("serve I": chunk I
+    of the served stream, answered with its seconds) until "finish" writes the results to `out`."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else the libraries print goes to stderr, not into the replies
     torch.set_num_threads(1)
     model = MODELS[model_name]
     torch.manual_seed(0)
     module = model["make"]().eval()
     recorded, served = traffic(model, shape, requests, 1), traffic(model, shape, requests, 2)
+    chunk = len(served) // CHUNKS
     start = time.perf_counter()
     with torch.no_grad():
         fn, cache = build(label, module, model, recorded)
-        startup = time.perf_counter() - start
-        latencies, worst = [], 0.0
-        for i, sizes in enumerate(served):
-            inputs = inputs_of(model, sizes, i)
-            t = time.perf_counter()
-            got = fn(*inputs)
-            latencies.append(time.perf_counter() - t)
-            if i < 20:  # the same outputs as the eager module's
-                worst = max(worst, float((got - module(*inputs)).abs().max()))
+    startup = time.perf_counter() - start
+    latencies, worst = [], 0.0
+    print("ready", file=replies, flush=True)
+    for line in sys.stdin:
+        command = line.split()
+        if command == ["finish"]:
+            break
+        first = int(command[1]) * chunk
+        seconds = 0.0
+        with torch.no_grad():
+            for i in range(first, first + chunk):
+                inputs = inputs_of(model, served[i], i)
+                t = time.perf_counter()
+                got = fn(*inputs)
+                latencies.append(time.perf_counter() - t)
+                seconds += latencies[-1]
+                if i < 20:  # the same outputs as the eager module's
+                    worst = max(worst, float((got - module(*inputs)).abs().max()))
+        print(seconds, file=replies, flush=True)
     result = dict(startup_seconds=startup, latencies=latencies, max_diff=worst)
     if cache is not None:
         s = cache.stats()
@@ -163,15 +180,69 @@ def child(label: str, model_name: str, shape: str, requests: int, out: str) -> N
     Path(out).write_text(json.dumps(result))
 
 
-def run_child(label: str, model_name: str, shape: str, requests: int, work: str) -> dict:
-    out = os.path.join(work, "variant.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor_"))
-    subprocess.run([sys.executable, __file__, "--child", label, model_name, shape, str(requests), out], check=True,
-                   env=env, timeout=3600)
-    result = json.loads(Path(out).read_text())
-    print(f"  {label}: start-up {result['startup_seconds']:.1f} s, serving {sum(result['latencies']):.1f} s",
-          file=sys.stderr)
-    return result
+class Variant:
+    """One variant in a process of its own: built on creation (alone, so its start-up is its own),
+    then driven a chunk at a time."""
+
+    def __init__(self, label: str, model_name: str, shape: str, requests: int, work: str) -> None:
+        self.label, self.out = label, os.path.join(work, f"variant{label[1]}.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor_"))
+        self.process = subprocess.Popen([sys.executable, __file__, "--child", label, model_name, shape, str(requests),
+                                         self.out], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.chunk_seconds: list[float] = []
+        self._reply()
+
+    def _reply(self) -> str:
+        reply = self.process.stdout.readline().strip()
+        if not reply:
+            raise RuntimeError(f"bench_plan_traffic: {self.label} stopped (exit code {self.process.poll()})")
+        return reply
+
+    def serve(self, chunk: int) -> None:
+        self.process.stdin.write(f"serve {chunk}\n")
+        self.process.stdin.flush()
+        self.chunk_seconds.append(float(self._reply()))
+
+    def finish(self) -> dict:
+        self.process.stdin.write("finish\n")
+        self.process.stdin.flush()
+        if self.process.wait(timeout=600) != 0:
+            raise RuntimeError(f"bench_plan_traffic: {self.label} failed")
+        result = json.loads(Path(self.out).read_text())
+        result["chunk_seconds"] = self.chunk_seconds
+        print(f"  {self.label}: start-up {result['startup_seconds']:.1f} s, serving {sum(self.chunk_seconds):.1f} s",
+              file=sys.stderr)
+        return result
+
+
+def run_variants(labels: list, model_name: str, shape: str, requests: int, work: str) -> dict:
+    """Each variant built in turn, then the served stream's chunks in rounds over all of them (every
+    other round reversed), so drift on the machine hits every variant alike."""
+    variants = []
+    try:
+        for label in labels:
+            variants.append(Variant(label, model_name, shape, requests, work))
+        for chunk in range(CHUNKS):
+            for v in variants if chunk % 2 == 0 else variants[::-1]:
+                v.serve(chunk)
+        return {v.label: v.finish() for v in variants}
+    finally:
+        for v in variants:
+            if v.process.poll() is None:
+                v.process.kill()
+
+
+def traffic_check(case: str, results: dict, ours: str, best_other: str, rate: dict) -> tuple[str, bool]:
+    """(text, met): `ours` at or above `best_other`'s throughput in the paired chunks (the 95% interval
+    of the per-chunk ratio reaches 1 or above; the chunks hold the same requests for every variant)."""
+    ratio, low, high = paired_ratio(timing_of(results[best_other]["chunk_seconds"]),
+                                    timing_of(results[ours]["chunk_seconds"]))
+    verdict = "above" if low > 1 else ("below" if high < 1 else "a tie within this run's noise")
+    return (f"{case}: (f) at or above the best other variant's throughput: {rate[ours]:,.0f} vs {best_other[:3]} "
+            f"{rate[best_other]:,.0f} items/s ({rate[ours] / rate[best_other]:.2f}x); in {CHUNKS} paired chunks "
+            f"the ratio's median {ratio:.2f}x, 95% interval [{low:.2f}, {high:.2f}]x (sign test): {verdict}",
+            high >= 1)
 
 
 def percentile(values: list, q: float) -> float:
@@ -199,7 +270,7 @@ def main(argv: list) -> None:
                 served = traffic(model, shape, requests, 2)
                 items = sum(s[0] for s in served)
                 labels = [v for v in VARIANTS if not (v.startswith("(b)") and model["sequence"])]
-                results = {label: run_child(label, model_name, shape, requests, work) for label in labels}
+                results = run_variants(labels, model_name, shape, requests, work)
                 rate = {label: items / sum(r["latencies"]) for label, r in results.items()}
                 ours = labels[-1]
                 best_other = max((label for label in labels if label != ours), key=rate.get)
@@ -222,12 +293,14 @@ def main(argv: list) -> None:
                 measured = sum(mine["latencies"]) / len(mine["latencies"])
                 notes.append(f"{model_name}, {shape}: (f) chose {mine['chosen']}; measured "
                              f"{format_seconds(measured)} a request on the served stream.")
-                checks.append((f"{model_name}, {shape}: (f) at or above the best other variant's throughput: "
-                               f"{rate[ours]:,.0f} vs {best_other[:3]} {rate[best_other]:,.0f} items/s "
-                               f"({rate[ours] / rate[best_other]:.2f}x)", rate[ours] >= rate[best_other]))
+                checks.append(traffic_check(f"{model_name}, {shape}", results, ours, best_other, rate))
     report.notes.append(
         "\nThroughput: items (the sum of batch sizes) per second of serving, each request timed alone, start-up "
-        "excluded; one pass, each variant in a process of its own. Start-up: building the variant, compiles "
+        f"excluded. Each variant in a process of its own, built in turn; then the served stream in {CHUNKS} chunks "
+        "of equal count, served in rounds over every variant (every other round reversed), so the machine's drift "
+        "hits each alike; (f) against the best other variant: the median of the per-chunk throughput ratios with "
+        "its 95% interval (sign test), met when the interval reaches 1.00x or above. Start-up: building the "
+        "variant alone, compiles "
         "cold (an empty TORCHINDUCTOR_CACHE_DIR per process). (f) plans from the recorded stream (seed 1) and "
         "serves another drawn the same way (seed 2): the traffic it planned for, not the requests it serves. "
         "Max diff: the first 20 requests' outputs against the eager module's.")
