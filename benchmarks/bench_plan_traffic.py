@@ -268,7 +268,7 @@ def main(argv: list) -> None:
             for shape in ("uniform", "skewed"):
                 print(f"{model_name}, {shape}", file=sys.stderr)
                 served = traffic(model, shape, requests, 2)
-                items = sum(s[0] for s in served)
+                items = sum(s[0] for s in served[:len(served) // CHUNKS * CHUNKS])  # what the chunks serve
                 labels = [v for v in VARIANTS if not (v.startswith("(b)") and model["sequence"])]
                 results = run_variants(labels, model_name, shape, requests, work)
                 rate = {label: items / sum(r["latencies"]) for label, r in results.items()}
