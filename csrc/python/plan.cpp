@@ -103,12 +103,15 @@ void set_script_module(const py::object& script_object, const py::object& module
 
 // Calls from Python without TorchScript's method dispatch, which builds a schema-checked stack and
 // looks up the compilation unit on every call: about 15 us with the GIL held, per request (a
-// batcher's clients serialize on it). The GIL is released while `run` runs.
+// batcher's clients serialize on it). The GIL is released while `run` runs, unless `run` only
+// takes a lock held briefly by threads that never take the GIL (releasing it there hands the
+// interpreter to another thread per call).
 template <class Run>
-py::object call_released(Run&& run) {
+py::object call_released(Run&& run, bool release_gil = true) {
   c10::IValue output;
   try {
-    py::gil_scoped_release release;
+    std::optional<py::gil_scoped_release> release;
+    if (release_gil) release.emplace();
     output = run();
   } catch (...) {  // as torch's own bindings raise them: ValueError, IndexError, ..., no C++ backtrace
     torch::translate_exception_to_python(std::current_exception());
@@ -145,6 +148,16 @@ py::cpp_function cache_preload(const py::object& script_object) {
       py::arg("sizes"), py::arg("example_inputs"), py::arg("bucket"));
 }
 
+// A batcher request's inputs. The batcher's thread may drop them after their batch: a tensor
+// Python made would take the GIL there to release its Python object (once per request, waiting
+// for whichever thread holds it), so the request holds detached aliases, which have none.
+std::vector<c10::IValue> request_of(const std::vector<at::Tensor>& inputs) {
+  std::vector<c10::IValue> values;
+  values.reserve(inputs.size());
+  for (const auto& input : inputs) values.emplace_back(input.detach());
+  return values;
+}
+
 c10::intrusive_ptr<plan::Batcher> batcher_of(const py::object& script_object) {
   static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::Batcher>>();
   return torch::jit::toIValue(script_object, type).toCustomClass<plan::Batcher>();
@@ -154,7 +167,7 @@ py::cpp_function batcher_infer(const py::object& script_object) {
   return py::cpp_function(
       [batcher = batcher_of(script_object)](const std::vector<at::Tensor>& inputs, double timeout_seconds,
                                             double deadline_ms) {
-        return call_released([&] { return batcher->infer(values_of(inputs), timeout_seconds, deadline_ms); });
+        return call_released([&] { return batcher->infer(request_of(inputs), timeout_seconds, deadline_ms); });
       },
       py::arg("inputs"), py::arg("timeout_seconds") = -1.0, py::arg("deadline_ms") = -1.0);
 }
@@ -162,7 +175,8 @@ py::cpp_function batcher_infer(const py::object& script_object) {
 py::cpp_function batcher_submit(const py::object& script_object) {
   return py::cpp_function(
       [batcher = batcher_of(script_object)](const std::vector<at::Tensor>& inputs, double deadline_ms) {
-        return call_released([&] { return c10::IValue(batcher->submit(values_of(inputs), deadline_ms)); });
+        return call_released([&] { return c10::IValue(batcher->submit(request_of(inputs), deadline_ms)); },
+                             /*release_gil=*/false);
       },
       py::arg("inputs"), py::arg("deadline_ms") = -1.0);
 }
@@ -197,8 +211,7 @@ void bind_plan(py::module_& m) {
           "called directly (no TorchScript method dispatch), the GIL released while it waits");
   sub.def("batcher_submit", &batcher_submit, py::arg("batcher"),
           "Batcher.submit(inputs, deadline_ms=-1) of a torch.classes.torch_ext.Batcher for tensor inputs, called "
-          "directly (no TorchScript method dispatch), the GIL released while it runs the batch it fills; returns the "
-          "BatchResult");
+          "directly (no TorchScript method dispatch; it only queues, the GIL held); returns the BatchResult");
   sub.def("batch_result", &batch_result, py::arg("result"), py::arg("timeout_seconds"),
           "BatchResult.result(timeout_seconds) of a torch.classes.torch_ext.BatchResult, called directly (no "
           "TorchScript method dispatch), the GIL released while it waits");

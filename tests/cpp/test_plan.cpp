@@ -686,7 +686,7 @@ TEST(Plan, BatcherQueueIsBoundedAndAFullQueueRaises) {
   }
 }
 
-TEST(Plan, BatcherTheClientWhoseRequestFillsABatchRunsItBeforeSubmitReturns) {
+TEST(Plan, BatcherAnInferThatFillsABatchRunsItOnItsThreadAndASubmitLeavesItToTheBatchers) {
   auto m = rowwise();
   PlanCacheOptions o = options(MissMode::pad);
   o.max_batch_size = 16;
@@ -695,23 +695,35 @@ TEST(Plan, BatcherTheClientWhoseRequestFillsABatchRunsItBeforeSubmitReturns) {
   b.max_batch_size = 4;
   b.max_delay_ms = 600000;  // only a full batch runs: no timing in this test
   plan::Batcher batcher(cache, b);
-  std::vector<at::Tensor> xs, outs(4);
-  std::vector<std::thread::id> ran_on(4);
-  for (int i = 0; i < 4; ++i) {
-    xs.push_back(input(1));
-    batcher.submit({xs.back()}, [&, i](c10::IValue out, std::exception_ptr error) {
-      ran_on[i] = std::this_thread::get_id();
-      if (!error) outs[i] = out.toTensor();
-    });
-    // Before the 4th request nothing ran; the 4th's submit() ran all four on this thread.
-    EXPECT_EQ(batcher.stats().batches, i < 3 ? 0 : 1);
-  }
-  for (int i = 0; i < 4; ++i) {
-    EXPECT_EQ(ran_on[i], std::this_thread::get_id());
-    EXPECT_TRUE(at::equal(outs[i], reference(m, xs[i])));
+  const auto here = std::this_thread::get_id();
+  for (const bool by_infer : {true, false}) {
+    std::vector<at::Tensor> xs, outs(4);
+    std::vector<std::thread::id> ran_on(4);
+    std::vector<c10::intrusive_ptr<plan::BatchResult>> done;
+    for (int i = 0; i < 4; ++i) {
+      xs.push_back(input(1));
+      if (by_infer && i == 3) {
+        outs[i] = batcher.infer({xs.back()}).toTensor();  // the 4th fills the batch and runs all four here
+        ran_on[i] = here;
+        continue;
+      }
+      auto result = c10::make_intrusive<plan::BatchResult>();
+      done.push_back(result);
+      batcher.submit({xs.back()}, [&, i, result](c10::IValue out, std::exception_ptr error) {
+        ran_on[i] = std::this_thread::get_id();
+        if (!error) outs[i] = out.toTensor();
+        result->complete(c10::IValue(), error);
+      });
+    }
+    for (auto& result : done) ASSERT_TRUE(result->wait(60));
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(ran_on[i] == here, by_infer) << "request " << i;
+      EXPECT_TRUE(at::equal(outs[i], reference(m, xs[i])));
+    }
   }
   const auto s = batcher.stats();
-  EXPECT_EQ(s.client_batches, 1);
+  EXPECT_EQ(s.batches, 2);
+  EXPECT_EQ(s.client_batches, 1);  // the infer's
   EXPECT_EQ(s.max_batch_rows, 4);
 }
 
@@ -738,7 +750,7 @@ TEST(Plan, BatcherADeadlineThatCannotBeMetFailsAtOnceAndOneThatPassesInTheQueueI
     // Once a batch has run, a deadline below the fastest batch is refused too (no batch runs in 1 ns).
     auto x = input(1);
     auto first = batcher.submit({x}, 600000.0);
-    auto second = batcher.submit({input(1)});  // fills the batch: runs it here
+    batcher.infer({input(1)});  // fills the batch: runs it here
     EXPECT_TRUE(at::equal(first->result(0).toTensor(), reference(m, x)));
     try {
       batcher.submit({input(1)}, 1e-6);

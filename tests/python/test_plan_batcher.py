@@ -197,18 +197,57 @@ def test_a_forked_child_gets_an_error_and_destroys_the_batcher_without_joining(c
     assert torch.equal(pending.result(timeout=60), module(x))
 
 
-def test_the_call_whose_request_fills_a_batch_runs_it_on_its_own_thread(cache):
+def test_an_infer_that_fills_a_batch_runs_it_on_its_own_thread(cache):
     module, plans = cache
     with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
         xs = [torch.randn(1, 8) for _ in range(4)]
         futures = [batcher.submit(x) for x in xs[:3]]
+        ran_on = []
+        futures[0].add_done_callback(lambda _: ran_on.append(threading.get_ident()))
         assert not any(f.done() for f in futures)
-        futures.append(batcher.submit(xs[3]))  # fills the batch: ran before submit returned
-        assert all(f.done() for f in futures)
+        out = batcher.infer(xs[3])  # fills the batch: runs it here, before returning
+        assert all(f.done() for f in futures) and ran_on == [threading.get_ident()]
+        assert torch.equal(out, module(xs[3]))
         for f, x in zip(futures, xs):
             assert torch.equal(f.result(timeout=0), module(x))
         s = batcher.stats()
         assert (s.batches, s.client_batches, s.max_batch_rows) == (1, 1, 4)
+
+
+def test_a_submit_that_fills_a_batch_returns_and_the_batchers_thread_runs_it(cache):
+    module, plans = cache
+    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
+        xs = [torch.randn(1, 8) for _ in range(4)]
+        futures = [batcher.submit(x) for x in xs[:3]]
+        ran_on = []
+        futures[0].add_done_callback(lambda _: ran_on.append(threading.get_ident()))
+        futures.append(batcher.submit(xs[3]))
+        for f, x in zip(futures, xs):  # full: runs without waiting for max_delay_ms (10 minutes)
+            assert torch.equal(f.result(timeout=60), module(x))
+        assert ran_on and ran_on[0] != threading.get_ident()
+        s = batcher.stats()
+        assert (s.batches, s.client_batches, s.max_batch_rows) == (1, 0, 4)
+
+
+def test_clients_that_submit_without_waiting_each_get_their_own_rows(cache):
+    # The batcher's thread runs the full batches while the clients hold the GIL in submit().
+    module, plans = cache
+    xs = [torch.randn(1, 8) for _ in range(8 * 40)]
+    results: list = [None] * len(xs)
+    with Batcher(plans, max_batch_size=8, max_delay_ms=NEVER_MS, max_queue=len(xs)) as batcher:
+        def client(k: int) -> None:
+            futures = {i: batcher.submit(xs[i]) for i in range(k, len(xs), 8)}
+            for i, future in futures.items():
+                results[i] = future.result(timeout=60)
+
+        workers = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        s = batcher.stats()
+    assert all(torch.equal(out, module(x)) for out, x in zip(results, xs))
+    assert (s.batches, s.rows, s.client_batches) == (40, len(xs), 0)
 
 
 def test_a_deadline_that_cannot_be_met_fails_at_once_saying_so(cache):

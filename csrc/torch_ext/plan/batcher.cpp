@@ -100,6 +100,10 @@ void Batcher::follow(c10::intrusive_ptr<PlanCache> cache) {
 }
 
 void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms) {
+  enqueue(std::move(inputs), std::move(callback), deadline_ms, /*run_if_full=*/false);
+}
+
+void Batcher::enqueue(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms, bool run_if_full) {
   TORCH_CHECK(!forked_.load(std::memory_order_relaxed), "Batcher.submit: this process was forked from the one that "
               "made the batcher, whose thread a forked child does not have; make a new Batcher in the child");
   TORCH_CHECK_VALUE(!std::isnan(deadline_ms), "Batcher.submit: deadline_ms is NaN");
@@ -113,6 +117,7 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double 
   Batch batch;
   std::vector<Request> expired;
   bool was_empty = false;
+  bool full = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!closing_, "Batcher.submit: the batcher is closed");
@@ -134,14 +139,16 @@ void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double 
     queued_rows_ += sizes[0];
     ++stats_.requests;
     stats_.max_queued = std::max(stats_.max_queued, static_cast<int64_t>(queue_.size()));
-    // The request that fills a batch runs it here: no hand-off to the batcher's thread.
-    if (queued_rows_ >= max_rows_) {
+    // A caller about to wait for its result runs the batch its request fills: no hand-off to the
+    // batcher's thread. One that goes on (submit) leaves it to that thread, one wake-up per batch.
+    full = queued_rows_ >= max_rows_;
+    if (run_if_full && full) {
       batch = take_batch_locked(expired);
       if (!batch.requests.empty()) ++stats_.client_batches;
     }
   }
-  // The batcher's thread needs waking only to start a batch's max_delay_ms: a full one runs here.
-  if (was_empty && batch.requests.empty()) cv_.notify_one();
+  // The batcher's thread is woken to start the oldest request's max_delay_ms, or to run a full batch.
+  if (batch.requests.empty() && (was_empty || full)) cv_.notify_one();
   fail_expired(expired);
   if (batch.requests.empty()) return;
   // A client's thread computes with torch's intra-op thread count, as the batcher's does (a thread
@@ -210,8 +217,12 @@ c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs,
 }
 
 c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_seconds, double deadline_ms) {
-  return submit(std::move(inputs), deadline_ms)
-      ->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
+  auto result = c10::make_intrusive<BatchResult>();
+  enqueue(
+      std::move(inputs),
+      [result](c10::IValue output, std::exception_ptr error) { result->complete(std::move(output), error); },
+      deadline_ms, /*run_if_full=*/true);
+  return result->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
 }
 
 bool Batcher::joins(const Layout& layout, const Request& first, const Bucket& first_bucket, const Request& other) const {
@@ -289,18 +300,22 @@ void Batcher::loop() {
     while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return closing_ || !queue_.empty(); })) {
     }
     if (queue_.empty()) break;  // closing, nothing left to run
-    // The oldest request's batch is due max_delay_ms after it arrived; a client may fill and run it
-    // first, so the front is looked at again after the wait.
+    // The oldest request's batch is due when full, or max_delay_ms after it arrived; a client may
+    // fill and run it first, so the front is looked at again after the wait.
     const auto due = queue_.front().arrived + delay;
-    if (!closing_ && Clock::now() < due) {
-      cv_.wait_until(lock, due, [this] { return closing_; });
+    if (!closing_ && queued_rows_ < max_rows_ && Clock::now() < due) {
+      cv_.wait_until(lock, due, [this] { return closing_ || queued_rows_ >= max_rows_; });
       continue;
     }
-    std::vector<Request> expired;
-    Batch batch = take_batch_locked(expired);
-    lock.unlock();
-    fail_expired(expired);
-    if (!batch.requests.empty()) run_batch(batch);
+    {
+      std::vector<Request> expired;
+      Batch batch = take_batch_locked(expired);
+      lock.unlock();
+      fail_expired(expired);
+      if (!batch.requests.empty()) run_batch(batch);
+      // The requests go here, unlocked: dropping a tensor Python made may take the GIL, which a
+      // submit() holds while it waits for the lock.
+    }
     lock.lock();
   }
 }

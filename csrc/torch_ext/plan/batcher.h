@@ -2,9 +2,10 @@
 // Batcher: a dynamic batcher in front of a PlanCache. Callers submit single requests, which
 // queue; a batch takes them oldest first (padded to the longest along the other dynamic
 // dimensions where the cache pads them; with group_by_bucket only requests of one bucket join),
-// runs as one call of the cache, and each caller gets its own rows. The client whose request
-// brings max_batch_size rows runs that batch itself, on its own thread (no hand-off); a batch
-// that does not fill runs on the batcher's thread max_delay_ms after its oldest request arrived.
+// runs as one call of the cache, and each caller gets its own rows. An infer() whose request
+// brings max_batch_size rows runs that batch itself, on its own thread (no hand-off); a full
+// batch from submit() runs on the batcher's thread at once (the caller goes on submitting), and a
+// batch that does not fill runs there max_delay_ms after its oldest request arrived.
 // A request may carry a deadline (deadline_ms after submit): one that cannot be met (not
 // positive, or shorter than the fastest batch this batcher has run) is refused at once, and
 // one whose deadline passes while it waits fails without running; the errors say so.
@@ -124,11 +125,12 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
 
   // Queues one request: inputs as PlanCache::infer takes them, any batch size up to
   // max_batch_size. Checked here (a bad request never joins a batch); raises when the queue is
-  // full or the deadline (deadline_ms after now; < 0: none) cannot be met. When the request fills
-  // a batch, runs that batch on this thread before returning.
+  // full or the deadline (deadline_ms after now; < 0: none) cannot be met. Returns at once: a
+  // batch the request fills runs on the batcher's thread, while the caller goes on.
   void submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms = -1);
   c10::intrusive_ptr<BatchResult> submit(std::vector<c10::IValue> inputs, double deadline_ms = -1);
-  // submit() and wait for the result, at most timeout_seconds (< 0: the option's).
+  // submit() and wait for the result, at most timeout_seconds (< 0: the option's). A batch the
+  // request fills runs on this thread (it would wait anyway): no hand-off.
   c10::IValue infer(std::vector<c10::IValue> inputs, double timeout_seconds = -1, double deadline_ms = -1);
 
   BatcherStats stats() const;
@@ -158,6 +160,9 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
     std::vector<Request> requests;
   };
 
+  // submit() and infer(): run_if_full, the caller runs the batch its request fills (infer, whose
+  // caller waits anyway); else the batcher's thread does.
+  void enqueue(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms, bool run_if_full);
   void loop();
   // The requests of the next batch, oldest first; those whose deadline has passed move to `expired`
   // (called with the lock held).
