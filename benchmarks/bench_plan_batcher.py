@@ -2,14 +2,17 @@
 
 The limit is the same requests served as batches formed ahead of time. On the demo
 EncoderClassifier and bench_plan's CNN (both scripted; a PlanCache preloaded with 1, 2, 4 and 8
-rows; one torch thread), REQUESTS single requests (one row each) are served three ways:
+rows; one torch thread), REQUESTS single requests (one row each) are served four ways:
   preformed  the requests concatenated into batches of 8 beforehand, run one after another
-  batcher    8 client threads, each sending its share one after another through
-             Batcher(max_batch_size=8, max_delay_ms=2)
-  futures    one thread submitting every request (batcher.submit), then waiting for each future
+  submitting 8 client threads, each submitting its share (batcher.submit, not waiting for one
+             result before the next request: a server's handlers passing requests on as they
+             arrive), then waiting for their futures; full batches run on the batcher's thread
+  waiting    8 client threads, each sending its share one after another and waiting for each
+             result (batcher(x)): every client is in every batch, a closed loop
   singles    the requests one at a time from one thread
-in ROUNDS interleaved rounds (the order rotated each round), so drift on the shared machine hits
-all alike; a round's ratio compares that round's runs, the table shows the median round.
+the batchers are Batcher(max_batch_size=8, max_delay_ms=2). In ROUNDS interleaved rounds (the order rotated each round), so drift on the shared machine hits
+all alike; a round's ratio compares that round's runs, the table shows the round with the median ratio of
+the submitting clients.
 
     python benchmarks/bench_plan.py --batcher          # results in plan_batcher.{md,json}
     python benchmarks/bench_plan.py --batcher --quick  # fewer requests and rounds: a smoke run
@@ -96,15 +99,22 @@ def round_trip_floor(n_requests: int, rounds: int) -> float:
     return statistics.median(floors)
 
 
-def run_futures(cache, requests: list) -> float:
+def run_submitting(cache, requests: list) -> dict:
+    """CLIENTS threads, each submitting its share of single requests (batcher.submit, not waiting
+    for one before sending the next, as a server's handlers pass on requests as they arrive), then
+    waiting for their futures."""
     from torch_ext import Batcher
     with Batcher(cache, max_batch_size=CLIENTS, max_delay_ms=MAX_DELAY_MS, max_queue=len(requests)) as batcher:
-        start = time.perf_counter()
-        with torch.no_grad():
-            futures = [batcher.submit(x) for x in requests]
-            for future in futures:
-                future.result()
-        return time.perf_counter() - start
+        def client(k: int) -> None:
+            with torch.no_grad():
+                futures = [batcher.submit(requests[i]) for i in range(k, len(requests), CLIENTS)]
+                for future in futures:
+                    future.result()
+
+        wall = run_threads(client, CLIENTS)
+        s = batcher.stats()
+    return dict(wall=wall, batches=s.batches, client_batches=s.client_batches, mean_rows=s.rows / s.batches,
+                mean_batch_seconds=s.batch_seconds / s.batches)
 
 
 def percentile(values: list, q: float) -> float:
@@ -123,53 +133,58 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
     cache = PlanCache(scripted, miss_mode="pad", max_batch_size=CLIENTS)
     cache.preload([1, 2, 4, 8], example_inputs=(requests[0],), progress=False)
     run_preformed(cache, batches[:20]), run_singles(cache, requests[:50]), run_batcher(cache, requests[:80])  # warm-up
-    run_futures(cache, requests[:80])
-    runs: dict = {"preformed": [], "batcher": [], "futures": [], "singles": []}
-    serve = {"preformed": lambda: run_preformed(cache, batches), "batcher": lambda: run_batcher(cache, requests),
-             "futures": lambda: run_futures(cache, requests), "singles": lambda: run_singles(cache, requests)}
+    run_submitting(cache, requests[:80])
+    runs: dict = {"preformed": [], "submitting": [], "waiting": [], "singles": []}
+    serve = {"preformed": lambda: run_preformed(cache, batches), "submitting": lambda: run_submitting(cache, requests),
+             "waiting": lambda: run_batcher(cache, requests), "singles": lambda: run_singles(cache, requests)}
     order = list(runs)
     for r in range(rounds):
         for variant in order[r % len(order):] + order[:r % len(order)]:
             runs[variant].append(serve[variant]())
-    ratios = [p / b["wall"] for p, b in zip(runs["preformed"], runs["batcher"])]
-    median_round = sorted(range(rounds), key=lambda i: ratios[i])[rounds // 2]
-    b = runs["batcher"][median_round]
-    rate = {"preformed": n_requests / runs["preformed"][median_round], "batcher": n_requests / b["wall"],
-            "futures": n_requests / runs["futures"][median_round],
-            "singles": n_requests / runs["singles"][median_round]}
-    p50, p99 = percentile(b["latencies"], 0.5), percentile(b["latencies"], 0.99)
-    bound = MAX_DELAY_MS / 1000 + 2 * b["mean_batch_seconds"]
+    wall = {v: [x["wall"] if isinstance(x, dict) else x for x in runs[v]] for v in runs}
+    ratios = {v: [p / w for p, w in zip(wall["preformed"], wall[v])] for v in ("submitting", "waiting")}
+    median_round = sorted(range(rounds), key=lambda i: ratios["submitting"][i])[rounds // 2]
+    rate = {v: n_requests / wall[v][median_round] for v in runs}
+    w = runs["waiting"][median_round]
+    p50, p99 = percentile(w["latencies"], 0.5), percentile(w["latencies"], 0.99)
+    bound = MAX_DELAY_MS / 1000 + 2 * w["mean_batch_seconds"]
+    names = {"preformed": "batches of 8 formed beforehand (the limit)",
+             "submitting": f"Batcher, {CLIENTS} clients submitting single requests, then waiting for them",
+             "waiting": f"Batcher, {CLIENTS} clients each waiting for its result before the next request",
+             "singles": "single requests, one thread"}
     for variant in runs:
+        b = runs[variant][median_round] if variant in ratios else None
         report.add_row({
-            "model": name, "variant": {"preformed": "batches of 8 formed beforehand (the limit)",
-                                       "batcher": f"Batcher, {CLIENTS} clients of single requests",
-                                       "futures": "Batcher, one thread submitting every request, then waiting",
-                                       "singles": "single requests, one thread"}[variant],
+            "model": name, "variant": names[variant],
             "requests/s": f"{rate[variant]:,.0f}", "vs the limit": f"{rate[variant] / rate['preformed']:.2f}x",
-            "p50": format_seconds(p50) if variant == "batcher" else "-",
-            "p99": format_seconds(p99) if variant == "batcher" else "-",
+            "p50": format_seconds(p50) if variant == "waiting" else "-",
+            "p99": format_seconds(p99) if variant == "waiting" else "-",
             "batches": (f"{b['batches']} of {b['mean_rows']:.1f} rows ({b['client_batches']} run by a client), "
-                        f"{format_seconds(b['mean_batch_seconds'])} each") if variant == "batcher" else "-",
-        }, model=name, variant=variant, throughput=rate[variant], round_ratios=ratios if variant == "batcher" else None,
-            p50_seconds=p50 if variant == "batcher" else None, p99_seconds=p99 if variant == "batcher" else None)
+                        f"{format_seconds(b['mean_batch_seconds'])} each") if b else "-",
+        }, model=name, variant=variant, throughput=rate[variant], round_ratios=ratios.get(variant),
+            p50_seconds=p50 if variant == "waiting" else None, p99_seconds=p99 if variant == "waiting" else None)
     short = name.split(" (")[0]
-    checks.append((f"{short}: the batcher at 0.9x or more of pre-formed batches: {rate['batcher']:,.0f} vs "
-                   f"{rate['preformed']:,.0f} requests/s ({statistics.median(ratios):.2f}x, the median of {rounds} "
-                   f"rounds; rounds {', '.join(f'{r:.2f}' for r in ratios)})", statistics.median(ratios) >= 0.9))
-    limit_batch = runs["preformed"][median_round] / len(batches)
+    for variant, label in (("submitting", "submitting clients"), ("waiting", "waiting clients")):
+        r = ratios[variant]
+        checks.append((f"{short}: the batcher at 0.9x or more of pre-formed batches, {label}: {rate[variant]:,.0f} vs "
+                       f"{rate['preformed']:,.0f} requests/s ({statistics.median(r):.2f}x, the median of {rounds} "
+                       f"rounds; rounds {', '.join(f'{x:.2f}' for x in r)})", statistics.median(r) >= 0.9))
+    limit_batch = wall["preformed"][median_round] / len(batches)
     report.notes.append(
         f"- {short}: a batch of {CLIENTS} formed beforehand takes {format_seconds(limit_batch)} and the round trip "
         f"between batches {format_seconds(floor)}, so {CLIENTS} clients that each wait for their result reach at most "
         f"{limit_batch / (limit_batch + floor):.2f}x of the limit on this machine, with batches run as fast as the "
-        f"limit's; the batcher's ran {format_seconds(b['mean_batch_seconds'])} each.")
-    checks.append((f"{short}: p99 at most max_delay + 2x one batch's service time: {format_seconds(p99)} vs "
-                   f"{MAX_DELAY_MS:g} ms + 2 x {format_seconds(b['mean_batch_seconds'])}", p99 <= bound))
+        f"limit's; the batcher's ran {format_seconds(w['mean_batch_seconds'])} each with waiting clients, "
+        f"{format_seconds(runs['submitting'][median_round]['mean_batch_seconds'])} with submitting ones.")
+    checks.append((f"{short}: p99 at most max_delay + 2x one batch's service time (waiting clients): "
+                   f"{format_seconds(p99)} vs {MAX_DELAY_MS:g} ms + 2 x {format_seconds(w['mean_batch_seconds'])}",
+                   p99 <= bound))
 
 
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     quick = "--quick" in argv
-    n_requests, rounds = (160, 3) if quick else (800, 5)
+    n_requests, rounds = (160, 3) if quick else (800, 11)
     command = "python benchmarks/bench_plan.py --batcher" + (" --quick" if quick else "")
     report = Report("plan_batcher" + ("_quick" if quick else ""),
                     f"The dynamic batcher against pre-formed batches (CPU, one torch thread): {n_requests} single "
@@ -179,13 +194,16 @@ def main(argv: list[str]) -> None:
     floor = round_trip_floor(n_requests, rounds)
     report.notes.append(
         f"\nThe limit: the same requests concatenated into batches of {CLIENTS} beforehand and served one after "
-        f"another from one thread. The batcher: {CLIENTS} threads each send their share of single requests one "
-        f"after another (max_batch_size={CLIENTS}, max_delay_ms={MAX_DELAY_MS:g}); the client whose request fills a "
-        "batch runs it. Latencies: each batcher request from submit to result. Rows show the round with the median "
-        "batcher/limit ratio. The round trip: the same batcher and clients serving a model that only doubles its "
-        f"input (wall time per batch less the batch's run, the median of {rounds} rounds): with {CLIENTS} clients and "
-        f"batches of {CLIENTS} every client waits in every batch, so no batch can start before the last result of the "
-        "one before is handed back and its client has sent its next request.\n")
+        f"another from one thread. The batcher (max_batch_size={CLIENTS}, max_delay_ms={MAX_DELAY_MS:g}), two ways: "
+        f"{CLIENTS} threads each submit their share of single requests without waiting (batcher.submit: a full batch "
+        f"runs on the batcher's thread while the clients go on), then wait for their futures; or {CLIENTS} threads "
+        "each send one request and wait for its result before the next (batcher(x): the call whose request fills a "
+        "batch runs it). Latencies: each waiting client's request from call to result (a submitting client's wait "
+        "is the queue its own burst made). Rows show the round with the median ratio of the submitting clients. The "
+        "round trip: the waiting clients serving a model that only doubles its input (wall time per batch less the "
+        f"batch's run, the median of {rounds} rounds): with {CLIENTS} waiting clients and batches of {CLIENTS} every "
+        "client is in every batch, so no batch can start before the last result of the one before is handed back "
+        "and its client has sent its next request.\n")
     for name, (make, request) in models().items():
         print(name, file=sys.stderr)
         bench_model(name, make, request, n_requests, rounds, report, checks, floor)

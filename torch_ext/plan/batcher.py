@@ -1,7 +1,7 @@
 """Batcher: a dynamic batcher in front of a PlanCache (torch.classes.torch_ext.Batcher).
 
-Concurrent callers submit single requests; one C++ thread gathers them into batches of up to
-max_batch_size rows, or for at most max_delay_ms after the oldest arrived, runs each batch through
+Concurrent callers submit single requests; they are gathered into batches of up to
+max_batch_size rows, or for at most max_delay_ms after the oldest arrived; each batch runs through
 the cache (padding the other dynamic dimensions to the batch's longest where the cache pads them)
 and hands every caller its own rows (a concurrent.futures-style future, or the output of infer()).
 The queue is bounded: submit() raises at once when max_queue requests wait.
@@ -84,8 +84,9 @@ class Batcher(ScriptObjectFace):
     Keyword options are those of the C++ BatcherOptions (torch_ext/plan/batcher.h): max_batch_size
     (0: the cache's), max_delay_ms, max_queue, timeout_seconds, group_by_bucket; each is also a property. stats()
     is a BatcherStats; close() stops taking requests, runs those queued and joins the thread.
-    The call whose request fills a batch runs that batch on its own thread before it returns; a batch
-    that does not fill runs on the batcher's thread after max_delay_ms. deadline_ms (submit, infer):
+    An infer() whose request fills a batch runs that batch on its own thread before it returns; a
+    submit() returns at once, and the batch it fills runs on the batcher's thread, as does a batch
+    that does not fill, after max_delay_ms. deadline_ms (submit, infer):
     the request must be served within that many milliseconds; one that cannot be (not positive, or
     shorter than the fastest batch run so far) raises at once, one whose deadline passes in the queue
     fails without running. When the cache re-plans (replan, replan_on_drift), later batches run on
