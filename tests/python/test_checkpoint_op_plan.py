@@ -215,6 +215,37 @@ def test_plan_round_trips_through_json(chain, tmp_path):
         OpPlan.from_json('{"segments": []}')
 
 
+def test_rounded_storage_is_chosen_only_where_no_exact_plan_fits_and_lowers_the_minimum(chain):
+    """storage=("keep", "bf16"): budgets an exact plan meets get exact plans (the same as without
+    the option, exact gradients); below the exact minimum every checkpointed block stores its input
+    in bf16, and the measured peak stays within the budget, below the exact minimum's."""
+    layers, x, exact = chain
+    loose = exact.with_budget(1 << 40)
+    both = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, storage=("keep", "bf16"))
+    assert both.min_budget_bytes < exact.min_budget_bytes
+    assert sum(both.block_input_rounded_bytes) * 2 == sum(both.block_input_bytes)  # fp32 inputs, halved
+    at_exact_minimum = both.with_budget(exact.min_budget_bytes)
+    assert at_exact_minimum.storage == ["keep"] * 16
+    assert at_exact_minimum.saved == loose.with_budget(exact.min_budget_bytes).saved
+    _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
+    exact_peak, grads = peak_and_grads(at_exact_minimum.apply(copy.deepcopy(layers)), x)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    rounded = both.with_budget(both.min_budget_bytes)
+    assert rounded.checkpointed == [True] * 16 and rounded.storage == ["bf16"] * 16
+    assert "storage=bf16" in str(rounded)
+    peak, grads = peak_and_grads(rounded.apply(copy.deepcopy(layers)), x)
+    assert peak <= rounded.budget_bytes and peak < exact_peak
+    assert all(torch.allclose(a, b, rtol=0.05, atol=1e-2) for a, b in zip(grads, plain_grads))
+    assert not all(torch.equal(a, b) for a, b in zip(grads, plain_grads))  # rounded: lossy, as asked
+    # Monotonic across the two storages: a lower budget never predicts a higher peak.
+    budgets = range(both.min_budget_bytes, both.no_checkpoint_peak_bytes, 50_000)
+    peaks = [both.with_budget(b).predicted_peak_bytes for b in budgets]
+    assert peaks == sorted(peaks)
+    assert OpPlan.from_json(rounded.to_json()) == rounded
+    with pytest.raises(ValueError, match="storage must be one or more of 'keep', 'bf16', 'fp16'"):
+        torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, storage=("keep", "int8"))
+
+
 def test_errors_name_the_problem(chain):
     layers, x, loose = chain
     with pytest.raises(ValueError, match=f"minimum any op-level plan of these 16 blocks can meet: "

@@ -14,22 +14,25 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], activations: Sequence[int],
-          workspace: Sequence[int], params: Sequence[int]) -> int:
+          workspace: Sequence[int], params: Sequence[int], rounded: Optional[Sequence[int]] = None) -> int:
     """Predicted peak with block i keeping kept_per_block[i] bytes for backward (a checkpointed
     block: the outputs it saves; an unwrapped one: its activations): while block k runs backward,
     the blocks before it hold their inputs and what they keep, block k its input, its activations
     (recomputed or kept), its backward workspace, the gradient of its output and its parameters'
     gradients. After the last block, what consumes the chain's output (a model's head, the loss)
     runs while every block holds its input and what it keeps; the plan does not see it and counts
-    it as needing what the last block's backward needs. O(number of blocks)."""
+    it as needing what the last block's backward needs. rounded: every block checkpointed with its
+    input stored rounded to 16 bits, rounded[k] bytes, held until its backward ends (which also
+    holds the input widened back). O(number of blocks)."""
     held, peak = 0, 0
     for k in range(len(inputs)):
-        peak = max(peak, held + inputs[k] + activations[k] + workspace[k] + outputs[k] + params[k])
-        held += inputs[k] + kept_per_block[k]
+        stored = rounded[k] if rounded is not None else 0
+        peak = max(peak, held + inputs[k] + stored + activations[k] + workspace[k] + outputs[k] + params[k])
+        held += (stored if rounded is not None else inputs[k]) + kept_per_block[k]
     return max(peak, held + _after_chain(outputs, activations, workspace, params)) if inputs else peak
 
 
@@ -133,7 +136,8 @@ def _steps(block: Sequence[list], activations: int, replay: float) -> tuple[list
     return [(b[2], b[0] - a[0], a[1] - b[1]) for a, b in zip(points, points[1:])], replaced
 
 
-def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations, workspace, params, budget: float):
+def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations, workspace, params, budget: float,
+            rounded: Optional[Sequence[int]] = None):
     """Every block's steps (_steps), in order of recompute seconds saved per byte kept (highest
     first), each taken when the predicted peak (_peak's) with it fits budget. A block whose step
     does not fit takes none of its later steps (they build on it), except that a block that cannot be
@@ -141,7 +145,9 @@ def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations,
     saves a prefix of its ops in order of seconds per byte. Returns (saved per block, checkpointed
     per block, peak, steps): steps counts the heap's comparisons and the peak updates' tree
     nodes, O(N log N). A higher budget never predicts a lower peak: at the first step the two
-    budgets take differently, the higher one takes a step the lower one could not fit."""
+    budgets take differently, the higher one takes a step the lower one could not fit. rounded:
+    checkpointed blocks store their inputs rounded (_peak's), and unwrapping a block also keeps
+    its input whole again."""
     count = [0]
     blocks = len(ops)
 
@@ -150,15 +156,17 @@ def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations,
         return (_Counted((-seconds / nbytes if nbytes > 0 else -math.inf, k, j), count), k, step)
 
     heap, replaced = [], []
+    stored = rounded if rounded is not None else [0] * blocks
+    held_input = rounded if rounded is not None else inputs
     for k in range(blocks):
-        steps, rest = _steps(ops[k], activations[k], replay[k])
+        steps, rest = _steps(ops[k], activations[k] + inputs[k] - held_input[k], replay[k])
         heap += [entry(k, j, step) for j, step in enumerate(steps)]
         replaced.append([entry(k, len(steps) + j, step) for j, step in enumerate(rest)])
     heapq.heapify(heap)
     held, own = 0, []
     for k in range(blocks):
-        own.append(held + inputs[k] + activations[k] + workspace[k] + outputs[k] + params[k])
-        held += inputs[k]
+        own.append(held + inputs[k] + stored[k] + activations[k] + workspace[k] + outputs[k] + params[k])
+        held += held_input[k]
     peaks = _Peaks(own + [held + _after_chain(outputs, activations, workspace, params)], count)
     saved: list[list[int]] = [[] for _ in range(blocks)]
     wrapped, closed = [True] * blocks, [False] * blocks

@@ -8,6 +8,7 @@ activations and costs no replay."""
 from __future__ import annotations
 
 import functools
+import math
 import json
 import statistics
 import time
@@ -38,7 +39,11 @@ class OpPlan:
     forward, from 0); empty for a block left unwrapped. ops[k]: every candidate op measured in
     block k, as [op name, occurrence, output bytes, seconds]. block_replay_seconds[k]: what a
     replay of block k costs beyond its candidate ops (its forward's time less theirs: the Python
-    code, views, the other ops). Bytes are activation bytes as
+    code, views, the other ops). storage[k]: how checkpointed block k keeps its input (torch_ext.
+    checkpoint's storage: "keep", or a lossy "bf16" / "fp16" where storage_options allow it and no
+    exact plan fits the budget; empty: "keep" everywhere); block_input_rounded_bytes[k] and
+    block_rounding_seconds[k]: its input stored rounded, and the time to round it and widen it
+    back. Bytes are activation bytes as
     plan_checkpoints counts them (parameters and their gradients excluded). Thread safety: a
     plan is not changed by its methods (with_budget returns a new one), and context_fn gives
     each checkpointed call a policy of its own, so planned layers may run in several threads."""
@@ -59,6 +64,10 @@ class OpPlan:
     native_ops: list[list[str]] = field(default_factory=list)
     checkpointed: list[bool] = field(default_factory=list)
     block_replay_seconds: list[float] = field(default_factory=list)
+    storage: list[str] = field(default_factory=list)
+    storage_options: list[str] = field(default_factory=lambda: ["keep"])
+    block_input_rounded_bytes: list[int] = field(default_factory=list)
+    block_rounding_seconds: list[float] = field(default_factory=list)
 
     def is_checkpointed(self, block: int) -> bool:
         """Whether apply() checkpoints block (else it leaves it unwrapped)."""
@@ -69,6 +78,11 @@ class OpPlan:
     def predicted_overhead(self) -> float:
         """Predicted recompute time as a fraction of the measured step (forward + backward)."""
         return self.predicted_recompute_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    def storage_of(self, block: int) -> str:
+        """torch_ext.checkpoint's storage option for block: "keep" unless the plan rounds its input."""
+        self._check_block("storage_of", block)
+        return self.storage[block] if self.storage else "keep"
 
     def saved_ops(self, block: int) -> list[tuple[str, int]]:
         """The (op name, occurrence) pairs block saves."""
@@ -116,7 +130,8 @@ class OpPlan:
                          "outputs": self.block_output_bytes, "activations": self.block_activation_bytes,
                          "workspace": self.block_workspace_bytes, "params": self.block_parameter_bytes,
                          "replay": self.block_replay_seconds or [0.0] * len(self.ops),
-                         "seconds": [self.step_seconds]}, budget_bytes)
+                         "seconds": [self.step_seconds], "rounded": self.block_input_rounded_bytes,
+                         "rounding": self.block_rounding_seconds}, budget_bytes, self.storage_options)
 
     def apply(self, layers: Iterable[nn.Module]) -> list[nn.Module]:
         """Checkpoint each layer the plan checkpoints in place with torch_ext.checkpoint(layer,
@@ -134,10 +149,11 @@ class OpPlan:
         for index, layer in enumerate(layers):
             if not self.is_checkpointed(index):
                 continue
+            storage = self.storage_of(index)
             if self.saves_natively(index):
-                checkpoint(layer, save=self.save_items(index) or None)
+                checkpoint(layer, save=self.save_items(index) or None, storage=storage)
             else:
-                checkpoint(layer, context_fn=self.context_fn(index))
+                checkpoint(layer, context_fn=self.context_fn(index), storage=storage)
         return layers
 
     def as_dict(self) -> dict:
@@ -168,7 +184,9 @@ class OpPlan:
     def __str__(self) -> str:
         mib = 2.0 ** 20
         checkpointed = sum(self.is_checkpointed(k) for k in range(len(self.saved)))
+        rounded = sorted({s for s in self.storage if s != "keep"})
         return (f"OpPlan(blocks={len(self.saved)}, checkpointed={checkpointed}, "
+                f"{'storage=' + '/'.join(rounded) + ', ' if rounded else ''}"
                 f"saved_ops={sum(map(len, self.saved))} of "
                 f"{sum(map(len, self.ops))}, predicted_peak={self.predicted_peak_bytes / mib:.1f} MiB of budget "
                 f"{self.budget_bytes / mib:.1f} MiB, predicted_overhead={self.predicted_overhead:.1%}, "
@@ -308,7 +326,7 @@ def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, record
 
 
 def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, repeat: int = 3,
-             progress: Optional[Callable] = None, **kwargs: Any) -> OpPlan:
+             progress: Optional[Callable] = None, storage: Sequence[str] = ("keep",), **kwargs: Any) -> OpPlan:
     """Measure a chain of blocks on sample inputs, op by op, and choose which blocks to checkpoint
     and the ops each checkpointed block saves so that the predicted peak activation memory stays
     within budget_bytes, keeping first what saves the most recompute seconds per byte. Each block
@@ -317,6 +335,9 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     plan_checkpoints measures them) and `repeat` forwards under a dispatch mode that times every
     op and counts its output bytes; blocks with the same ops and bytes share their timings (the
     median over them), and once `repeat` such blocks were measured, the next ones run once each.
+    storage: how checkpointed blocks may keep their inputs: "keep" (exact), and the lossy "bf16" /
+    "fp16" (opt-in: gradients approximate), used only where no exact plan fits the budget (every
+    checkpointed block then stores its input rounded, which lowers the minimum budget).
     Raises ValueError, stating the minimum, when no plan fits.
     Apply the plan with plan.apply(layers); plan.with_budget(B) plans another budget from the same
     measurements (plans of one measurement are monotonic in the budget; a new measurement may
@@ -329,9 +350,21 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     _check_budget(budget_bytes)
     if not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"plan_ops: repeat must be an int >= 1, got {repeat!r}")
+    options = _check_storage(storage)
     progress = progress or (lambda iterable, desc: iterable)
     measured = _measure_blocks(layers, repeat, progress, sample_inputs, kwargs)
-    return _op_plan(measured, budget_bytes)
+    return _op_plan(measured, budget_bytes, options)
+
+
+_STORAGE = ("keep", "bf16", "fp16")
+
+
+def _check_storage(storage: Any) -> list[str]:
+    options = [storage] if isinstance(storage, str) else list(storage) if isinstance(storage, (list, tuple)) else None
+    if not options or any(option not in _STORAGE for option in options) or len(set(options)) != len(options):
+        raise ValueError(f"plan_ops: storage must be one or more of {', '.join(map(repr, _STORAGE))} (no repeats), "
+                         f"got {storage!r}")
+    return options
 
 
 def _check_budget(budget_bytes: Any) -> None:
@@ -349,7 +382,7 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
     device = leaves[0].device if leaves else torch.device("cpu")
     devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
     m: dict = {key: [] for key in ("ops", "native", "inputs", "outputs", "activations", "workspace", "params",
-                                   "replay", "seconds")}
+                                   "replay", "seconds", "rounded", "rounding")}
     buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
     value: Any = inputs
     measured: Counter = Counter()
@@ -361,6 +394,8 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
                     value, kwargs = recorded[index]
                 boundary = _tensor_leaves(value)[:1] if recorded is not None else _tensor_leaves(value)
                 m["inputs"].append(_bytes(boundary))
+                m["rounded"].append(_rounded_bytes(boundary))
+                m["rounding"].append(_rounding_seconds(boundary, repeat))
                 ops, native, runs = _record_ops(layer, value, kwargs, first, repeat, recorded is not None, measured)
                 # Only ops the native policy can save as measured are candidates: every block of a
                 # plan then saves natively (no Python dispatch mode per op).
@@ -408,26 +443,66 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
     return sum({(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
+def _rounds(t: torch.Tensor) -> bool:
+    """Whether checkpoint storage "bf16" / "fp16" stores t rounded (a float wider than 16 bits)."""
+    return t.is_floating_point() and t.element_size() > 2
+
+
+def _rounded_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes of tensors stored rounded to 16 bits (the others as they are)."""
+    return _bytes([t for t in tensors if not _rounds(t)]) + sum(2 * t.numel() for t in tensors if _rounds(t))
+
+
+def _rounding_seconds(tensors: list[torch.Tensor], repeat: int) -> float:
+    """Median time to round tensors to bfloat16 and widen them back (what rounded storage adds to
+    a checkpointed block: the forward stores, the replay restores)."""
+    wide = [t.detach() for t in tensors if _rounds(t)]
+    if not wide:
+        return 0.0
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for t in wide:
+            t.to(torch.bfloat16).to(t.dtype)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
 def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tuple, dict]], budget_bytes: int,
-                      repeat: int, progress: Optional[Callable] = None) -> OpPlan:
+                      repeat: int, progress: Optional[Callable] = None, storage: Sequence[str] = ("keep",)) -> OpPlan:
     """plan_ops over layers that a model calls one by one, each measured on the (args, kwargs)
     it received in a real forward (hf.checkpoint_layers(..., ops=True))."""
     _check_budget(budget_bytes)
+    options = _check_storage(storage)
     progress = progress or (lambda iterable, desc: iterable)
-    return _op_plan(_measure_blocks(list(layers), repeat, progress, recorded=recorded), budget_bytes)
+    return _op_plan(_measure_blocks(list(layers), repeat, progress, recorded=recorded), budget_bytes, options)
 
 
-def _op_plan(m: dict, budget_bytes: float) -> OpPlan:
+def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("keep",)) -> OpPlan:
+    """The plan for budget_bytes: exact storage where "keep" is allowed and a plan with it fits,
+    else every checkpointed block's input stored rounded (the first lossy option allowed)."""
     shape = (m["inputs"], m["outputs"], m["activations"], m["workspace"], m["params"])
     n = len(m["ops"])
-    min_budget = _peak([0] * n, *shape)
+    rounded = m.get("rounded") or []
+    lossy = next((option for option in storage_options if option != "keep"), None) if len(rounded) == n else None
+    minimum = {option: _peak([0] * n, *shape, rounded=None if option == "keep" else rounded)
+               for option in storage_options if option in ("keep", lossy)}
+    min_budget = min(minimum.values())
     if budget_bytes < min_budget:
         raise ValueError(f"plan_ops: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below the "
                          f"minimum any op-level plan of these {n} blocks can meet: {min_budget} bytes "
-                         f"({min_budget / 2**20:.2f} MiB, every block checkpointed, nothing saved)")
-    saved, checkpointed, peak, _ = _choose(m["ops"], m["replay"], *shape, float(budget_bytes))
+                         f"({min_budget / 2**20:.2f} MiB, every block checkpointed, nothing saved"
+                         f"{', inputs stored in ' + lossy if lossy else ''}; storage={list(storage_options)})")
+    # Exact storage first: a lower budget then never predicts a higher peak (a rounded plan's peak
+    # is below the exact minimum, which every exact plan's peak reaches).
+    chosen = "keep" if budget_bytes >= minimum.get("keep", math.inf) else lossy
+    rounds = chosen != "keep"
+    saved, checkpointed, peak, _ = _choose(m["ops"], m["replay"], *shape, float(budget_bytes),
+                                           rounded=rounded if rounds else None)
     kept = [{tuple(op) for op in block} for block in saved]
-    recompute = sum(m["replay"][k] + sum(op[3] for op in block if tuple(op[:2]) not in kept[k])
+    rounding = m.get("rounding") or [0.0] * n
+    recompute = sum(m["replay"][k] + (rounding[k] if rounds else 0.0)
+                    + sum(op[3] for op in block if tuple(op[:2]) not in kept[k])
                     for k, block in enumerate(m["ops"]) if checkpointed[k])
     no_checkpoint = _evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], m["params"],
                               m["inputs"][0])
@@ -437,4 +512,7 @@ def _op_plan(m: dict, budget_bytes: float) -> OpPlan:
                   block_input_bytes=m["inputs"], block_output_bytes=m["outputs"],
                   block_activation_bytes=m["activations"], block_workspace_bytes=m["workspace"],
                   block_parameter_bytes=m["params"], native_ops=m["native"], checkpointed=checkpointed,
-                  block_replay_seconds=m["replay"])
+                  block_replay_seconds=m["replay"],
+                  storage=[chosen if rounds and checkpointed[k] else "keep" for k in range(n)],
+                  storage_options=list(storage_options), block_input_rounded_bytes=list(rounded),
+                  block_rounding_seconds=list(rounding))
