@@ -24,7 +24,9 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 from .. import _C
 from .api import _CheckpointedForward, checkpoint
 from .op_choice import _choose, _peak
-from .planner import _call, _detach_like, _evaluate, _measure_once, _tensor_leaves, _trainable_parameters
+from .op_storage import _check_storage, _rounded_bytes, _rounding_seconds
+from .planner import (_call, _detach_like, _evaluate, _measure_once, _storage_bytes, _tensor_leaves,
+                      _trainable_parameters)
 from .selective import dropout_p
 
 
@@ -356,17 +358,6 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     return _op_plan(measured, budget_bytes, options)
 
 
-_STORAGE = ("keep", "bf16", "fp16")
-
-
-def _check_storage(storage: Any) -> list[str]:
-    options = [storage] if isinstance(storage, str) else list(storage) if isinstance(storage, (list, tuple)) else None
-    if not options or any(option not in _STORAGE for option in options) or len(set(options)) != len(options):
-        raise ValueError(f"plan_ops: storage must be one or more of {', '.join(map(repr, _STORAGE))} (no repeats), "
-                         f"got {storage!r}")
-    return options
-
-
 def _check_budget(budget_bytes: Any) -> None:
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or not budget_bytes > 0:
         raise ValueError(f"plan_ops: budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
@@ -393,7 +384,7 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
                 if recorded is not None:
                     value, kwargs = recorded[index]
                 boundary = _tensor_leaves(value)[:1] if recorded is not None else _tensor_leaves(value)
-                m["inputs"].append(_bytes(boundary))
+                m["inputs"].append(_storage_bytes(boundary, set()))
                 m["rounded"].append(_rounded_bytes(boundary))
                 m["rounding"].append(_rounding_seconds(boundary, repeat))
                 ops, native, runs = _record_ops(layer, value, kwargs, first, repeat, recorded is not None, measured)
@@ -409,7 +400,7 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
                 m["activations"].append(samples[-1][2])
                 m["workspace"].append(samples[-1][3])
                 out = _tensor_leaves(samples[-1][4])
-                m["outputs"].append(_bytes(out[:1] if recorded is not None else out))
+                m["outputs"].append(_storage_bytes(out[:1] if recorded is not None else out, set()))
                 m["params"].append(sum(p.nbytes for p in _trainable_parameters(layer))
                                    if isinstance(layer, nn.Module) else 0)
                 value = samples[-1][4]
@@ -437,35 +428,6 @@ def _pool_alike_blocks(m: dict) -> None:
         for k in blocks:
             m["ops"][k] = [op[:3] + [t] for op, t in zip(m["ops"][k], seconds)]
             m["replay"][k] = replay
-
-
-def _bytes(tensors: list[torch.Tensor]) -> int:
-    return sum({(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def _rounds(t: torch.Tensor) -> bool:
-    """Whether checkpoint storage "bf16" / "fp16" stores t rounded (a float wider than 16 bits)."""
-    return t.is_floating_point() and t.element_size() > 2
-
-
-def _rounded_bytes(tensors: list[torch.Tensor]) -> int:
-    """The bytes of tensors stored rounded to 16 bits (the others as they are)."""
-    return _bytes([t for t in tensors if not _rounds(t)]) + sum(2 * t.numel() for t in tensors if _rounds(t))
-
-
-def _rounding_seconds(tensors: list[torch.Tensor], repeat: int) -> float:
-    """Median time to round tensors to bfloat16 and widen them back (what rounded storage adds to
-    a checkpointed block: the forward stores, the replay restores)."""
-    wide = [t.detach() for t in tensors if _rounds(t)]
-    if not wide:
-        return 0.0
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for t in wide:
-            t.to(torch.bfloat16).to(t.dtype)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tuple, dict]], budget_bytes: int,
