@@ -197,7 +197,8 @@ def test_a_forked_child_gets_an_error_and_destroys_the_batcher_without_joining(c
     assert torch.equal(pending.result(timeout=60), module(x))
 
 
-def test_an_infer_that_fills_a_batch_runs_it_on_its_own_thread(cache):
+@pytest.mark.parametrize("filled_by", ["infer", "submit"])
+def test_an_infer_runs_the_batch_it_fills_on_its_thread_and_a_submit_leaves_it_to_the_batchers(cache, filled_by):
     module, plans = cache
     with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
         xs = [torch.randn(1, 8) for _ in range(4)]
@@ -205,28 +206,16 @@ def test_an_infer_that_fills_a_batch_runs_it_on_its_own_thread(cache):
         ran_on = []
         futures[0].add_done_callback(lambda _: ran_on.append(threading.get_ident()))
         assert not any(f.done() for f in futures)
-        out = batcher.infer(xs[3])  # fills the batch: runs it here, before returning
-        assert all(f.done() for f in futures) and ran_on == [threading.get_ident()]
-        assert torch.equal(out, module(xs[3]))
+        if filled_by == "infer":
+            out = batcher.infer(xs[3])  # runs the batch here, before returning
+            assert all(f.done() for f in futures) and torch.equal(out, module(xs[3]))
+        else:
+            futures.append(batcher.submit(xs[3]))  # returns; the batcher's thread runs it, full (no 10-minute delay)
         for f, x in zip(futures, xs):
-            assert torch.equal(f.result(timeout=0), module(x))
-        s = batcher.stats()
-        assert (s.batches, s.client_batches, s.max_batch_rows) == (1, 1, 4)
-
-
-def test_a_submit_that_fills_a_batch_returns_and_the_batchers_thread_runs_it(cache):
-    module, plans = cache
-    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
-        xs = [torch.randn(1, 8) for _ in range(4)]
-        futures = [batcher.submit(x) for x in xs[:3]]
-        ran_on = []
-        futures[0].add_done_callback(lambda _: ran_on.append(threading.get_ident()))
-        futures.append(batcher.submit(xs[3]))
-        for f, x in zip(futures, xs):  # full: runs without waiting for max_delay_ms (10 minutes)
             assert torch.equal(f.result(timeout=60), module(x))
-        assert ran_on and ran_on[0] != threading.get_ident()
+        assert len(ran_on) == 1 and (ran_on[0] == threading.get_ident()) == (filled_by == "infer")
         s = batcher.stats()
-        assert (s.batches, s.client_batches, s.max_batch_rows) == (1, 0, 4)
+        assert (s.batches, s.client_batches, s.max_batch_rows) == (1, int(filled_by == "infer"), 4)
 
 
 def test_clients_that_submit_without_waiting_each_get_their_own_rows(cache):
