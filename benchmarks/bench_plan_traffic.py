@@ -25,11 +25,11 @@ in rounds over the variants, so each comparison is paired chunk by chunk.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Report, format_seconds, paired_ratio, timing_of  # noqa: E402
+from harness import Child, Report, format_seconds, paired_ratio, run_children, timing_of  # noqa: E402
 
 MAX_BATCH, SEQ = 16, (2, 128)
 PLAN_BUDGET = 4
@@ -180,57 +180,25 @@ def child(label: str, model_name: str, shape: str, requests: int, out: str) -> N
     Path(out).write_text(json.dumps(result))
 
 
-class Variant:
-    """One variant in a process of its own: built on creation (alone, so its start-up is its own),
-    then driven a chunk at a time."""
-
-    def __init__(self, label: str, model_name: str, shape: str, requests: int, work: str) -> None:
-        self.label, self.out = label, os.path.join(work, f"variant{label[1]}.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor_"))
-        self.process = subprocess.Popen([sys.executable, __file__, "--child", label, model_name, shape, str(requests),
-                                         self.out], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.chunk_seconds: list[float] = []
-        self._reply()
-
-    def _reply(self) -> str:
-        reply = self.process.stdout.readline().strip()
-        if not reply:
-            raise RuntimeError(f"bench_plan_traffic: {self.label} stopped (exit code {self.process.poll()})")
-        return reply
-
-    def serve(self, chunk: int) -> None:
-        self.process.stdin.write(f"serve {chunk}\n")
-        self.process.stdin.flush()
-        self.chunk_seconds.append(float(self._reply()))
-
-    def finish(self) -> dict:
-        self.process.stdin.write("finish\n")
-        self.process.stdin.flush()
-        if self.process.wait(timeout=600) != 0:
-            raise RuntimeError(f"bench_plan_traffic: {self.label} failed")
-        result = json.loads(Path(self.out).read_text())
-        result["chunk_seconds"] = self.chunk_seconds
-        print(f"  {self.label}: start-up {result['startup_seconds']:.1f} s, serving {sum(self.chunk_seconds):.1f} s",
-              file=sys.stderr)
-        return result
+def variant_child(label: str, model_name: str, shape: str, requests: int, work: str) -> Child:
+    """One variant in a process of its own, built on creation (alone, so its start-up is its own)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(dir=work, prefix="inductor_"))
+    out = os.path.join(work, f"variant{label[1]}.json")
+    return Child(label, [sys.executable, __file__, "--child", label, model_name, shape, str(requests), out], env, out)
 
 
 def run_variants(labels: list, model_name: str, shape: str, requests: int, work: str) -> dict:
     """Each variant built in turn, then the served stream's chunks in rounds over all of them (every
     other round reversed), so drift on the machine hits every variant alike."""
-    variants = []
-    try:
-        for label in labels:
-            variants.append(Variant(label, model_name, shape, requests, work))
-        for chunk in range(CHUNKS):
-            for v in variants if chunk % 2 == 0 else variants[::-1]:
-                v.serve(chunk)
-        return {v.label: v.finish() for v in variants}
-    finally:
-        for v in variants:
-            if v.process.poll() is None:
-                v.process.kill()
+    runs = run_children([functools.partial(variant_child, label, model_name, shape, requests, work)
+                         for label in labels], [f"serve {chunk}" for chunk in range(CHUNKS)])
+    results = {}
+    for label, (result, answers) in zip(labels, runs):
+        result["chunk_seconds"] = [float(a) for a in answers]
+        print(f"  {label}: start-up {result['startup_seconds']:.1f} s, serving {sum(result['chunk_seconds']):.1f} s",
+              file=sys.stderr)
+        results[label] = result
+    return results
 
 
 def traffic_check(case: str, results: dict, ours: str, best_other: str, rate: dict) -> tuple[str, bool]:

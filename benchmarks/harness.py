@@ -196,6 +196,55 @@ def run_threads(target: Callable[[int], Any], count: int) -> float:
     return time.perf_counter() - start
 
 
+class Child:
+    """A variant in a process of its own, driven a line at a time: `command` starts it (it says
+    "ready" once set up, alone), ask(line) returns its one-line answer, finish() asks it to write
+    its results to `out` and exit, and returns them."""
+
+    def __init__(self, name: str, command: list[str], env: dict, out: Path) -> None:
+        self.name, self.out = name, Path(out)
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read("ready")
+
+    def _read(self, expected: str | None = None) -> str:
+        reply = self.process.stdout.readline().strip()
+        if not reply or (expected is not None and reply != expected):
+            raise RuntimeError(f"variant {self.name!r} said {reply!r} (exit code {self.process.poll()})")
+        return reply
+
+    def ask(self, line: str) -> str:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def finish(self) -> dict:
+        self.process.stdin.write("finish\n")
+        self.process.stdin.flush()
+        if self.process.wait(timeout=600) != 0:
+            raise RuntimeError(f"variant {self.name!r} failed")
+        return json.loads(self.out.read_text())
+
+
+def run_children(make: Sequence[Callable[[], Child]], rounds: Sequence[str]) -> list[tuple[dict, list[str]]]:
+    """Each child made in turn (its set-up alone), then every line of `rounds` asked of all of them,
+    in order, every other round in reverse, so drift on a shared machine hits every variant alike;
+    then each child's results (finish()) with its answers, in round order. A child left running by
+    an error is killed."""
+    children: list[Child] = []
+    try:
+        for new in make:
+            children.append(new())
+        answers: dict[int, list[str]] = {id(c): [] for c in children}
+        for index, line in enumerate(rounds):
+            for c in children if index % 2 == 0 else children[::-1]:
+                answers[id(c)].append(c.ask(line))
+        return [(c.finish(), answers[id(c)]) for c in children]
+    finally:
+        for c in children:
+            if c.process.poll() is None:
+                c.process.kill()
+
+
 def peak_memory(fn: Callable[[], Any], device=None) -> int:
     """Peak bytes of live tensor memory above the start while fn runs (torch_ext.memory; no
     saved-tensor hooks, which would change what torch.compile traces). Unreachable cycles are

@@ -19,9 +19,9 @@ left to the pager's prefetch thread, as in bench_paging.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Report, format_bytes, format_seconds, timing_of  # noqa: E402
+from harness import Child, Report, format_bytes, format_seconds, run_children, timing_of  # noqa: E402
 
 FULL = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, shard="100MB",
             tokens=64, new_tokens=32, repeat=10, generate_repeat=2, train_repeat=5)
@@ -217,56 +217,27 @@ def _write_model(folder: Path, sizes: dict, dtype: torch.dtype = torch.float32) 
     return source.total_bytes() * scale, max(source.nbytes(n) for n in source.names()) * scale
 
 
-class _Child:
-    """One variant in its own process, set up on creation, driven a run at a time."""
-
-    def __init__(self, variant: str, budget: int, workdir: Path, sizes: dict, train: bool) -> None:
-        self.variant, self.out = variant, workdir / f"{variant.replace(' ', '_')}-{budget}-{int(train)}.json"
-        offload = workdir / ("disk_offload" if variant == "accelerate disk_offload" else f"offload-{budget}")
-        command = [sys.executable, __file__, "--child", variant, "--budget", str(budget), "--folder",
-                   str(workdir / "model"), "--offload", str(offload), "--sizes", json.dumps(sizes),
-                   "--json", str(self.out)] + (["--train"] if train else [])
-        root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-               "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "TRANSFORMERS_VERBOSITY": "error"}
-        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read("ready")
-
-    def _read(self, expected: str | None = None) -> str:
-        reply = self.process.stdout.readline().strip()
-        if not reply or (expected is not None and reply != expected):
-            raise RuntimeError(f"paging_hf: variant {self.variant!r} said {reply!r} (exit code {self.process.poll()})")
-        return reply
-
-    def ask(self, command: str) -> float:
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-        return float(self._read())
-
-    def finish(self) -> dict:
-        self.process.stdin.write("finish\n")
-        self.process.stdin.flush()
-        if self.process.wait(timeout=600) != 0:
-            raise RuntimeError(f"paging_hf: variant {self.variant!r} failed")
-        return json.loads(self.out.read_text())
+def _child(variant: str, budget: int, workdir: Path, sizes: dict, train: bool) -> Child:
+    """One variant in its own process, set up on creation."""
+    out = workdir / f"{variant.replace(' ', '_')}-{budget}-{int(train)}.json"
+    offload = workdir / ("disk_offload" if variant == "accelerate disk_offload" else f"offload-{budget}")
+    command = [sys.executable, __file__, "--child", variant, "--budget", str(budget), "--folder",
+               str(workdir / "model"), "--offload", str(offload), "--sizes", json.dumps(sizes),
+               "--json", str(out)] + (["--train"] if train else [])
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "TRANSFORMERS_VERBOSITY": "error"}
+    return Child(variant, command, env, out)
 
 
 def _interleaved(runs: list[tuple[str, int]], workdir: Path, sizes: dict, plan: list[tuple[str, int, int]],
                  train: bool = False) -> list[dict]:
     """Each variant set up in turn (alone, so its set-up time is its own), then `plan`'s
     (command, warm-up, repeat) in rounds over all of them, every other round reversed."""
-    children = [_Child(variant, budget, workdir, sizes, train) for variant, budget in runs]
-    try:
-        for command, warmup, repeat in plan:
-            for index in range(warmup + repeat):
-                order = children if index % 2 == 0 else children[::-1]
-                for c in order:
-                    c.ask(f"{command} {'warm' if index < warmup else 'run'}")
-        return [c.finish() for c in children]
-    finally:
-        for c in children:
-            if c.process.poll() is None:
-                c.process.kill()
+    rounds = [f"{command} {'warm' if index < warmup else 'run'}"
+              for command, warmup, repeat in plan for index in range(warmup + repeat)]
+    made = [functools.partial(_child, variant, budget, workdir, sizes, train) for variant, budget in runs]
+    return [result for result, _ in run_children(made, rounds)]
 
 
 def _variants(weights: int) -> list[tuple[str, int]]:
