@@ -8,8 +8,8 @@ activations and costs no replay."""
 from __future__ import annotations
 
 import functools
-import math
 import json
+import math
 import statistics
 import time
 from collections import Counter, OrderedDict
@@ -354,7 +354,7 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
         raise ValueError(f"plan_ops: repeat must be an int >= 1, got {repeat!r}")
     options = _check_storage(storage)
     progress = progress or (lambda iterable, desc: iterable)
-    measured = _measure_blocks(layers, repeat, progress, sample_inputs, kwargs)
+    measured = _measure_blocks(layers, repeat, progress, sample_inputs, kwargs, rounding=options != ["keep"])
     return _op_plan(measured, budget_bytes, options)
 
 
@@ -364,11 +364,12 @@ def _check_budget(budget_bytes: Any) -> None:
 
 
 def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwargs: Optional[dict] = None,
-                    recorded: Optional[Sequence[tuple[tuple, dict]]] = None) -> dict:
+                    recorded: Optional[Sequence[tuple[tuple, dict]]] = None, rounding: bool = False) -> dict:
     """Per block: its candidate ops, input / output / activation / workspace / parameter bytes
     and seconds. A chain (inputs, kwargs for the first block; each block runs on the previous
     one's output) or, with recorded, the (args, kwargs) each block received in a real forward
-    (its boundary is its first argument, as plan_recorded_layers counts it)."""
+    (its boundary is its first argument, as plan_recorded_layers counts it). rounding: also each
+    block's input rounded to 16 bits and the time to round it (for a lossy storage option)."""
     leaves = _tensor_leaves(recorded[0] if recorded is not None else inputs)
     device = leaves[0].device if leaves else torch.device("cpu")
     devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
@@ -385,8 +386,9 @@ def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwa
                     value, kwargs = recorded[index]
                 boundary = _tensor_leaves(value)[:1] if recorded is not None else _tensor_leaves(value)
                 m["inputs"].append(_storage_bytes(boundary, set()))
-                m["rounded"].append(_rounded_bytes(boundary))
-                m["rounding"].append(_rounding_seconds(boundary, repeat))
+                if rounding:
+                    m["rounded"].append(_rounded_bytes(boundary))
+                    m["rounding"].append(_rounding_seconds(boundary, repeat))
                 ops, native, runs = _record_ops(layer, value, kwargs, first, repeat, recorded is not None, measured)
                 # Only ops the native policy can save as measured are candidates: every block of a
                 # plan then saves natively (no Python dispatch mode per op).
@@ -437,7 +439,8 @@ def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tupl
     _check_budget(budget_bytes)
     options = _check_storage(storage)
     progress = progress or (lambda iterable, desc: iterable)
-    return _op_plan(_measure_blocks(list(layers), repeat, progress, recorded=recorded), budget_bytes, options)
+    return _op_plan(_measure_blocks(list(layers), repeat, progress, recorded=recorded, rounding=options != ["keep"]),
+                    budget_bytes, options)
 
 
 def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("keep",)) -> OpPlan:
