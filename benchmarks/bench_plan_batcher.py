@@ -59,13 +59,22 @@ def run_singles(cache, requests: list) -> float:
     return time.perf_counter() - start
 
 
-def run_batcher(cache, requests: list) -> dict:
+def run_batcher(cache, requests: list, waiting: bool = True) -> dict:
+    """CLIENTS threads, each sending its share of single requests through one Batcher: waiting
+    for each result before the next (batcher(x); each request's latency recorded), or submitting
+    them all without waiting (batcher.submit, as a server's handlers pass requests on as they
+    arrive) and then waiting for their futures."""
     from torch_ext import Batcher
     latencies = [0.0] * len(requests)
-    with Batcher(cache, max_batch_size=CLIENTS, max_delay_ms=MAX_DELAY_MS) as batcher:
+    with Batcher(cache, max_batch_size=CLIENTS, max_delay_ms=MAX_DELAY_MS, max_queue=len(requests)) as batcher:
         def client(k: int) -> None:
+            mine = range(k, len(requests), CLIENTS)
             with torch.no_grad():
-                for i in range(k, len(requests), CLIENTS):
+                if not waiting:
+                    for future in [batcher.submit(requests[i]) for i in mine]:
+                        future.result()
+                    return
+                for i in mine:
                     t = time.perf_counter()
                     batcher(requests[i])
                     latencies[i] = time.perf_counter() - t
@@ -99,24 +108,6 @@ def round_trip_floor(n_requests: int, rounds: int) -> float:
     return statistics.median(floors)
 
 
-def run_submitting(cache, requests: list) -> dict:
-    """CLIENTS threads, each submitting its share of single requests (batcher.submit, not waiting
-    for one before sending the next, as a server's handlers pass on requests as they arrive), then
-    waiting for their futures."""
-    from torch_ext import Batcher
-    with Batcher(cache, max_batch_size=CLIENTS, max_delay_ms=MAX_DELAY_MS, max_queue=len(requests)) as batcher:
-        def client(k: int) -> None:
-            with torch.no_grad():
-                futures = [batcher.submit(requests[i]) for i in range(k, len(requests), CLIENTS)]
-                for future in futures:
-                    future.result()
-
-        wall = run_threads(client, CLIENTS)
-        s = batcher.stats()
-    return dict(wall=wall, batches=s.batches, client_batches=s.client_batches, mean_rows=s.rows / s.batches,
-                mean_batch_seconds=s.batch_seconds / s.batches)
-
-
 def percentile(values: list, q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -133,9 +124,9 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
     cache = PlanCache(scripted, miss_mode="pad", max_batch_size=CLIENTS)
     cache.preload([1, 2, 4, 8], example_inputs=(requests[0],), progress=False)
     run_preformed(cache, batches[:20]), run_singles(cache, requests[:50]), run_batcher(cache, requests[:80])  # warm-up
-    run_submitting(cache, requests[:80])
+    run_batcher(cache, requests[:80], waiting=False)
     runs: dict = {"preformed": [], "submitting": [], "waiting": [], "singles": []}
-    serve = {"preformed": lambda: run_preformed(cache, batches), "submitting": lambda: run_submitting(cache, requests),
+    serve = {"preformed": lambda: run_preformed(cache, batches), "submitting": lambda: run_batcher(cache, requests, waiting=False),
              "waiting": lambda: run_batcher(cache, requests), "singles": lambda: run_singles(cache, requests)}
     order = list(runs)
     for r in range(rounds):
