@@ -494,14 +494,18 @@ TEST(Paging, MatmulStreamsAConvertedWeightWithoutLoadingItAndEqualsTheWholeProdu
 }
 
 TEST(Paging, StreamedBlocksMadeByAHelperThreadGiveTheCallersProduct) {
-  // Stored bfloat16, served float32, in both layouts, 6 to 7 blocks of 512 KiB each. A product
-  // whose blocks the helper made, all or some, equals in every bit the one the caller made alone.
+  // Stored bfloat16, served float32, in both layouts and both blockings, 6 to 7 blocks of 512 KiB
+  // each. A product whose blocks the helper made, all or some, equals in every bit the one the
+  // caller made alone.
   const at::Tensor x = at::randn({3, 64});
   const at::Tensor bias = at::randn({13000});
-  for (const bool transposed : {false, true}) {
+  using Blocking = pg::Blocking;
+  for (const auto& [transposed, blocking] : {std::pair{false, Blocking::kOutputFeatures},
+                                             std::pair{true, Blocking::kOutputFeatures},
+                                             std::pair{true, Blocking::kWholeRows}}) {
     const at::Tensor stored = (transposed ? at::randn({64, 13000}) : at::randn({13000, 64})).to(at::kBFloat16);
     const auto blocks_of = [&] {
-      return std::make_shared<pg::StreamedBlocks>(stored, x, std::optional<at::Tensor>(bias), transposed);
+      return std::make_shared<pg::StreamedBlocks>(stored, x, std::optional<at::Tensor>(bias), transposed, blocking);
     };
     const auto alone = blocks_of();
     const at::Tensor expected = alone->multiply();
@@ -557,6 +561,19 @@ TEST(Paging, AStreamedWeightsFilePagesStayMappedWithinTheBudgetAndAreEvictedLike
   EXPECT_EQ(pager->stats().streamed_matmuls, 3);
 }
 
+TEST(Paging, StreamedConv1DWeightsGatherRunsOfOutputFeaturesFromEveryRow) {
+  // A transposed (Conv1D) weight blocked by output features gathers each block's columns from
+  // every row of the file (13 blocks of 64 columns, the last one short): the product is torch's
+  // addmm over the converted weight (to the last bit where this BLAS blocks columns alike).
+  const at::Tensor x = at::randn({5, 2100}), bias = at::randn({800});
+  const at::Tensor stored = at::randn({2100, 800}).to(at::kBFloat16);
+  const at::Tensor expected = at::addmm(bias, x, stored.to(at::kFloat));
+  pg::StreamedBlocks blocks(stored, x, bias, true, pg::Blocking::kOutputFeatures);
+  EXPECT_EQ(blocks.blocks(), 13);
+  EXPECT_TRUE(blocks.multiply().allclose(expected, 1e-5, 1e-5));
+  EXPECT_FALSE(blocks.scratch().defined());  // each thread's block buffer, no whole-weight buffer
+}
+
 TEST(Paging, StreamedConv1DWeightsConvertWholeRowsIntoAReusedBuffer) {
   // A transposed (Conv1D) weight converts into one buffer of the whole weight: a scratch buffer
   // with room is used (the next product's faults are spared), one without room is not, and the
@@ -565,10 +582,10 @@ TEST(Paging, StreamedConv1DWeightsConvertWholeRowsIntoAReusedBuffer) {
   const at::Tensor stored = at::randn({64, 3000}).to(at::kBFloat16);
   const at::Tensor expected = at::addmm(bias, x, stored.to(at::kFloat));
   const at::Tensor roomy = at::empty({64 * 3000 + 7}), small = at::empty({64 * 2999});
-  pg::StreamedBlocks with_room(stored, x, bias, true, roomy);
+  pg::StreamedBlocks with_room(stored, x, bias, true, pg::Blocking::kWholeRows, roomy);
   EXPECT_TRUE(at::equal(with_room.multiply(), expected));
   EXPECT_EQ(with_room.scratch().data_ptr(), roomy.data_ptr());
-  pg::StreamedBlocks without_room(stored, x, bias, true, small);
+  pg::StreamedBlocks without_room(stored, x, bias, true, pg::Blocking::kWholeRows, small);
   EXPECT_TRUE(at::equal(without_room.multiply(), expected));
   EXPECT_NE(without_room.scratch().data_ptr(), small.data_ptr());
   EXPECT_GE(without_room.scratch().numel(), 64 * 3000);

@@ -37,6 +37,7 @@
 #include "torch_ext/common/fork.h"
 #include "torch_ext/fields.h"
 #include "torch_ext/paging/source.h"
+#include "torch_ext/paging/streamed_blocks.h"
 
 namespace c10 {
 class IValue;
@@ -44,7 +45,6 @@ class IValue;
 
 namespace torch_ext::paging {
 
-class StreamedBlocks;
 
 // PagerOptions.budget_bytes: a byte count, or a share of the source's bytes ("30%") that the
 // pager resolves. Parsed from ints, floats and strings such as "1GB", "512MiB", "1.5 GiB", "30%".
@@ -236,7 +236,8 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   // next product while the budget has free room for them (counted at the file's bytes, and
   // evicted like any tensor); otherwise they are given back. Streaming a shape is decided on its first
   // call, which acquire()s the weight and compares the two products: a shape is streamed only if
-  // they are equal in every bit (a BLAS may block a narrower product differently), otherwise it
+  // they are equal in every bit (a BLAS may block a narrower product differently; a transposed
+  // weight then tries the conversion of whole rows, streamed_blocks.h), otherwise it
   // keeps acquire()ing, as do calls where autograd needs the weight. Where the budget cannot hold
   // the whole source, that first call compares even when the weight has room, and a widened
   // weight loaded only to compare is evicted after it.
@@ -355,7 +356,8 @@ class LayerPager : public torch::CustomClassHolder, private ForkParticipant {
   int64_t cursor_ = -1;  // position in order_ of the last acquire
   uint64_t cursor_generation_ = 0;
   uint64_t work_generation_ = 0;  // counts work_changed_locked() calls
-  std::unordered_map<std::string, bool> exact_shapes_;  // matmul(): shape -> blocks equal the whole
+  // matmul(): shape -> the blocking whose product equals the whole weight's (nullopt: none does)
+  std::unordered_map<std::string, std::optional<Blocking>> exact_shapes_;
   std::shared_ptr<StreamedBlocks> helped_blocks_;  // offered to the prefetch thread, not yet taken
   // A streamed transposed weight's conversion buffer, kept for the next product (its pages stay
   // faulted in): at most the largest such weight in the served dtype. Taken by one product at a

@@ -26,12 +26,12 @@ at::Tensor whole_matmul(const at::Tensor& input, const at::Tensor& weight, const
   return (bias ? at::addmm(*bias, flat, weight) : at::mm(flat, weight)).view(sizes);
 }
 
-// The product computed over blocks of output features (streamed_blocks.h), shaped as the input.
+// The product computed over blocks of the weight (streamed_blocks.h), shaped as the input.
 std::shared_ptr<StreamedBlocks> streamed_blocks(const at::Tensor& input, at::Tensor stored,
                                                 const std::optional<at::Tensor>& bias, bool transposed,
-                                                at::Tensor scratch = at::Tensor()) {
+                                                Blocking blocking, at::Tensor scratch = at::Tensor()) {
   return std::make_shared<StreamedBlocks>(std::move(stored), input.reshape({-1, input.size(-1)}), bias, transposed,
-                                          std::move(scratch));
+                                          blocking, std::move(scratch));
 }
 
 at::Tensor blocked_product(const at::Tensor& input, StreamedBlocks& blocks) {
@@ -95,7 +95,8 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
                               bool transposed) {
   const bool for_autograd = at::GradMode::is_enabled() && (input.requires_grad() || (bias && bias->requires_grad()));
   bool stream = false, compare = false;
-  std::optional<bool> exact;  // unknown: the first call of this shape
+  bool known = false;                // the first call of this shape compares the blockings
+  std::optional<Blocking> blocking;  // known: the one equal to the whole product, if any
   std::string shape;
   at::Tensor scratch;
   {
@@ -106,20 +107,25 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
     if (!for_autograd && e.streamable && input.dim() >= 2 && input.is_contiguous() &&
         input.size(-1) == info.shape[transposed ? 0 : 1]) {
       shape = shape_key(input, info.shape, bias, transposed);
-      const auto known = exact_shapes_.find(shape);
-      if (known != exact_shapes_.end()) exact = known->second;
-      stream = stream_matmul_locked(e, input);
-      if (stream && exact == true) {
+      const auto found = exact_shapes_.find(shape);
+      if (found != exact_shapes_.end()) {
+        known = true;
+        blocking = found->second;
+      }
+      const bool streamable_now = stream_matmul_locked(e, input);
+      stream = streamable_now && blocking;
+      if (stream) {
         note_access_locked(e);  // acquire() notes the others
         if (e.mapped_bytes > 0) ++stats_.streamed_from_mapped_pages;
-        if (transposed) scratch = std::move(conversion_scratch_);  // another product meanwhile makes its own
+        // Another product meanwhile makes its own.
+        if (*blocking == Blocking::kWholeRows) scratch = std::move(conversion_scratch_);
       }
       // Compared while the weight is loaded anyway (see matmul() in the header).
-      compare = !exact && input.scalar_type() == e.dtype && (stream || budget_below_source_);
+      compare = !known && input.scalar_type() == e.dtype && (streamable_now || budget_below_source_);
     }
   }
-  if (stream && exact == true) {
-    const auto blocks = streamed_blocks(input, source_->view(id), bias, transposed, std::move(scratch));
+  if (stream) {
+    const auto blocks = streamed_blocks(input, source_->view(id), bias, transposed, *blocking, std::move(scratch));
     offer_to_prefetcher(blocks);
     at::Tensor out = blocked_product(input, *blocks);
     std::unique_lock<std::mutex> lock(mutex_);
@@ -141,7 +147,17 @@ at::Tensor LayerPager::matmul(const std::string& id, const at::Tensor& input, co
   // the blocked product with it once.
   at::Tensor whole = whole_matmul(input, acquire(id), bias, transposed);
   if (compare) {
-    const bool equal = at::equal(blocked_product(input, *streamed_blocks(input, source_->view(id), bias, transposed)), whole);
+    // Blocks of output features read the file once on two threads; a Conv1D weight converted
+    // whole is the resident weight's own call, the fallback where a BLAS blocks them differently.
+    std::optional<Blocking> equal;
+    for (const Blocking candidate : {Blocking::kOutputFeatures, Blocking::kWholeRows}) {
+      if (candidate == Blocking::kWholeRows && !transposed) break;
+      if (at::equal(blocked_product(input, *streamed_blocks(input, source_->view(id), bias, transposed, candidate)),
+                    whole)) {
+        equal = candidate;
+        break;
+      }
+    }
     source_->release_pages(id);
     std::vector<at::Tensor> dead;  // freed after the lock
     std::lock_guard<std::mutex> lock(mutex_);
