@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Child, Report, format_bytes, format_seconds, run_children, timing_of  # noqa: E402
 
 FULL = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, shard="100MB",
-            tokens=64, new_tokens=32, repeat=10, generate_repeat=2, train_repeat=5)
+            tokens=64, new_tokens=32, repeat=10, generate_repeat=6, train_repeat=5)
 QUICK = dict(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, n_positions=128, shard="200KB",
              tokens=16, new_tokens=8, repeat=3, generate_repeat=1, train_repeat=2)
 # What a paged run's peak RSS may hold besides budget + largest tensor (docs/paging.md): the model's
