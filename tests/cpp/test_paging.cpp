@@ -574,6 +574,33 @@ TEST(Paging, StreamedConv1DWeightsGatherRunsOfOutputFeaturesFromEveryRow) {
   EXPECT_FALSE(blocks.scratch().defined());  // each thread's block buffer, no whole-weight buffer
 }
 
+TEST(Paging, EachThreadKeepsItsBlockBufferForItsNextProduct) {
+  // A new buffer each product would be faulted in page by page each time; a narrower product
+  // reuses the wider one's, a wider one replaces it, and another thread has its own.
+  const at::Tensor x = at::randn({1, 256});
+  const auto buffer_of = [&](int64_t out) {
+    return pg::StreamedBlocks(at::randn({out, 256}).to(at::kBFloat16), x, std::nullopt, false,
+                              pg::Blocking::kOutputFeatures)
+        .block_buffer();
+  };
+  void* other = nullptr;
+  std::thread([&] {  // a thread of its own: this one's buffer may be sized by earlier tests
+    const at::Tensor first = buffer_of(128);  // one block of 128 rows of 256
+    EXPECT_EQ(buffer_of(128).data_ptr(), first.data_ptr());
+    EXPECT_EQ(buffer_of(64).data_ptr(), first.data_ptr());
+    const at::Tensor wider = buffer_of(512);  // 512 KiB blocks: 512 rows of 256
+    EXPECT_GT(wider.numel(), first.numel());
+    EXPECT_EQ(buffer_of(128).data_ptr(), wider.data_ptr());
+    std::thread([&] { other = buffer_of(128).data_ptr(); }).join();
+    EXPECT_NE(other, wider.data_ptr());
+  }).join();
+  EXPECT_NE(other, nullptr);
+  EXPECT_FALSE(pg::StreamedBlocks(at::randn({256, 512}).to(at::kBFloat16), x, std::nullopt, true,
+                                  pg::Blocking::kWholeRows)
+                   .block_buffer()
+                   .defined());
+}
+
 TEST(Paging, StreamedConv1DWeightsConvertWholeRowsIntoAReusedBuffer) {
   // A transposed (Conv1D) weight converts into one buffer of the whole weight: a scratch buffer
   // with room is used (the next product's faults are spared), one without room is not, and the

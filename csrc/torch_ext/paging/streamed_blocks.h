@@ -50,12 +50,14 @@ class StreamedBlocks {
   int64_t made_by_helper() const;  // final once multiply() has returned
   // kWholeRows' conversion buffer (undefined otherwise), for the next product.
   const at::Tensor& scratch() const { return scratch_; }
+  // The calling thread's buffer for one block of kOutputFeatures (undefined for kWholeRows), the
+  // same memory for each of its products while it has room.
+  at::Tensor block_buffer() const;
 
  private:
   // Converts block `index`, and multiplies it unless kWholeRows; `buffer` is the thread's own for
   // kOutputFeatures.
   void make(int64_t index, const at::Tensor& buffer);
-  at::Tensor block_buffer() const;
 
   const at::Tensor stored_, flat_;
   const std::optional<at::Tensor> bias_;
