@@ -45,7 +45,6 @@ class IValue;
 
 namespace torch_ext::paging {
 
-
 // PagerOptions.budget_bytes: a byte count, or a share of the source's bytes ("30%") that the
 // pager resolves. Parsed from ints, floats and strings such as "1GB", "512MiB", "1.5 GiB", "30%".
 struct ByteBudget {
