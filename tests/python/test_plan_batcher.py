@@ -268,3 +268,24 @@ def test_follow_moves_later_batches_to_another_cache_and_refuses_one_that_cannot
         with pytest.raises(ValueError, match="batches of at most 2 rows, below this batcher's max_batch_size 4"):
             batcher.script_object.follow(PlanCache(module, max_batch_size=2).script_object)
         assert torch.equal(batcher(x), module(x)) and other.stats().calls == 2  # still the one it follows
+
+
+def _thread_names() -> list:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended while listing
+            pass
+    return names
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+def test_the_batchers_thread_is_named_so_that_top_and_perf_can_tell_it_apart(cache):
+    _, plans = cache
+    before = _thread_names().count("torch_ext batch")
+    with Batcher(plans, max_batch_size=1, max_delay_ms=NEVER_MS) as batcher:
+        batcher.submit(torch.ones(1, 8)).result()  # a full batch: the thread has started and run it
+        assert _thread_names().count("torch_ext batch") == before + 1
+    assert _thread_names().count("torch_ext batch") == before

@@ -22,6 +22,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
+#include "torch_ext/common/thread_name.h"
+
 namespace torch_ext::paging {
 
 namespace {
@@ -638,6 +640,7 @@ std::vector<std::string> LayerPager::order() const {
 }
 
 void LayerPager::prefetch_loop() {
+  name_this_thread("torch_ext fetch");
   std::unique_lock<std::mutex> lock(mutex_);
   uint64_t handled = work_generation_ - 1;  // look once at start
   while (true) {

@@ -19,6 +19,7 @@
 #include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
 
+#include "torch_ext/common/thread_name.h"
 #include "torch_ext/common/wait.h"
 #include "torch_ext/plan/layout.h"
 
@@ -290,6 +291,7 @@ void Batcher::fail_expired(std::vector<Request>& expired) {
 }
 
 void Batcher::loop() {
+  name_this_thread("torch_ext batch");
   at::init_num_threads();  // this thread computes with torch's intra-op thread count, as callers' do
   const auto delay = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double, std::milli>(options_.max_delay_ms));

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "torch_ext/common/thread_name.h"
+
 namespace torch_ext::plan {
 
 namespace {
@@ -43,6 +45,7 @@ void BuildWorker::push(Job job) {
 }
 
 void BuildWorker::loop() {
+  name_this_thread("torch_ext build");
   at::init_num_threads();  // jobs compute with torch's intra-op thread count
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
