@@ -184,7 +184,9 @@ py::cpp_function batcher_submit(const py::object& script_object) {
 py::object batch_result(const py::object& script_object, double timeout_seconds) {
   static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::BatchResult>>();
   const auto result = torch::jit::toIValue(script_object, type).toCustomClass<plan::BatchResult>();
-  return call_released([&] { return result->result(timeout_seconds); });
+  // A result already in is taken with the GIL held: releasing it would hand the interpreter to
+  // another waiting thread and queue this one behind it, a round trip for nothing.
+  return call_released([&] { return result->result(timeout_seconds); }, /*release_gil=*/!result->done());
 }
 
 }  // namespace

@@ -727,6 +727,37 @@ TEST(Plan, BatcherAnInferThatFillsABatchRunsItOnItsThreadAndASubmitLeavesItToThe
   EXPECT_EQ(s.max_batch_rows, 4);
 }
 
+TEST(Plan, BatcherStoresEveryResultOfABatchBeforeWakingAnyWaiter) {
+  // A client waiting on several requests of one batch is woken once, and finds the rest done: the
+  // torch Future of the first result completes (its callbacks run on the batcher's thread, now)
+  // only after every result of the batch is in.
+  auto m = rowwise();
+  PlanCacheOptions o = options(MissMode::pad);
+  o.max_batch_size = 16;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  plan::BatcherOptions b;
+  b.max_batch_size = 4;
+  b.max_delay_ms = 600000;  // only a full batch runs: no timing in this test
+  plan::Batcher batcher(cache, b);
+  std::vector<at::Tensor> xs;
+  std::vector<c10::intrusive_ptr<plan::BatchResult>> results;
+  for (int i = 0; i < 3; ++i) {
+    xs.push_back(input(1));
+    results.push_back(batcher.submit({xs.back()}));
+  }
+  std::atomic<int> done_when_first_announced{-1};
+  results[0]->future()->addCallback([&](c10::ivalue::Future&) {
+    int done = 0;
+    for (auto& result : results) done += result->done() ? 1 : 0;  // the three submitted before the batch
+    done_when_first_announced = done;
+  });
+  const auto last = input(1);
+  const auto filling = batcher.submit({last});  // fills the batch
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(results[i]->result(60).toTensor(), reference(m, xs[i])));
+  EXPECT_TRUE(at::equal(filling->result(60).toTensor(), reference(m, last)));
+  EXPECT_EQ(done_when_first_announced.load(), 3);
+}
+
 TEST(Plan, BatcherADeadlineThatCannotBeMetFailsAtOnceAndOneThatPassesInTheQueueIsNotRun) {
   auto m = rowwise();
   PlanCacheOptions o = options(MissMode::pad);

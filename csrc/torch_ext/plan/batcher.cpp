@@ -101,10 +101,12 @@ void Batcher::follow(c10::intrusive_ptr<PlanCache> cache) {
 }
 
 void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms) {
-  enqueue(std::move(inputs), std::move(callback), deadline_ms, /*run_if_full=*/false);
+  TORCH_CHECK_VALUE(callback, "Batcher.submit: no callback given");
+  enqueue(std::move(inputs), {}, std::move(callback), deadline_ms, /*run_if_full=*/false);
 }
 
-void Batcher::enqueue(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms, bool run_if_full) {
+void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchResult> result, Callback callback,
+                      double deadline_ms, bool run_if_full) {
   TORCH_CHECK(!forked_.load(std::memory_order_relaxed), "Batcher.submit: this process was forked from the one that "
               "made the batcher, whose thread a forked child does not have; make a new Batcher in the child");
   TORCH_CHECK_VALUE(!std::isnan(deadline_ms), "Batcher.submit: deadline_ms is NaN");
@@ -136,7 +138,8 @@ void Batcher::enqueue(std::vector<c10::IValue> inputs, Callback callback, double
                   options_.max_queue, "); retry later, or raise max_queue");
     }
     was_empty = queue_.empty();
-    queue_.push_back(Request{std::move(inputs), sizes, std::move(callback), now, deadline, deadline_ms});
+    queue_.push_back(
+        Request{std::move(inputs), sizes, std::move(result), std::move(callback), now, deadline, deadline_ms});
     queued_rows_ += sizes[0];
     ++stats_.requests;
     stats_.max_queued = std::max(stats_.max_queued, static_cast<int64_t>(queue_.size()));
@@ -162,19 +165,19 @@ void Batcher::enqueue(std::vector<c10::IValue> inputs, Callback callback, double
   blocking_section([&] { run_batch(batch); });
 }
 
-void BatchResult::complete(c10::IValue value, std::exception_ptr error) {
-  c10::intrusive_ptr<c10::ivalue::Future> future;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    done_ = true;
-    value_ = std::move(value);
-    error_ = error;
-    future = future_;
-  }
+c10::intrusive_ptr<c10::ivalue::Future> BatchResult::store(c10::IValue value, std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  done_ = true;
+  value_ = std::move(value);
+  error_ = error;
+  return future_;  // one made from now on is completed as it is made
+}
+
+void BatchResult::announce(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
   cv_.notify_all();
-  if (future) {
-    if (error) {
-      future->setError(error);
+  if (future) {  // value_ and error_ are not written again once stored
+    if (error_) {
+      future->setError(error_);
     } else {
       future->markCompleted(value_);
     }
@@ -210,19 +213,13 @@ c10::intrusive_ptr<c10::ivalue::Future> BatchResult::future() {
 
 c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs, double deadline_ms) {
   auto result = c10::make_intrusive<BatchResult>();
-  submit(
-      std::move(inputs),
-      [result](c10::IValue output, std::exception_ptr error) { result->complete(std::move(output), error); },
-      deadline_ms);
+  enqueue(std::move(inputs), result, {}, deadline_ms, /*run_if_full=*/false);
   return result;
 }
 
 c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_seconds, double deadline_ms) {
   auto result = c10::make_intrusive<BatchResult>();
-  enqueue(
-      std::move(inputs),
-      [result](c10::IValue output, std::exception_ptr error) { result->complete(std::move(output), error); },
-      deadline_ms, /*run_if_full=*/true);
+  enqueue(std::move(inputs), result, {}, deadline_ms, /*run_if_full=*/true);
   return result->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
 }
 
@@ -283,6 +280,10 @@ void Batcher::fail_expired(std::vector<Request>& expired) {
     const auto error = std::make_exception_ptr(
         c10::Error("Batcher: this request's deadline of " + std::to_string(request.deadline_ms) + " ms passed after " +
                    std::to_string(ms_between(request.arrived, now)) + " ms in the queue; it was not run"));
+    if (request.result) {
+      request.result->complete(c10::IValue(), error);
+      continue;
+    }
     try {
       request.callback(c10::IValue(), error);
     } catch (...) {  // as in run_batch: a callback's error is its caller's
@@ -358,6 +359,9 @@ void Batcher::run_batch(Batch& batch) {
     stats_.batch_seconds += seconds;
     if (!error && (fastest_batch_seconds_ == 0 || seconds < fastest_batch_seconds_)) fastest_batch_seconds_ = seconds;
   }
+  // Every result is stored before any waiter is woken (BatchResult::store); callbacks run last.
+  std::vector<std::pair<BatchResult*, c10::intrusive_ptr<c10::ivalue::Future>>> stored;
+  std::vector<std::pair<c10::IValue, std::exception_ptr>> for_callbacks;
   int64_t offset = 0;
   for (auto& request : batch.requests) {
     c10::IValue rows;
@@ -374,6 +378,17 @@ void Batcher::run_batch(Batch& batch) {
       }
     }
     offset += request.sizes[0];
+    if (request.result) {
+      stored.emplace_back(request.result.get(), request.result->store(std::move(rows), failure));
+    } else {
+      for_callbacks.emplace_back(std::move(rows), failure);
+    }
+  }
+  for (const auto& [result, future] : stored) result->announce(future);
+  size_t next = 0;
+  for (auto& request : batch.requests) {
+    if (request.result) continue;
+    auto& [rows, failure] = for_callbacks[next++];
     try {
       request.callback(std::move(rows), failure);
     } catch (...) {  // a caller's callback must not stop the batcher; its caller has its result

@@ -96,7 +96,13 @@ struct BatcherStats {
 // TorchScript's wait and for callbacks).
 class BatchResult : public torch::CustomClassHolder {
  public:
-  void complete(c10::IValue value, std::exception_ptr error);
+  void complete(c10::IValue value, std::exception_ptr error) { announce(store(std::move(value), error)); }
+  // complete() in two steps, so that a batch stores every result before it wakes any waiter: a
+  // waiter woken early would take the batcher's core (Linux runs a woken thread on its waker's
+  // core) and wait again for its next result, one such round trip per request. store() returns
+  // the torch Future (if one was made) for announce() to complete.
+  c10::intrusive_ptr<c10::ivalue::Future> store(c10::IValue value, std::exception_ptr error);
+  void announce(const c10::intrusive_ptr<c10::ivalue::Future>& future);
   // Whether the result is in after waiting at most timeout_seconds.
   bool wait(double timeout_seconds);
   // The output, or the error of the request's batch; raises if it is not in after timeout_seconds.
@@ -147,6 +153,7 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   struct Request {
     std::vector<c10::IValue> inputs;
     Bucket sizes;
+    c10::intrusive_ptr<BatchResult> result;  // where the output goes; null: to callback
     Callback callback;
     std::chrono::steady_clock::time_point arrived;
     std::chrono::steady_clock::time_point deadline;  // time_point::max(): none
@@ -160,9 +167,11 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
     std::vector<Request> requests;
   };
 
-  // submit() and infer(): run_if_full, the caller runs the batch its request fills (infer, whose
-  // caller waits anyway); else the batcher's thread does.
-  void enqueue(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms, bool run_if_full);
+  // submit() and infer(): the output goes to result, or to callback where result is null;
+  // run_if_full, the caller runs the batch its request fills (infer, whose caller waits anyway);
+  // else the batcher's thread does.
+  void enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchResult> result, Callback callback,
+               double deadline_ms, bool run_if_full);
   void loop();
   // The requests of the next batch, oldest first; those whose deadline has passed move to `expired`
   // (called with the lock held).
