@@ -353,9 +353,7 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     if not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"plan_ops: repeat must be an int >= 1, got {repeat!r}")
     options = _check_storage(storage)
-    progress = progress or (lambda iterable, desc: iterable)
-    measured = _measure_blocks(layers, repeat, progress, sample_inputs, kwargs, rounding=options != ["keep"])
-    return _op_plan(measured, budget_bytes, options)
+    return _op_plan(_measure_blocks(layers, repeat, progress, options, sample_inputs, kwargs), budget_bytes, options)
 
 
 def _check_budget(budget_bytes: Any) -> None:
@@ -363,13 +361,16 @@ def _check_budget(budget_bytes: Any) -> None:
         raise ValueError(f"plan_ops: budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
 
 
-def _measure_blocks(layers: list, repeat: int, progress, inputs: tuple = (), kwargs: Optional[dict] = None,
-                    recorded: Optional[Sequence[tuple[tuple, dict]]] = None, rounding: bool = False) -> dict:
+def _measure_blocks(layers: list, repeat: int, progress: Optional[Callable], storage_options: list[str],
+                    inputs: tuple = (), kwargs: Optional[dict] = None,
+                    recorded: Optional[Sequence[tuple[tuple, dict]]] = None) -> dict:
     """Per block: its candidate ops, input / output / activation / workspace / parameter bytes
     and seconds. A chain (inputs, kwargs for the first block; each block runs on the previous
     one's output) or, with recorded, the (args, kwargs) each block received in a real forward
-    (its boundary is its first argument, as plan_recorded_layers counts it). rounding: also each
-    block's input rounded to 16 bits and the time to round it (for a lossy storage option)."""
+    (its boundary is its first argument, as plan_recorded_layers counts it). With a lossy option
+    among storage_options, also each block's input rounded to 16 bits and the time to round it."""
+    progress = progress or (lambda iterable, desc: iterable)
+    rounding = storage_options != ["keep"]
     leaves = _tensor_leaves(recorded[0] if recorded is not None else inputs)
     device = leaves[0].device if leaves else torch.device("cpu")
     devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
@@ -438,9 +439,7 @@ def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tupl
     it received in a real forward (hf.checkpoint_layers(..., ops=True))."""
     _check_budget(budget_bytes)
     options = _check_storage(storage)
-    progress = progress or (lambda iterable, desc: iterable)
-    return _op_plan(_measure_blocks(list(layers), repeat, progress, recorded=recorded, rounding=options != ["keep"]),
-                    budget_bytes, options)
+    return _op_plan(_measure_blocks(list(layers), repeat, progress, options, recorded=recorded), budget_bytes, options)
 
 
 def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("keep",)) -> OpPlan:
