@@ -43,29 +43,23 @@ def models() -> dict:
     }
 
 
-def run_preformed(cache, batches: list) -> float:
+def run_one_thread(cache, calls: list) -> dict:
+    """Each of calls (batches formed beforehand, or single requests) through the cache, one after
+    another from this thread."""
     start = time.perf_counter()
     with torch.no_grad():
-        for batch in batches:
-            cache(batch)
-    return time.perf_counter() - start
-
-
-def run_singles(cache, requests: list) -> float:
-    start = time.perf_counter()
-    with torch.no_grad():
-        for x in requests:
+        for x in calls:
             cache(x)
-    return time.perf_counter() - start
+    return dict(wall=time.perf_counter() - start)
 
 
 def run_batcher(cache, requests: list, waiting: bool = True) -> dict:
     """CLIENTS threads, each sending its share of single requests through one Batcher: waiting
     for each result before the next (batcher(x); each request's latency recorded), or submitting
-    them all without waiting (batcher.submit, as a server's handlers pass requests on as they
-    arrive) and then waiting for their futures."""
+    arrive) and then waiting for their futures (no latencies: a submitting client's wait is the
+    queue its own burst made)."""
     from torch_ext import Batcher
-    latencies = [0.0] * len(requests)
+    latencies = [0.0] * len(requests) if waiting else None
     with Batcher(cache, max_batch_size=CLIENTS, max_delay_ms=MAX_DELAY_MS, max_queue=len(requests)) as batcher:
         def client(k: int) -> None:
             mine = range(k, len(requests), CLIENTS)
@@ -123,16 +117,17 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
     batches = [torch.cat(requests[i:i + CLIENTS]) for i in range(0, n_requests, CLIENTS)]
     cache = PlanCache(scripted, miss_mode="pad", max_batch_size=CLIENTS)
     cache.preload([1, 2, 4, 8], example_inputs=(requests[0],), progress=False)
-    run_preformed(cache, batches[:20]), run_singles(cache, requests[:50]), run_batcher(cache, requests[:80])  # warm-up
+    run_one_thread(cache, batches[:20]), run_one_thread(cache, requests[:50]), run_batcher(cache, requests[:80])  # warm-up
     run_batcher(cache, requests[:80], waiting=False)
     runs: dict = {"preformed": [], "submitting": [], "waiting": [], "singles": []}
-    serve = {"preformed": lambda: run_preformed(cache, batches), "submitting": lambda: run_batcher(cache, requests, waiting=False),
-             "waiting": lambda: run_batcher(cache, requests), "singles": lambda: run_singles(cache, requests)}
+    serve = {"preformed": lambda: run_one_thread(cache, batches),
+             "submitting": lambda: run_batcher(cache, requests, waiting=False),
+             "waiting": lambda: run_batcher(cache, requests), "singles": lambda: run_one_thread(cache, requests)}
     order = list(runs)
     for r in range(rounds):
         for variant in order[r % len(order):] + order[:r % len(order)]:
             runs[variant].append(serve[variant]())
-    wall = {v: [x["wall"] if isinstance(x, dict) else x for x in runs[v]] for v in runs}
+    wall = {v: [x["wall"] for x in runs[v]] for v in runs}
     ratios = {v: [p / w for p, w in zip(wall["preformed"], wall[v])] for v in ("submitting", "waiting")}
     median_round = sorted(range(rounds), key=lambda i: ratios["submitting"][i])[rounds // 2]
     rate = {v: n_requests / wall[v][median_round] for v in runs}
