@@ -98,9 +98,9 @@ class BatchResult : public torch::CustomClassHolder {
  public:
   void complete(c10::IValue value, std::exception_ptr error) { announce(store(std::move(value), error)); }
   // complete() in two steps, so that a batch stores every result before it wakes any waiter: a
-  // waiter woken early would take the batcher's core (Linux runs a woken thread on its waker's
-  // core) and wait again for its next result, one such round trip per request. store() returns
-  // the torch Future (if one was made) for announce() to complete.
+  // waiter woken early may take the batcher's core (Linux often runs a woken thread on its
+  // waker's core when the other is busy) and wait again for its next result, one such round trip
+  // per request. store() returns the torch Future (if one was made) for announce() to complete.
   c10::intrusive_ptr<c10::ivalue::Future> store(c10::IValue value, std::exception_ptr error);
   void announce(const c10::intrusive_ptr<c10::ivalue::Future>& future);
   // Whether the result is in after waiting at most timeout_seconds.
