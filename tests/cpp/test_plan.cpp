@@ -626,15 +626,25 @@ TEST(Plan, CudaGraphPlansReplayFreshInputsAndReturnCopies) {
   EXPECT_GE(s.plan_bytes, size_stats(s, 2)->graph_bytes + size_stats(s, 8)->graph_bytes);
 }
 
-TEST(Plan, BatcherGathersConcurrentRequestsAndHandsEachCallerItsRows) {
-  auto m = rowwise();
+// A cache of 16 rows at most that pads (the batcher tests' cache).
+c10::intrusive_ptr<PlanCache> padding_cache(const torch::jit::Module& m) {
   PlanCacheOptions o = options(MissMode::pad);
   o.max_batch_size = 16;
-  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  return c10::make_intrusive<PlanCache>(m, o);
+}
+
+// Batches of `rows` that run only when full (or on close): what the tests count does not depend on timing.
+plan::BatcherOptions full_batches_of(int64_t rows) {
   plan::BatcherOptions b;
-  b.max_batch_size = 8;
-  b.max_delay_ms = 600000;  // a batch runs when full: the counts below do not depend on timing
-  plan::Batcher batcher(cache, b);
+  b.max_batch_size = rows;
+  b.max_delay_ms = 600000;
+  return b;
+}
+
+TEST(Plan, BatcherGathersConcurrentRequestsAndHandsEachCallerItsRows) {
+  auto m = rowwise();
+  auto cache = padding_cache(m);
+  plan::Batcher batcher(cache, full_batches_of(8));
   constexpr int kThreads = 8, kRounds = 5;
   std::atomic<int> wrong{0};
   std::vector<std::thread> clients;
@@ -688,13 +698,8 @@ TEST(Plan, BatcherQueueIsBoundedAndAFullQueueRaises) {
 
 TEST(Plan, BatcherAnInferThatFillsABatchRunsItOnItsThreadAndASubmitLeavesItToTheBatchers) {
   auto m = rowwise();
-  PlanCacheOptions o = options(MissMode::pad);
-  o.max_batch_size = 16;
-  auto cache = c10::make_intrusive<PlanCache>(m, o);
-  plan::BatcherOptions b;
-  b.max_batch_size = 4;
-  b.max_delay_ms = 600000;  // only a full batch runs: no timing in this test
-  plan::Batcher batcher(cache, b);
+  auto cache = padding_cache(m);
+  plan::Batcher batcher(cache, full_batches_of(4));
   const auto here = std::this_thread::get_id();
   for (const bool by_infer : {true, false}) {
     std::vector<at::Tensor> xs, outs(4);
@@ -732,13 +737,8 @@ TEST(Plan, BatcherStoresEveryResultOfABatchBeforeWakingAnyWaiter) {
   // torch Future of the first result completes (its callbacks run on the batcher's thread, now)
   // only after every result of the batch is in.
   auto m = rowwise();
-  PlanCacheOptions o = options(MissMode::pad);
-  o.max_batch_size = 16;
-  auto cache = c10::make_intrusive<PlanCache>(m, o);
-  plan::BatcherOptions b;
-  b.max_batch_size = 4;
-  b.max_delay_ms = 600000;  // only a full batch runs: no timing in this test
-  plan::Batcher batcher(cache, b);
+  auto cache = padding_cache(m);
+  plan::Batcher batcher(cache, full_batches_of(4));
   std::vector<at::Tensor> xs;
   std::vector<c10::intrusive_ptr<plan::BatchResult>> results;
   for (int i = 0; i < 3; ++i) {
@@ -760,12 +760,8 @@ TEST(Plan, BatcherStoresEveryResultOfABatchBeforeWakingAnyWaiter) {
 
 TEST(Plan, BatcherADeadlineThatCannotBeMetFailsAtOnceAndOneThatPassesInTheQueueIsNotRun) {
   auto m = rowwise();
-  PlanCacheOptions o = options(MissMode::pad);
-  o.max_batch_size = 16;
-  auto cache = c10::make_intrusive<PlanCache>(m, o);
-  plan::BatcherOptions b;
-  b.max_batch_size = 2;
-  b.max_delay_ms = 600000;
+  auto cache = padding_cache(m);
+  const plan::BatcherOptions b = full_batches_of(2);
   {
     // A deadline that passed as it was given: refused at once, nothing queued.
     plan::Batcher batcher(cache, b);
