@@ -284,6 +284,7 @@ def _thread_names() -> list:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
 def test_the_batchers_thread_is_named_so_that_top_and_perf_can_tell_it_apart(cache):
     _, plans = cache
+    gc.collect()  # an earlier test's batcher left to the collector would otherwise end its thread mid-test
     before = _thread_names().count("torch_ext batch")
     with Batcher(plans, max_batch_size=1, max_delay_ms=NEVER_MS) as batcher:
         batcher.submit(torch.ones(1, 8)).result()  # a full batch: the thread has started and run it
