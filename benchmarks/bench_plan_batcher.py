@@ -56,6 +56,7 @@ def run_one_thread(cache, calls: list) -> dict:
 def run_batcher(cache, requests: list, waiting: bool = True) -> dict:
     """CLIENTS threads, each sending its share of single requests through one Batcher: waiting
     for each result before the next (batcher(x); each request's latency recorded), or submitting
+    them all without waiting (batcher.submit, as a server's handlers pass requests on as they
     arrive) and then waiting for their futures (no latencies: a submitting client's wait is the
     queue its own burst made)."""
     from torch_ext import Batcher
