@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -756,6 +757,39 @@ TEST(Plan, BatcherStoresEveryResultOfABatchBeforeWakingAnyWaiter) {
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(results[i]->result(60).toTensor(), reference(m, xs[i])));
   EXPECT_TRUE(at::equal(filling->result(60).toTensor(), reference(m, last)));
   EXPECT_EQ(done_when_first_announced.load(), 3);
+}
+
+TEST(Plan, BatcherCallsACallbackOnceTheBatchIsStoredAndOneThatRaisesStopsNothing) {
+  // A callback is a result's too: it runs after every result of its batch is stored, and one that
+  // raises leaves the batch's other requests and the batcher's next batches running.
+  auto m = rowwise();
+  auto cache = padding_cache(m);
+  plan::Batcher batcher(cache, full_batches_of(4));
+  std::vector<c10::intrusive_ptr<plan::BatchResult>> results;
+  std::atomic<int> stored_when_called{-1};
+  at::Tensor called_with;
+  const auto first = input(1);
+  std::mutex submitting;  // the callback reads `results` once the first batch's are in it
+  std::unique_lock<std::mutex> first_batch(submitting);
+  batcher.submit({first}, [&](c10::IValue out, std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(submitting);
+    int stored = 0;
+    for (auto& result : results) stored += result->done() ? 1 : 0;
+    stored_when_called = stored;
+    if (!error) called_with = out.toTensor();
+    throw std::runtime_error("a callback's own error");
+  });
+  std::vector<at::Tensor> xs;
+  for (int i = 0; i < 7; ++i) {  // three fill the first batch, four the second
+    xs.push_back(input(1));
+    results.push_back(batcher.submit({xs.back()}));
+    if (i == 2) first_batch.unlock();
+  }
+  for (int i = 0; i < 7; ++i) EXPECT_TRUE(at::equal(results[i]->result(60).toTensor(), reference(m, xs[i])));
+  EXPECT_EQ(stored_when_called.load(), 3);
+  EXPECT_TRUE(at::equal(called_with, reference(m, first)));
+  EXPECT_EQ(batcher.stats().batches, 2);
+  EXPECT_EQ(batcher.stats().failed, 0);
 }
 
 TEST(Plan, BatcherADeadlineThatCannotBeMetFailsAtOnceAndOneThatPassesInTheQueueIsNotRun) {

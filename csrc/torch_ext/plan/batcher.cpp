@@ -102,11 +102,11 @@ void Batcher::follow(c10::intrusive_ptr<PlanCache> cache) {
 
 void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms) {
   TORCH_CHECK_VALUE(callback, "Batcher.submit: no callback given");
-  enqueue(std::move(inputs), {}, std::move(callback), deadline_ms, /*run_if_full=*/false);
+  enqueue(std::move(inputs), c10::make_intrusive<BatchResult>(std::move(callback)), deadline_ms, /*run_if_full=*/false);
 }
 
-void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchResult> result, Callback callback,
-                      double deadline_ms, bool run_if_full) {
+void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchResult> result, double deadline_ms,
+                      bool run_if_full) {
   TORCH_CHECK(!forked_.load(std::memory_order_relaxed), "Batcher.submit: this process was forked from the one that "
               "made the batcher, whose thread a forked child does not have; make a new Batcher in the child");
   TORCH_CHECK_VALUE(!std::isnan(deadline_ms), "Batcher.submit: deadline_ms is NaN");
@@ -139,7 +139,7 @@ void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchR
     }
     was_empty = queue_.empty();
     queue_.push_back(
-        Request{std::move(inputs), sizes, std::move(result), std::move(callback), now, deadline, deadline_ms});
+        Request{std::move(inputs), sizes, std::move(result), now, deadline, deadline_ms});
     queued_rows_ += sizes[0];
     ++stats_.requests;
     stats_.max_queued = std::max(stats_.max_queued, static_cast<int64_t>(queue_.size()));
@@ -175,11 +175,18 @@ c10::intrusive_ptr<c10::ivalue::Future> BatchResult::store(c10::IValue value, st
 
 void BatchResult::announce(const c10::intrusive_ptr<c10::ivalue::Future>& future) {
   cv_.notify_all();
-  if (future) {  // value_ and error_ are not written again once stored
+  // value_ and error_ are not written again once stored
+  if (future) {
     if (error_) {
       future->setError(error_);
     } else {
       future->markCompleted(value_);
+    }
+  }
+  if (callback_) {
+    try {
+      callback_(value_, error_);
+    } catch (...) {  // a caller's callback must not stop the batcher; its caller has its result
     }
   }
 }
@@ -213,13 +220,13 @@ c10::intrusive_ptr<c10::ivalue::Future> BatchResult::future() {
 
 c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs, double deadline_ms) {
   auto result = c10::make_intrusive<BatchResult>();
-  enqueue(std::move(inputs), result, {}, deadline_ms, /*run_if_full=*/false);
+  enqueue(std::move(inputs), result, deadline_ms, /*run_if_full=*/false);
   return result;
 }
 
 c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_seconds, double deadline_ms) {
   auto result = c10::make_intrusive<BatchResult>();
-  enqueue(std::move(inputs), result, {}, deadline_ms, /*run_if_full=*/true);
+  enqueue(std::move(inputs), result, deadline_ms, /*run_if_full=*/true);
   return result->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
 }
 
@@ -280,14 +287,7 @@ void Batcher::fail_expired(std::vector<Request>& expired) {
     const auto error = std::make_exception_ptr(
         c10::Error("Batcher: this request's deadline of " + std::to_string(request.deadline_ms) + " ms passed after " +
                    std::to_string(ms_between(request.arrived, now)) + " ms in the queue; it was not run"));
-    if (request.result) {
-      request.result->complete(c10::IValue(), error);
-      continue;
-    }
-    try {
-      request.callback(c10::IValue(), error);
-    } catch (...) {  // as in run_batch: a callback's error is its caller's
-    }
+    request.result->complete(c10::IValue(), error);
   }
 }
 
@@ -359,9 +359,9 @@ void Batcher::run_batch(Batch& batch) {
     stats_.batch_seconds += seconds;
     if (!error && (fastest_batch_seconds_ == 0 || seconds < fastest_batch_seconds_)) fastest_batch_seconds_ = seconds;
   }
-  // Every result is stored before any waiter is woken (BatchResult::store); callbacks run last.
-  std::vector<std::pair<BatchResult*, c10::intrusive_ptr<c10::ivalue::Future>>> stored;
-  std::vector<std::pair<c10::IValue, std::exception_ptr>> for_callbacks;
+  // Every result is stored before any waiter is woken or callback called (BatchResult::store).
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+  futures.reserve(batch.requests.size());
   int64_t offset = 0;
   for (auto& request : batch.requests) {
     c10::IValue rows;
@@ -378,22 +378,9 @@ void Batcher::run_batch(Batch& batch) {
       }
     }
     offset += request.sizes[0];
-    if (request.result) {
-      stored.emplace_back(request.result.get(), request.result->store(std::move(rows), failure));
-    } else {
-      for_callbacks.emplace_back(std::move(rows), failure);
-    }
+    futures.push_back(request.result->store(std::move(rows), failure));
   }
-  for (const auto& [result, future] : stored) result->announce(future);
-  size_t next = 0;
-  for (auto& request : batch.requests) {
-    if (request.result) continue;
-    auto& [rows, failure] = for_callbacks[next++];
-    try {
-      request.callback(std::move(rows), failure);
-    } catch (...) {  // a caller's callback must not stop the batcher; its caller has its result
-    }
-  }
+  for (size_t i = 0; i < futures.size(); ++i) batch.requests[i].result->announce(futures[i]);
 }
 
 BatcherStats Batcher::stats() const {

@@ -91,16 +91,24 @@ struct BatcherStats {
   }
 };
 
-// One request's result: filled once by the batcher's thread, waited for with a timeout by any
-// number of threads. future() is a torch Future completed with it (made on first use: for
-// TorchScript's wait and for callbacks).
+// One request's result: filled once by the thread that ran its batch, waited for with a timeout
+// by any number of threads. future() is a torch Future completed with it (made on first use: for
+// TorchScript's wait and for callbacks). One made with a callback hands it the result as well.
 class BatchResult : public torch::CustomClassHolder {
  public:
+  // Called with the request's output, or the error its batch raised, on the thread that ran the
+  // batch, outside the batcher's locks; what it raises is dropped (its caller has the result).
+  using Callback = std::function<void(c10::IValue output, std::exception_ptr error)>;
+
+  BatchResult() = default;
+  explicit BatchResult(Callback callback) : callback_(std::move(callback)) {}
+
   void complete(c10::IValue value, std::exception_ptr error) { announce(store(std::move(value), error)); }
   // complete() in two steps, so that a batch stores every result before it wakes any waiter: a
   // waiter woken early may take the batcher's core (Linux often runs a woken thread on its
   // waker's core when the other is busy) and wait again for its next result, one such round trip
-  // per request. store() returns the torch Future (if one was made) for announce() to complete.
+  // per request. store() returns the torch Future (if one was made) for announce() to complete;
+  // announce() also calls the callback.
   c10::intrusive_ptr<c10::ivalue::Future> store(c10::IValue value, std::exception_ptr error);
   void announce(const c10::intrusive_ptr<c10::ivalue::Future>& future);
   // Whether the result is in after waiting at most timeout_seconds.
@@ -117,12 +125,12 @@ class BatchResult : public torch::CustomClassHolder {
   c10::IValue value_;
   std::exception_ptr error_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  const Callback callback_;
 };
 
 class Batcher : public torch::CustomClassHolder, private ForkParticipant {
  public:
-  // Runs on the batcher's thread with the request's output, or the error its batch raised.
-  using Callback = std::function<void(c10::IValue output, std::exception_ptr error)>;
+  using Callback = BatchResult::Callback;
 
   Batcher(c10::intrusive_ptr<PlanCache> cache, BatcherOptions options = {});
   ~Batcher() override;
@@ -153,8 +161,7 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   struct Request {
     std::vector<c10::IValue> inputs;
     Bucket sizes;
-    c10::intrusive_ptr<BatchResult> result;  // where the output goes; null: to callback
-    Callback callback;
+    c10::intrusive_ptr<BatchResult> result;  // where the output goes
     std::chrono::steady_clock::time_point arrived;
     std::chrono::steady_clock::time_point deadline;  // time_point::max(): none
     double deadline_ms = -1;
@@ -167,11 +174,10 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
     std::vector<Request> requests;
   };
 
-  // submit() and infer(): the output goes to result, or to callback where result is null;
-  // run_if_full, the caller runs the batch its request fills (infer, whose caller waits anyway);
-  // else the batcher's thread does.
-  void enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchResult> result, Callback callback,
-               double deadline_ms, bool run_if_full);
+  // submit() and infer(): the output goes to result; run_if_full, the caller runs the batch its
+  // request fills (infer, whose caller waits anyway); else the batcher's thread does.
+  void enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchResult> result, double deadline_ms,
+               bool run_if_full);
   void loop();
   // The requests of the next batch, oldest first; those whose deadline has passed move to `expired`
   // (called with the lock held).
