@@ -213,7 +213,8 @@ void bind_plan(py::module_& m) {
           "called directly (no TorchScript method dispatch), the GIL released while it waits");
   sub.def("batcher_submit", &batcher_submit, py::arg("batcher"),
           "Batcher.submit(inputs, deadline_ms=-1) of a torch.classes.torch_ext.Batcher for tensor inputs, called "
-          "directly (no TorchScript method dispatch; it only queues, the GIL held); returns the BatchResult");
+          "directly (no TorchScript method dispatch; the GIL held while it queues, released while it runs a batch it "
+          "fills); returns the BatchResult");
   sub.def("batch_result", &batch_result, py::arg("result"), py::arg("timeout_seconds"),
           "BatchResult.result(timeout_seconds) of a torch.classes.torch_ext.BatchResult, called directly (no "
           "TorchScript method dispatch), the GIL released while it waits");

@@ -697,18 +697,21 @@ TEST(Plan, BatcherQueueIsBoundedAndAFullQueueRaises) {
   }
 }
 
-TEST(Plan, BatcherAnInferThatFillsABatchRunsItOnItsThreadAndASubmitLeavesItToTheBatchers) {
+TEST(Plan, BatcherTheCallThatFillsABatchRunsItOnItsThreadUnlessASubmitLeavesItToTheBatchers) {
   auto m = rowwise();
   auto cache = padding_cache(m);
-  plan::Batcher batcher(cache, full_batches_of(4));
   const auto here = std::this_thread::get_id();
-  for (const bool by_infer : {true, false}) {
+  enum class FilledBy { kInfer, kSubmit, kSubmitLeavingIt };
+  for (const auto filled_by : {FilledBy::kInfer, FilledBy::kSubmit, FilledBy::kSubmitLeavingIt}) {
+    auto options = full_batches_of(4);
+    options.submit_runs_batch = filled_by != FilledBy::kSubmitLeavingIt;
+    plan::Batcher batcher(cache, options);
     std::vector<at::Tensor> xs, outs(4);
     std::vector<std::thread::id> ran_on(4);
     std::vector<c10::intrusive_ptr<plan::BatchResult>> done;
     for (int i = 0; i < 4; ++i) {
       xs.push_back(input(1));
-      if (by_infer && i == 3) {
+      if (filled_by == FilledBy::kInfer && i == 3) {
         outs[i] = batcher.infer({xs.back()}).toTensor();  // the 4th fills the batch and runs all four here
         ran_on[i] = here;
         continue;
@@ -722,20 +725,21 @@ TEST(Plan, BatcherAnInferThatFillsABatchRunsItOnItsThreadAndASubmitLeavesItToThe
       });
     }
     for (auto& result : done) ASSERT_TRUE(result->wait(60));
+    const bool by_caller = filled_by != FilledBy::kSubmitLeavingIt;
     for (int i = 0; i < 4; ++i) {
-      EXPECT_EQ(ran_on[i] == here, by_infer) << "request " << i;
+      EXPECT_EQ(ran_on[i] == here, by_caller) << "request " << i << ", case " << static_cast<int>(filled_by);
       EXPECT_TRUE(at::equal(outs[i], reference(m, xs[i])));
     }
+    const auto s = batcher.stats();
+    EXPECT_EQ(s.batches, 1);
+    EXPECT_EQ(s.client_batches, by_caller ? 1 : 0);
+    EXPECT_EQ(s.max_batch_rows, 4);
   }
-  const auto s = batcher.stats();
-  EXPECT_EQ(s.batches, 2);
-  EXPECT_EQ(s.client_batches, 1);  // the infer's
-  EXPECT_EQ(s.max_batch_rows, 4);
 }
 
 TEST(Plan, BatcherStoresEveryResultOfABatchBeforeWakingAnyWaiter) {
   // A client waiting on several requests of one batch is woken once, and finds the rest done: the
-  // torch Future of the first result completes (its callbacks run on the batcher's thread, now)
+  // torch Future of the first result completes (its callbacks run on the thread that runs the batch, now)
   // only after every result of the batch is in.
   auto m = rowwise();
   auto cache = padding_cache(m);
@@ -764,7 +768,9 @@ TEST(Plan, BatcherCallsACallbackOnceTheBatchIsStoredAndOneThatRaisesStopsNothing
   // raises leaves the batch's other requests and the batcher's next batches running.
   auto m = rowwise();
   auto cache = padding_cache(m);
-  plan::Batcher batcher(cache, full_batches_of(4));
+  auto options = full_batches_of(4);
+  options.submit_runs_batch = false;  // the callback runs on the batcher's thread, while this one submits
+  plan::Batcher batcher(cache, options);
   std::vector<c10::intrusive_ptr<plan::BatchResult>> results;
   std::atomic<int> stored_when_called{-1};
   at::Tensor called_with;

@@ -83,7 +83,7 @@ def test_futures_and_requests_of_several_rows_keep_their_rows(cache):
             assert torch.equal(future.result(timeout=60), module(x)) and future.exception() is None
         assert batcher.stats().batches == 1
         deadline = time.monotonic() + 60
-        while not called and time.monotonic() < deadline:  # the callback runs on the batcher's thread
+        while not called and time.monotonic() < deadline:  # the callback runs on the thread that ran the batch
             time.sleep(0.01)
         assert len(called) == 1 and torch.equal(called[0], module(inputs[0]))
 
@@ -197,10 +197,11 @@ def test_a_forked_child_gets_an_error_and_destroys_the_batcher_without_joining(c
     assert torch.equal(pending.result(timeout=60), module(x))
 
 
-@pytest.mark.parametrize("filled_by", ["infer", "submit"])
-def test_an_infer_runs_the_batch_it_fills_on_its_thread_and_a_submit_leaves_it_to_the_batchers(cache, filled_by):
+@pytest.mark.parametrize("filled_by", ["infer", "submit", "submit leaving it"])
+def test_the_call_that_fills_a_batch_runs_it_on_its_thread_unless_a_submit_leaves_it_to_the_batchers(cache, filled_by):
     module, plans = cache
-    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
+    by_caller = filled_by != "submit leaving it"
+    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS, submit_runs_batch=by_caller) as batcher:
         xs = [torch.randn(1, 8) for _ in range(4)]
         futures = [batcher.submit(x) for x in xs[:3]]
         ran_on = []
@@ -208,22 +209,26 @@ def test_an_infer_runs_the_batch_it_fills_on_its_thread_and_a_submit_leaves_it_t
         assert not any(f.done() for f in futures)
         if filled_by == "infer":
             out = batcher.infer(xs[3])  # runs the batch here, before returning
-            assert all(f.done() for f in futures) and torch.equal(out, module(xs[3]))
+            assert torch.equal(out, module(xs[3]))
         else:
-            futures.append(batcher.submit(xs[3]))  # returns; the batcher's thread runs it, full (no 10-minute delay)
+            futures.append(batcher.submit(xs[3]))  # full (no 10-minute delay): runs here, or on the batcher's thread
+        assert all(f.done() for f in futures[:3]) or not by_caller
         for f, x in zip(futures, xs):
             assert torch.equal(f.result(timeout=60), module(x))
-        assert len(ran_on) == 1 and (ran_on[0] == threading.get_ident()) == (filled_by == "infer")
+        assert len(ran_on) == 1 and (ran_on[0] == threading.get_ident()) == by_caller
         s = batcher.stats()
-        assert (s.batches, s.client_batches, s.max_batch_rows) == (1, int(filled_by == "infer"), 4)
+        assert (s.batches, s.client_batches, s.max_batch_rows) == (1, int(by_caller), 4)
 
 
-def test_clients_that_submit_without_waiting_each_get_their_own_rows(cache):
-    # The batcher's thread runs the full batches while the clients hold the GIL in submit().
+@pytest.mark.parametrize("submit_runs_batch", [True, False])
+def test_clients_that_submit_without_waiting_each_get_their_own_rows(cache, submit_runs_batch):
+    # Full batches run on the clients' threads (the GIL released), or on the batcher's thread while
+    # the clients hold the GIL in submit().
     module, plans = cache
     xs = [torch.randn(1, 8) for _ in range(8 * 40)]
     results: list = [None] * len(xs)
-    with Batcher(plans, max_batch_size=8, max_delay_ms=NEVER_MS, max_queue=len(xs)) as batcher:
+    with Batcher(plans, max_batch_size=8, max_delay_ms=NEVER_MS, max_queue=len(xs),
+                 submit_runs_batch=submit_runs_batch) as batcher:
         def client(k: int) -> None:
             futures = {i: batcher.submit(xs[i]) for i in range(k, len(xs), 8)}
             for i, future in futures.items():
@@ -236,7 +241,7 @@ def test_clients_that_submit_without_waiting_each_get_their_own_rows(cache):
             w.join()
         s = batcher.stats()
     assert all(torch.equal(out, module(x)) for out, x in zip(results, xs))
-    assert (s.batches, s.rows, s.client_batches) == (40, len(xs), 0)
+    assert (s.batches, s.rows, s.client_batches) == (40, len(xs), 40 if submit_runs_batch else 0)
 
 
 def test_a_deadline_that_cannot_be_met_fails_at_once_saying_so(cache):

@@ -22,8 +22,8 @@ __all__ = ["Batcher"]
 
 class BatchFuture:
     """A request's result, concurrent.futures-style: result(timeout), exception(timeout), done(),
-    add_done_callback(fn). Waiting happens in C++ with the GIL released, and the batcher's thread
-    never needs the GIL unless a callback is added."""
+    add_done_callback(fn). Waiting happens in C++ with the GIL released, and the thread that runs
+    the batch never needs the GIL unless a callback is added."""
 
     def __init__(self, handle: Any, structure: Any, timeout_seconds: float) -> None:
         self._handle, self._structure, self._timeout = handle, structure, timeout_seconds
@@ -82,11 +82,11 @@ class Batcher(ScriptObjectFace):
     """Dynamic batching for a PlanCache (TorchScript or exported program).
 
     Keyword options are those of the C++ BatcherOptions (torch_ext/plan/batcher.h): max_batch_size
-    (0: the cache's), max_delay_ms, max_queue, timeout_seconds, group_by_bucket; each is also a property. stats()
-    is a BatcherStats; close() stops taking requests, runs those queued and joins the thread.
-    An infer() whose request fills a batch runs that batch on its own thread before it returns; a
-    submit() returns at once, and the batch it fills runs on the batcher's thread, as does a batch
-    that does not fill, after max_delay_ms. deadline_ms (submit, infer):
+    (0: the cache's), max_delay_ms, max_queue, timeout_seconds, group_by_bucket, submit_runs_batch; each is also
+    a property. stats() is a BatcherStats; close() stops taking requests, runs those queued and joins the thread.
+    The call whose request fills a batch runs that batch on its own thread (the GIL released) before it
+    returns: an infer() always, a submit() unless submit_runs_batch=False (then it returns at once and the
+    batch runs on the batcher's thread, as does a batch that does not fill, after max_delay_ms). deadline_ms (submit, infer):
     the request must be served within that many milliseconds; one that cannot be (not positive, or
     shorter than the fastest batch run so far) raises at once, one whose deadline passes in the queue
     fails without running. When the cache re-plans (replan, replan_on_drift), later batches run on
@@ -113,7 +113,8 @@ class Batcher(ScriptObjectFace):
 
     def submit(self, *inputs: Any, deadline_ms: Optional[float] = None, **kwargs: Any) -> BatchFuture:
         """Queue one request (the model's arguments, any batch size up to max_batch_size); returns a
-        future of its output. Raises RuntimeError at once when the queue is full or deadline_ms cannot be met."""
+        future of its output. A batch the request fills runs here before it returns, unless
+        submit_runs_batch=False. Raises RuntimeError at once when the queue is full or deadline_ms cannot be met."""
         flat = self._flat(inputs, kwargs)
         deadline = _deadline(deadline_ms)
         if all(type(value) is torch.Tensor for value in flat):

@@ -102,7 +102,8 @@ void Batcher::follow(c10::intrusive_ptr<PlanCache> cache) {
 
 void Batcher::submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms) {
   TORCH_CHECK_VALUE(callback, "Batcher.submit: no callback given");
-  enqueue(std::move(inputs), c10::make_intrusive<BatchResult>(std::move(callback)), deadline_ms, /*run_if_full=*/false);
+  enqueue(std::move(inputs), c10::make_intrusive<BatchResult>(std::move(callback)), deadline_ms,
+          options_.submit_runs_batch);
 }
 
 void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchResult> result, double deadline_ms,
@@ -143,8 +144,8 @@ void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchR
     queued_rows_ += sizes[0];
     ++stats_.requests;
     stats_.max_queued = std::max(stats_.max_queued, static_cast<int64_t>(queue_.size()));
-    // A caller about to wait for its result runs the batch its request fills: no hand-off to the
-    // batcher's thread. One that goes on (submit) leaves it to that thread, one wake-up per batch.
+    // The caller runs the batch its request fills: no hand-off to the batcher's thread (a submit()
+    // with submit_runs_batch false leaves it to that thread, one wake-up per batch).
     full = queued_rows_ >= max_rows_;
     if (run_if_full && full) {
       batch = take_batch_locked(expired);
@@ -220,7 +221,7 @@ c10::intrusive_ptr<c10::ivalue::Future> BatchResult::future() {
 
 c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs, double deadline_ms) {
   auto result = c10::make_intrusive<BatchResult>();
-  enqueue(std::move(inputs), result, deadline_ms, /*run_if_full=*/false);
+  enqueue(std::move(inputs), result, deadline_ms, options_.submit_runs_batch);
   return result;
 }
 

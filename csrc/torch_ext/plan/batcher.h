@@ -2,10 +2,12 @@
 // Batcher: a dynamic batcher in front of a PlanCache. Callers submit single requests, which
 // queue; a batch takes them oldest first (padded to the longest along the other dynamic
 // dimensions where the cache pads them; with group_by_bucket only requests of one bucket join),
-// runs as one call of the cache, and each caller gets its own rows. An infer() whose request
-// brings max_batch_size rows runs that batch itself, on its own thread (no hand-off); a full
-// batch from submit() runs on the batcher's thread at once (the caller goes on submitting), and a
-// batch that does not fill runs there max_delay_ms after its oldest request arrived.
+// runs as one call of the cache, and each caller gets its own rows. The call whose request
+// brings max_batch_size rows runs that batch itself, on its own thread (no hand-off; batches
+// filled by different callers run at once, one per core): an infer() always, a submit() unless
+// submit_runs_batch is false (then the batcher's thread runs it at once, while the caller goes
+// on). A batch that does not fill runs on the batcher's thread max_delay_ms after its oldest
+// request arrived.
 // A request may carry a deadline (deadline_ms after submit): one that cannot be met (not
 // positive, or shorter than the fastest batch this batcher has run) is refused at once, and
 // one whose deadline passes while it waits fails without running; the errors say so.
@@ -39,6 +41,7 @@ struct BatcherOptions {
   int64_t max_queue = 1024;
   double timeout_seconds = 60;
   bool group_by_bucket = true;
+  bool submit_runs_batch = true;
 
   static constexpr auto fields() {
     return std::make_tuple(
@@ -53,7 +56,11 @@ struct BatcherOptions {
         field("group_by_bucket", &BatcherOptions::group_by_bucket,
               "requests join a batch only when they fall in the same bucket of the cache along the dynamic "
               "dimensions after the batch, so none is padded past its bucket's bound (a short sequence is not "
-              "padded to a long one's length); False: any requests the cache can pad join, padded to the longest"));
+              "padded to a long one's length); False: any requests the cache can pad join, padded to the longest"),
+        field("submit_runs_batch", &BatcherOptions::submit_runs_batch,
+              "a submit() whose request fills a batch runs it before returning, on the caller's thread (no "
+              "hand-off; batches filled by different callers run at once); False: submit() returns at once and the "
+              "batch runs on the batcher's thread (for a caller that must not block, such as an event loop)"));
   }
   void validate() const;
 };
@@ -139,8 +146,8 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
 
   // Queues one request: inputs as PlanCache::infer takes them, any batch size up to
   // max_batch_size. Checked here (a bad request never joins a batch); raises when the queue is
-  // full or the deadline (deadline_ms after now; < 0: none) cannot be met. Returns at once: a
-  // batch the request fills runs on the batcher's thread, while the caller goes on.
+  // full or the deadline (deadline_ms after now; < 0: none) cannot be met. A batch the request
+  // fills runs here before it returns (submit_runs_batch) or on the batcher's thread.
   void submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms = -1);
   c10::intrusive_ptr<BatchResult> submit(std::vector<c10::IValue> inputs, double deadline_ms = -1);
   // submit() and wait for the result, at most timeout_seconds (< 0: the option's). A batch the
@@ -175,7 +182,7 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   };
 
   // submit() and infer(): the output goes to result; run_if_full, the caller runs the batch its
-  // request fills (infer, whose caller waits anyway); else the batcher's thread does.
+  // request fills; else the batcher's thread does.
   void enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchResult> result, double deadline_ms,
                bool run_if_full);
   void loop();

@@ -80,7 +80,7 @@ void register_batcher(torch::Library& m) {
             return self->submit(as_inputs(inputs), deadline_ms);
           },
           "Queues a request; returns its BatchResult (raises when the queue is full, or when deadline_ms, if >= 0, "
-          "cannot be met); runs the batch it fills",
+          "cannot be met); runs the batch it fills unless submit_runs_batch is false",
           {torch::arg("inputs"), torch::arg("deadline_ms") = -1.0})
       .def("infer",
            [](const c10::intrusive_ptr<Batcher>& self, c10::IValue inputs, double timeout_seconds, double deadline_ms) {
