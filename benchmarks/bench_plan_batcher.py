@@ -198,12 +198,11 @@ def main(argv: list[str]) -> None:
         f"{CLIENTS} threads each submit their share of single requests without waiting (batcher.submit: the call "
         "whose request fills a batch runs it, the GIL released, while the other clients go on; handing off: "
         "submit_runs_batch=False, full batches run on the batcher's thread), then wait for their futures; or "
-        f"{CLIENTS} threads "
-        "each send one request and wait for its result before the next (batcher(x): the call whose request fills a "
-        "batch runs it). Latencies: each waiting client's request from call to result, over every round (a "
-        "submitting client's wait is the queue its own burst made). Rows show the round with the median ratio of the submitting clients. The "
-        "round trip: the waiting clients serving a model that only doubles its input (wall time per batch less the "
-        f"batch's run, the median of {rounds} rounds): with {CLIENTS} waiting clients and batches of {CLIENTS} every "
+        f"{CLIENTS} threads each send one request and wait for its result before the next (batcher(x): the call "
+        "whose request fills a batch runs it). Latencies: each waiting client's request from call to result, over "
+        "every round (a submitting client's wait is the queue its own burst made). Rows show the round with the "
+        "median ratio of the submitting clients. The round trip: the waiting clients serving a model that only "
+        f"doubles its input (wall time per batch less the batch's run, the median of {rounds} rounds): with {CLIENTS} waiting clients and batches of {CLIENTS} every "
         "client is in every batch, so no batch can start before the last result of the one before is handed back "
         "and its client has sent its next request.\n")
     for name, (make, request) in models().items():
