@@ -772,15 +772,16 @@ TEST(Plan, BatcherCallsACallbackOnceTheBatchIsStoredAndOneThatRaisesStopsNothing
   options.submit_runs_batch = false;  // the callback runs on the batcher's thread, while this one submits
   plan::Batcher batcher(cache, options);
   std::vector<c10::intrusive_ptr<plan::BatchResult>> results;
+  results.reserve(7);  // never moved while the callback reads the first three
   std::atomic<int> stored_when_called{-1};
   at::Tensor called_with;
   const auto first = input(1);
-  std::mutex submitting;  // the callback reads `results` once the first batch's are in it
+  std::mutex submitting;  // the callback reads results[0..2] once they are in
   std::unique_lock<std::mutex> first_batch(submitting);
   batcher.submit({first}, [&](c10::IValue out, std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(submitting);
     int stored = 0;
-    for (auto& result : results) stored += result->done() ? 1 : 0;
+    for (int i = 0; i < 3; ++i) stored += results[i]->done() ? 1 : 0;
     stored_when_called = stored;
     if (!error) called_with = out.toTensor();
     throw std::runtime_error("a callback's own error");
