@@ -737,6 +737,65 @@ TEST(Plan, BatcherTheCallThatFillsABatchRunsItOnItsThreadUnlessASubmitLeavesItTo
   }
 }
 
+TEST(Plan, BatcherRunsAtMostMaxRunningBatchesAndTheFirstRunnerToFinishRunsTheNext) {
+  // Batch 1 runs on `runner` and is held there (its first request's callback waits), while this
+  // thread fills batch 2. Below the limit this thread runs batch 2 at once; at the limit batch 2
+  // waits, and the runner runs it once batch 1 is done (no hand-off to the batcher's thread).
+  auto m = rowwise();
+  auto cache = padding_cache(m);
+  const auto here = std::this_thread::get_id();
+  for (const int64_t limit : {1, 2}) {
+    auto options = full_batches_of(2);
+    options.max_running_batches = limit;
+    plan::Batcher batcher(cache, options);
+    std::promise<void> first_running, release;
+    auto released = release.get_future().share();
+    std::vector<at::Tensor> xs;
+    for (int i = 0; i < 4; ++i) xs.push_back(input(1));
+    std::thread runner([&] {
+      batcher.submit({xs[0]}, [&](c10::IValue, std::exception_ptr) {
+        first_running.set_value();
+        released.wait();
+      });
+      batcher.submit({xs[1]});  // fills batch 1, which runs here
+    });
+    first_running.get_future().wait();
+    const auto third = batcher.submit({xs[2]});
+    std::thread::id second_ran_on;
+    auto second_done = c10::make_intrusive<plan::BatchResult>();
+    at::Tensor fourth;
+    batcher.submit({xs[3]}, [&](c10::IValue out, std::exception_ptr error) {  // fills batch 2
+      second_ran_on = std::this_thread::get_id();
+      if (!error) fourth = out.toTensor();
+      second_done->complete(c10::IValue(), error);
+    });
+    EXPECT_EQ(third->done(), limit == 2) << "limit " << limit;  // at the limit, nothing may run batch 2 yet
+    const auto runner_id = runner.get_id();
+    release.set_value();
+    runner.join();
+    ASSERT_TRUE(second_done->wait(60));
+    EXPECT_EQ(second_ran_on, limit == 2 ? here : runner_id) << "limit " << limit;
+    EXPECT_TRUE(at::equal(third->result(0).toTensor(), reference(m, xs[2])));
+    EXPECT_TRUE(at::equal(fourth, reference(m, xs[3])));
+    const auto s = batcher.stats();
+    EXPECT_EQ(s.batches, 2);
+    EXPECT_EQ(s.client_batches, 2);
+  }
+}
+
+TEST(Plan, BatcherRefusesANegativeMaxRunningBatches) {
+  auto m = rowwise();
+  auto options = full_batches_of(2);
+  options.max_running_batches = -1;
+  try {
+    plan::Batcher batcher(padding_cache(m), options);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_running_batches must be >= 0 (0: one per core), got -1"),
+              std::string::npos);
+  }
+}
+
 TEST(Plan, BatcherStoresEveryResultOfABatchBeforeWakingAnyWaiter) {
   // A client waiting on several requests of one batch is woken once, and finds the rest done: the
   // torch Future of the first result completes (its callbacks run on the thread that runs the batch, now)

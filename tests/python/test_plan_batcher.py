@@ -244,6 +244,38 @@ def test_clients_that_submit_without_waiting_each_get_their_own_rows(cache, subm
     assert (s.batches, s.rows, s.client_batches) == (40, len(xs), 40 if submit_runs_batch else 0)
 
 
+@pytest.mark.parametrize("limit", [1, 2])
+def test_at_most_max_running_batches_run_at_once_and_the_first_runner_to_finish_runs_the_next(cache, limit):
+    # Batch 1 runs on `runner` and is held there (its first request's callback waits) while this
+    # thread fills batch 2: below the limit this thread runs it at once; at the limit it waits, and
+    # the runner runs it once batch 1 is done (no hand-off to the batcher's thread).
+    module, plans = cache
+    xs = [torch.randn(1, 8) for _ in range(4)]
+    first_running, release = threading.Event(), threading.Event()
+    second_ran_on = []
+    with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS, max_running_batches=limit) as batcher:
+        assert batcher.max_running_batches == limit
+
+        def runner() -> None:
+            batcher.submit(xs[0]).add_done_callback(lambda _: (first_running.set(), release.wait(60)))
+            batcher.submit(xs[1])  # fills batch 1, which runs here
+
+        thread = threading.Thread(target=runner)
+        thread.start()
+        assert first_running.wait(60)
+        third = batcher.submit(xs[2])
+        third.add_done_callback(lambda _: second_ran_on.append(threading.get_ident()))
+        fourth = batcher.submit(xs[3])  # fills batch 2
+        assert third.done() == (limit == 2)  # at the limit nothing may run batch 2 yet
+        release.set()
+        thread.join()
+        assert torch.equal(third.result(timeout=60), module(xs[2]))
+        assert torch.equal(fourth.result(timeout=60), module(xs[3]))
+        assert second_ran_on == [threading.get_ident() if limit == 2 else thread.ident]
+        s = batcher.stats()
+        assert (s.batches, s.client_batches) == (2, 2)
+
+
 def test_a_deadline_that_cannot_be_met_fails_at_once_saying_so(cache):
     module, plans = cache
     with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS) as batcher:

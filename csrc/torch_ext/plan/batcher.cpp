@@ -44,6 +44,8 @@ void BatcherOptions::validate() const {
   TORCH_CHECK_VALUE(max_delay_ms >= 0, "Batcher: max_delay_ms must be >= 0, got ", max_delay_ms);
   TORCH_CHECK_VALUE(max_queue >= 1, "Batcher: max_queue must be >= 1, got ", max_queue);
   TORCH_CHECK_VALUE(timeout_seconds > 0, "Batcher: timeout_seconds must be > 0, got ", timeout_seconds);
+  TORCH_CHECK_VALUE(max_running_batches >= 0, "Batcher: max_running_batches must be >= 0 (0: one per core), got ",
+                    max_running_batches);
 }
 
 Batcher::Batcher(c10::intrusive_ptr<PlanCache> cache, BatcherOptions options)
@@ -52,6 +54,11 @@ Batcher::Batcher(c10::intrusive_ptr<PlanCache> cache, BatcherOptions options)
   options_.validate();
   max_rows_ = options_.max_batch_size > 0 ? options_.max_batch_size : cache_->layout().max_size(0);
   TORCH_CHECK_VALUE(max_rows_ > 0, "Batcher: set max_batch_size (the cache has no max_batch_size to take it from)");
+  // More batches at once than cores only makes them take turns, and a Python client that holds
+  // the GIL then waits for a core as well, stalling every other client.
+  const int64_t cores = std::thread::hardware_concurrency();
+  max_running_ = options_.max_running_batches > 0 ? options_.max_running_batches
+                                                  : std::max<int64_t>(1, cores / std::max(1, at::get_num_threads()));
   register_fork_participant(this);
   thread_ = std::make_unique<std::thread>([this] { loop(); });
 }
@@ -122,6 +129,7 @@ void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchR
   std::vector<Request> expired;
   bool was_empty = false;
   bool full = false;
+  Waiting batcher_waits = Waiting::kNothing;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!closing_, "Batcher.submit: the batcher is closed");
@@ -139,21 +147,32 @@ void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchR
                   options_.max_queue, "); retry later, or raise max_queue");
     }
     was_empty = queue_.empty();
+    batcher_waits = waiting_;
     queue_.push_back(
         Request{std::move(inputs), sizes, std::move(result), now, deadline, deadline_ms});
     queued_rows_ += sizes[0];
     ++stats_.requests;
     stats_.max_queued = std::max(stats_.max_queued, static_cast<int64_t>(queue_.size()));
     // The caller runs the batch its request fills: no hand-off to the batcher's thread (a submit()
-    // with submit_runs_batch false leaves it to that thread, one wake-up per batch).
+    // with submit_runs_batch false leaves it to that thread, one wake-up per batch). When every
+    // slot is taken, the batch waits for the first of their runners to finish, which runs it next.
     full = queued_rows_ >= max_rows_;
-    if (run_if_full && full) {
+    if (run_if_full && full && running_ < max_running_) {
       batch = take_batch_locked(expired);
-      if (!batch.requests.empty()) ++stats_.client_batches;
+      if (!batch.requests.empty()) {
+        ++running_;
+        ++stats_.client_batches;
+      }
     }
   }
   // The batcher's thread is woken to start the oldest request's max_delay_ms, or to run a full batch.
-  if (batch.requests.empty() && (was_empty || full)) cv_.notify_one();
+  // The batcher's thread is woken only where it waits for what this request brings: a first request
+  // (to start its max_delay_ms), or a full batch to run. A thread waiting for an earlier request's
+  // due time wakes by itself no later than this one's; one waiting for a slot, when a runner frees it.
+  if (batch.requests.empty() && ((was_empty && batcher_waits == Waiting::kRequest) ||
+                                 (full && !run_if_full && batcher_waits != Waiting::kSlot))) {
+    cv_.notify_one();
+  }
   fail_expired(expired);
   if (batch.requests.empty()) return;
   // A client's thread computes with torch's intra-op thread count, as the batcher's does (a thread
@@ -163,7 +182,26 @@ void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchR
     at::init_num_threads();
     threads_set = true;
   }
-  blocking_section([&] { run_batch(batch); });
+  blocking_section([&] { run_batches(std::move(batch), /*on_client=*/true); });
+}
+
+void Batcher::run_batches(Batch batch, bool on_client) {
+  while (!batch.requests.empty()) {
+    run_batch(batch);
+    batch = Batch{};  // its requests go unlocked: dropping a tensor Python made may take the GIL
+    std::vector<Request> expired;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (queued_rows_ >= max_rows_) batch = take_batch_locked(expired);
+      if (batch.requests.empty()) {
+        --running_;
+        if (waiting_ == Waiting::kSlot) cv_.notify_one();  // for a batch that is due
+      } else if (on_client) {
+        ++stats_.client_batches;
+      }
+    }
+    fail_expired(expired);
+  }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> BatchResult::store(c10::IValue value, std::exception_ptr error) {
@@ -300,23 +338,35 @@ void Batcher::loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     // Predicate waits: a request queued into an empty queue before the wait is seen, one after it
-    // notifies. The idle wait runs in 1 s slices.
+    // notifies (waiting_ says what this thread waits for, so that only that wakes it). The idle
+    // wait runs in 1 s slices.
+    waiting_ = Waiting::kRequest;
     while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return closing_ || !queue_.empty(); })) {
     }
+    waiting_ = Waiting::kNothing;
     if (queue_.empty()) break;  // closing, nothing left to run
     // The oldest request's batch is due when full, or max_delay_ms after it arrived; a client may
     // fill and run it first, so the front is looked at again after the wait.
     const auto due = queue_.front().arrived + delay;
     if (!closing_ && queued_rows_ < max_rows_ && Clock::now() < due) {
+      waiting_ = Waiting::kDue;
       cv_.wait_until(lock, due, [this] { return closing_ || queued_rows_ >= max_rows_; });
+      waiting_ = Waiting::kNothing;
+      continue;
+    }
+    if (running_ >= max_running_) {  // the first runner to finish takes a full batch, or wakes this thread
+      waiting_ = Waiting::kSlot;
+      cv_.wait(lock, [this] { return running_ < max_running_; });
+      waiting_ = Waiting::kNothing;
       continue;
     }
     {
       std::vector<Request> expired;
       Batch batch = take_batch_locked(expired);
+      if (!batch.requests.empty()) ++running_;
       lock.unlock();
       fail_expired(expired);
-      if (!batch.requests.empty()) run_batch(batch);
+      run_batches(std::move(batch), /*on_client=*/false);
       // The requests go here, unlocked: dropping a tensor Python made may take the GIL, which a
       // submit() holds while it waits for the lock.
     }

@@ -3,11 +3,12 @@
 // queue; a batch takes them oldest first (padded to the longest along the other dynamic
 // dimensions where the cache pads them; with group_by_bucket only requests of one bucket join),
 // runs as one call of the cache, and each caller gets its own rows. The call whose request
-// brings max_batch_size rows runs that batch itself, on its own thread (no hand-off; batches
-// filled by different callers run at once, one per core): an infer() always, a submit() unless
-// submit_runs_batch is false (then the batcher's thread runs it at once, while the caller goes
-// on). A batch that does not fill runs on the batcher's thread max_delay_ms after its oldest
-// request arrived.
+// brings max_batch_size rows runs that batch itself, on its own thread (no hand-off): an infer()
+// always, a submit() unless submit_runs_batch is false (then the batcher's thread runs it at once,
+// while the caller goes on). A batch that does not fill runs on the batcher's thread max_delay_ms
+// after its oldest request arrived. At most max_running_batches batches run at once (by default
+// one per core for torch's intra-op threads): a batch filled while that many run waits, and the
+// first of them to finish runs it next, on its thread, before it returns.
 // A request may carry a deadline (deadline_ms after submit): one that cannot be met (not
 // positive, or shorter than the fastest batch this batcher has run) is refused at once, and
 // one whose deadline passes while it waits fails without running; the errors say so.
@@ -42,6 +43,7 @@ struct BatcherOptions {
   double timeout_seconds = 60;
   bool group_by_bucket = true;
   bool submit_runs_batch = true;
+  int64_t max_running_batches = 0;
 
   static constexpr auto fields() {
     return std::make_tuple(
@@ -60,7 +62,12 @@ struct BatcherOptions {
         field("submit_runs_batch", &BatcherOptions::submit_runs_batch,
               "a submit() whose request fills a batch runs it before returning, on the caller's thread (no "
               "hand-off; batches filled by different callers run at once); False: submit() returns at once and the "
-              "batch runs on the batcher's thread (for a caller that must not block, such as an event loop)"));
+              "batch runs on the batcher's thread (for a caller that must not block, such as an event loop)"),
+        field("max_running_batches", &BatcherOptions::max_running_batches,
+              "most batches running at once, on clients' threads and the batcher's; a batch filled while that many "
+              "run waits, and the first of them to finish runs it next (no hand-off); 0: one per core for torch's "
+              "intra-op threads (the machine's hardware threads / torch.get_num_threads() when the batcher is made, "
+              "at least 1)"));
   }
   void validate() const;
 };
@@ -147,11 +154,13 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   // Queues one request: inputs as PlanCache::infer takes them, any batch size up to
   // max_batch_size. Checked here (a bad request never joins a batch); raises when the queue is
   // full or the deadline (deadline_ms after now; < 0: none) cannot be met. A batch the request
-  // fills runs here before it returns (submit_runs_batch) or on the batcher's thread.
+  // fills runs here before it returns (submit_runs_batch) or on the batcher's thread; when
+  // max_running_batches run, it waits for the first of them to finish.
   void submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms = -1);
   c10::intrusive_ptr<BatchResult> submit(std::vector<c10::IValue> inputs, double deadline_ms = -1);
   // submit() and wait for the result, at most timeout_seconds (< 0: the option's). A batch the
-  // request fills runs on this thread (it would wait anyway): no hand-off.
+  // request fills runs on this thread (it would wait anyway): no hand-off. Either call, once it
+  // runs a batch, goes on to run those that filled meanwhile (see max_running_batches).
   c10::IValue infer(std::vector<c10::IValue> inputs, double timeout_seconds = -1, double deadline_ms = -1);
 
   BatcherStats stats() const;
@@ -193,6 +202,9 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   // Whether `other` may run in one batch with `first` (whose bucket in `layout` is first_bucket).
   bool joins(const Layout& layout, const Request& first, const Bucket& first_bucket, const Request& other) const;
   void run_batch(Batch& batch);
+  // Runs `batch`, which holds one of the max_running_batches slots, then with the same slot each
+  // batch that filled meanwhile; gives the slot back when none has (called unlocked).
+  void run_batches(Batch batch, bool on_client);
   void fork_prepare() override;
   void fork_parent() override;
   void fork_child() override;
@@ -206,6 +218,12 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   std::condition_variable cv_;
   std::deque<Request> queue_;
   int64_t queued_rows_ = 0;
+  int64_t max_running_ = 1;  // options_.max_running_batches, resolved
+  int64_t running_ = 0;      // batches running now (guarded by mutex_)
+  // What the batcher's thread waits for (guarded by mutex_): a request into the empty queue, the
+  // oldest request's due time (or its batch to fill), a free slot; kNothing: it is running.
+  enum class Waiting { kNothing, kRequest, kDue, kSlot };
+  Waiting waiting_ = Waiting::kNothing;
   bool closing_ = false;
   BatcherStats stats_;  // guarded by mutex_
   double fastest_batch_seconds_ = 0;  // guarded by mutex_; 0: no batch has run
