@@ -49,7 +49,16 @@ class _CacheModule:
 
 cache: _CacheModule
 
+class _BatchHandle:
+    """A batcher request's result (a torch_ext BatchResult)."""
+    def result(self, timeout_seconds: float) -> Any:
+        """The output, waiting at most timeout_seconds with the GIL released."""
+    def done(self) -> bool: ...
+    def future(self) -> torch.futures.Future:
+        """A torch.futures.Future completed with the result."""
+
 class _PlanModule:
+    BatchHandle: type[_BatchHandle]
     def set_compiler(
         self,
         cache: torch.ScriptObject,
@@ -75,11 +84,10 @@ class _PlanModule:
         TorchScript's method dispatch; the GIL is released while it waits."""
     def batcher_submit(
         self, batcher: torch.ScriptObject
-    ) -> Callable[[list[torch.Tensor], float], torch.ScriptObject]:
+    ) -> Callable[[list[torch.Tensor], float], _BatchHandle]:
         """batcher.submit(inputs, deadline_ms=-1) for tensor inputs called directly, without TorchScript's
-        method dispatch; the GIL is released while it runs the batch it fills. Returns the BatchResult."""
-    def batch_result(self, result: torch.ScriptObject, timeout_seconds: float) -> Any:
-        """result.result(timeout_seconds) of a BatchResult called directly, without TorchScript's method
-        dispatch; the GIL is released while it waits."""
+        method dispatch; the GIL is released while it runs batches. Returns the request's BatchHandle."""
+    def batch_handle(self, result: torch.ScriptObject) -> _BatchHandle:
+        """The BatchHandle of a torch.classes.torch_ext.BatchResult."""
 
 plan: _PlanModule

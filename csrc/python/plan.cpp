@@ -172,21 +172,30 @@ py::cpp_function batcher_infer(const py::object& script_object) {
       py::arg("inputs"), py::arg("timeout_seconds") = -1.0, py::arg("deadline_ms") = -1.0);
 }
 
+// A request's result as torch_ext's BatchFuture holds it: the BatchResult itself rather than a
+// TorchScript object around it, which costs more to make and to read (one per request, the GIL held).
+struct BatchHandle {
+  c10::intrusive_ptr<plan::BatchResult> result;
+};
+
 py::cpp_function batcher_submit(const py::object& script_object) {
   return py::cpp_function(
       [batcher = batcher_of(script_object)](const std::vector<at::Tensor>& inputs, double deadline_ms) {
-        return call_released([&] { return c10::IValue(batcher->submit(request_of(inputs), deadline_ms)); },
-                             /*release_gil=*/false);
+        BatchHandle handle;
+        call_released(
+            [&] {
+              handle.result = batcher->submit(request_of(inputs), deadline_ms);
+              return c10::IValue();
+            },
+            /*release_gil=*/false);
+        return handle;
       },
       py::arg("inputs"), py::arg("deadline_ms") = -1.0);
 }
 
-py::object batch_result(const py::object& script_object, double timeout_seconds) {
+BatchHandle batch_handle(const py::object& script_object) {
   static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::BatchResult>>();
-  const auto result = torch::jit::toIValue(script_object, type).toCustomClass<plan::BatchResult>();
-  // A result already in is taken with the GIL held: releasing it would hand the interpreter to
-  // another waiting thread and queue this one behind it, a round trip for nothing.
-  return call_released([&] { return result->result(timeout_seconds); }, /*release_gil=*/!result->done());
+  return BatchHandle{torch::jit::toIValue(script_object, type).toCustomClass<plan::BatchResult>()};
 }
 
 }  // namespace
@@ -213,11 +222,24 @@ void bind_plan(py::module_& m) {
           "called directly (no TorchScript method dispatch), the GIL released while it waits");
   sub.def("batcher_submit", &batcher_submit, py::arg("batcher"),
           "Batcher.submit(inputs, deadline_ms=-1) of a torch.classes.torch_ext.Batcher for tensor inputs, called "
-          "directly (no TorchScript method dispatch; the GIL held while it queues, released while it runs a batch it "
-          "fills); returns the BatchResult");
-  sub.def("batch_result", &batch_result, py::arg("result"), py::arg("timeout_seconds"),
-          "BatchResult.result(timeout_seconds) of a torch.classes.torch_ext.BatchResult, called directly (no "
-          "TorchScript method dispatch), the GIL released while it waits");
+          "directly (no TorchScript method dispatch; the GIL held while it queues, released while it runs batches); "
+          "returns a BatchHandle");
+  py::class_<BatchHandle>(sub, "BatchHandle", "a batcher request's result (a torch_ext BatchResult)")
+      .def(
+          "result",
+          [](const BatchHandle& handle, double timeout_seconds) {
+            // A result already in is taken with the GIL held: releasing it would hand the interpreter
+            // to another waiting thread and queue this one behind it, a round trip for nothing.
+            const auto& result = handle.result;
+            return call_released([&] { return result->result(timeout_seconds); }, /*release_gil=*/!result->done());
+          },
+          py::arg("timeout_seconds"), "the output, waiting at most timeout_seconds with the GIL released")
+      .def("done", [](const BatchHandle& handle) { return handle.result->done(); })
+      .def(
+          "future", [](const BatchHandle& handle) { return torch::jit::toPyObject(c10::IValue(handle.result->future())); },
+          "a torch.futures.Future completed with the result");
+  sub.def("batch_handle", &batch_handle, py::arg("result"),
+          "the BatchHandle of a torch.classes.torch_ext.BatchResult (what a Batcher's TorchScript submit returns)");
   // Joins and waits on threads that may be inside Python (a compiler, a future's callback) release
   // the GIL, or the waiting thread and the waited-for one would each hold what the other needs.
   torch_ext::set_blocking_section([](const std::function<void()>& wait) {

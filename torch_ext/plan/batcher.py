@@ -25,6 +25,8 @@ class BatchFuture:
     add_done_callback(fn). Waiting happens in C++ with the GIL released, and the thread that runs
     the batch never needs the GIL unless a callback is added."""
 
+    __slots__ = ("_handle", "_structure", "_timeout")  # one is made per request
+
     def __init__(self, handle: Any, structure: Any, timeout_seconds: float) -> None:
         self._handle, self._structure, self._timeout = handle, structure, timeout_seconds
 
@@ -32,7 +34,7 @@ class BatchFuture:
         """The output; raises the batch's error, or concurrent.futures.TimeoutError after timeout
         seconds (default: the batcher's timeout_seconds)."""
         wait = self._timeout if timeout is None else timeout
-        return self._structure(_waiting(_C.plan.batch_result, self._handle, wait))
+        return self._structure(_waiting(self._handle.result, wait))
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         try:
@@ -82,11 +84,14 @@ class Batcher(ScriptObjectFace):
     """Dynamic batching for a PlanCache (TorchScript or exported program).
 
     Keyword options are those of the C++ BatcherOptions (torch_ext/plan/batcher.h): max_batch_size
-    (0: the cache's), max_delay_ms, max_queue, timeout_seconds, group_by_bucket, submit_runs_batch; each is also
-    a property. stats() is a BatcherStats; close() stops taking requests, runs those queued and joins the thread.
+    (0: the cache's), max_delay_ms, max_queue, timeout_seconds, group_by_bucket, submit_runs_batch,
+    max_running_batches (0: one per core for torch's intra-op threads); each is also a property. stats() is a
+    BatcherStats; close() stops taking requests, runs those queued and joins the thread.
     The call whose request fills a batch runs that batch on its own thread (the GIL released) before it
     returns: an infer() always, a submit() unless submit_runs_batch=False (then it returns at once and the
-    batch runs on the batcher's thread, as does a batch that does not fill, after max_delay_ms). deadline_ms (submit, infer):
+    batch runs on the batcher's thread, as does a batch that does not fill, after max_delay_ms). A batch
+    filled while max_running_batches run waits, and the first of their runners to finish runs it next,
+    before it returns. deadline_ms (submit, infer):
     the request must be served within that many milliseconds; one that cannot be (not positive, or
     shorter than the fastest batch run so far) raises at once, one whose deadline passes in the queue
     fails without running. When the cache re-plans (replan, replan_on_drift), later batches run on
@@ -105,6 +110,7 @@ class Batcher(ScriptObjectFace):
         self._submit_tensors = _C.plan.batcher_submit(self.script_object)
         self._timeout = self.script_object.timeout_seconds
         self._scripted = cache._in_spec is None  # inputs by position, outputs as they are
+        self._structure = cache._structured
 
     def _flat(self, inputs: tuple, kwargs: dict) -> list:
         if self._scripted:
@@ -113,16 +119,17 @@ class Batcher(ScriptObjectFace):
 
     def submit(self, *inputs: Any, deadline_ms: Optional[float] = None, **kwargs: Any) -> BatchFuture:
         """Queue one request (the model's arguments, any batch size up to max_batch_size); returns a
-        future of its output. A batch the request fills runs here before it returns, unless
-        submit_runs_batch=False. Raises RuntimeError at once when the queue is full or deadline_ms cannot be met."""
+        future of its output. A batch the request fills runs here before it returns (and those that
+        fill meanwhile while max_running_batches run), unless submit_runs_batch=False. Raises
+        RuntimeError at once when the queue is full or deadline_ms cannot be met."""
         flat = self._flat(inputs, kwargs)
         deadline = _deadline(deadline_ms)
         if all(type(value) is torch.Tensor for value in flat):
             handle = self._submit_tensors(flat, deadline)
         else:  # a tuple: TorchScript infers the type of a list of mixed values as no type at all
-            handle = self._submit(tuple(flat), deadline)
+            handle = _C.plan.batch_handle(self._submit(tuple(flat), deadline))
         self.cache._count_request()
-        return BatchFuture(handle, self.cache._structured, self._timeout)
+        return BatchFuture(handle, self._structure, self._timeout)
 
     def infer(self, *inputs: Any, timeout: Optional[float] = None, deadline_ms: Optional[float] = None,
               **kwargs: Any) -> Any:
@@ -135,7 +142,7 @@ class Batcher(ScriptObjectFace):
         else:
             out = _waiting(self.script_object.infer, tuple(flat), wait, deadline)
         self.cache._count_request()
-        return self.cache._structured(out)
+        return self._structure(out)
 
     __call__ = infer
 
