@@ -14,7 +14,8 @@
 // one whose deadline passes while it waits fails without running; the errors say so.
 //
 // Thread safety: submit() and infer() may be called from any number of threads. Callbacks run on
-// the thread that ran the batch (a client's, or the batcher's), outside its locks. The queue is
+// the thread that ran the batch (a client's, or the batcher's), outside its locks but holding its
+// place among the max_running_batches (one that waits on this batcher can wait for itself). The queue is
 // bounded: submit() raises at once when max_queue requests wait. Every wait is bounded (infer()
 // by timeout_seconds). A forked child gets an error from submit() (the batcher's thread is not in
 // it) and may destroy the batcher.
