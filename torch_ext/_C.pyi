@@ -2,7 +2,7 @@
 (Python callables as checkpoint segments and as a plan cache's compiler, Python objects as cached
 values). Internal: use the
 torch_ext package. tests/python/test_layout.py checks that these stubs name every attribute."""
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -79,14 +79,15 @@ class _PlanModule:
         example_inputs) (bucket=True) called directly; the GIL is released while it builds."""
     def batcher_infer(
         self, batcher: torch.ScriptObject
-    ) -> Callable[[list[torch.Tensor], float, float], Any]:
-        """batcher.infer_tensors(inputs, timeout_seconds=-1, deadline_ms=-1) called directly, without
-        TorchScript's method dispatch; the GIL is released while it waits."""
+    ) -> Callable[[Sequence[torch.Tensor], float, float], Any]:
+        """batcher.infer_tensors(inputs, timeout_seconds=-1, deadline_ms=-1) for tensor inputs (a tuple or
+        list) called directly, without TorchScript's method dispatch; the GIL is released while it waits."""
     def batcher_submit(
         self, batcher: torch.ScriptObject
-    ) -> Callable[[list[torch.Tensor], float], _BatchHandle]:
-        """batcher.submit(inputs, deadline_ms=-1) for tensor inputs called directly, without TorchScript's
-        method dispatch; the GIL is released while it runs batches. Returns the request's BatchHandle."""
+    ) -> Callable[[Sequence[Any], float], _BatchHandle | None]:
+        """batcher.submit(inputs, deadline_ms=-1) for tensor inputs (a tuple or list) called directly, without
+        TorchScript's method dispatch; the GIL is released while it runs batches. Returns the request's
+        BatchHandle, or None (nothing queued) when an input is not exactly a torch.Tensor."""
     def batch_handle(self, result: torch.ScriptObject) -> _BatchHandle:
         """The BatchHandle of a torch.classes.torch_ext.BatchResult."""
 

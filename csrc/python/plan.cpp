@@ -148,13 +148,22 @@ py::cpp_function cache_preload(const py::object& script_object) {
       py::arg("sizes"), py::arg("example_inputs"), py::arg("bucket"));
 }
 
-// A batcher request's inputs. The batcher's thread may drop them after their batch: a tensor
-// Python made would take the GIL there to release its Python object (once per request, waiting
-// for whichever thread holds it), so the request holds detached aliases, which have none.
-std::vector<c10::IValue> request_of(const std::vector<at::Tensor>& inputs) {
+// A batcher request's inputs from a tuple or list of exactly torch.Tensor (nullopt: another value
+// is among them). The batcher's thread may drop them after their batch: a tensor Python made would
+// take the GIL there to release its Python object (once per request, waiting for whichever thread
+// holds it), so the request holds detached aliases, which have none.
+std::optional<std::vector<c10::IValue>> request_of(const py::handle& inputs) {
+  const bool is_tuple = PyTuple_Check(inputs.ptr());
+  TORCH_CHECK_TYPE(is_tuple || PyList_Check(inputs.ptr()), "Batcher: a request's inputs come as a tuple or list, got ",
+                   Py_TYPE(inputs.ptr())->tp_name);
+  const Py_ssize_t n = is_tuple ? PyTuple_GET_SIZE(inputs.ptr()) : PyList_GET_SIZE(inputs.ptr());
   std::vector<c10::IValue> values;
-  values.reserve(inputs.size());
-  for (const auto& input : inputs) values.emplace_back(input.detach());
+  values.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = is_tuple ? PyTuple_GET_ITEM(inputs.ptr(), i) : PyList_GET_ITEM(inputs.ptr(), i);
+    if (!THPVariable_CheckExact(item)) return std::nullopt;
+    values.emplace_back(THPVariable_Unpack(item).detach());
+  }
   return values;
 }
 
@@ -165,9 +174,10 @@ c10::intrusive_ptr<plan::Batcher> batcher_of(const py::object& script_object) {
 
 py::cpp_function batcher_infer(const py::object& script_object) {
   return py::cpp_function(
-      [batcher = batcher_of(script_object)](const std::vector<at::Tensor>& inputs, double timeout_seconds,
-                                            double deadline_ms) {
-        return call_released([&] { return batcher->infer(request_of(inputs), timeout_seconds, deadline_ms); });
+      [batcher = batcher_of(script_object)](const py::handle& inputs, double timeout_seconds, double deadline_ms) {
+        auto request = request_of(inputs);
+        TORCH_CHECK_TYPE(request, "Batcher: infer_tensors takes only tensors (exactly torch.Tensor)");
+        return call_released([&] { return batcher->infer(std::move(*request), timeout_seconds, deadline_ms); });
       },
       py::arg("inputs"), py::arg("timeout_seconds") = -1.0, py::arg("deadline_ms") = -1.0);
 }
@@ -180,15 +190,17 @@ struct BatchHandle {
 
 py::cpp_function batcher_submit(const py::object& script_object) {
   return py::cpp_function(
-      [batcher = batcher_of(script_object)](const std::vector<at::Tensor>& inputs, double deadline_ms) {
+      [batcher = batcher_of(script_object)](const py::handle& inputs, double deadline_ms) -> py::object {
+        auto request = request_of(inputs);
+        if (!request) return py::none();  // the caller takes TorchScript's path
         BatchHandle handle;
         call_released(
             [&] {
-              handle.result = batcher->submit(request_of(inputs), deadline_ms);
+              handle.result = batcher->submit(std::move(*request), deadline_ms);
               return c10::IValue();
             },
             /*release_gil=*/false);
-        return handle;
+        return py::cast(std::move(handle));
       },
       py::arg("inputs"), py::arg("deadline_ms") = -1.0);
 }
@@ -223,7 +235,8 @@ void bind_plan(py::module_& m) {
   sub.def("batcher_submit", &batcher_submit, py::arg("batcher"),
           "Batcher.submit(inputs, deadline_ms=-1) of a torch.classes.torch_ext.Batcher for tensor inputs, called "
           "directly (no TorchScript method dispatch; the GIL held while it queues, released while it runs batches); "
-          "returns a BatchHandle");
+          "inputs: a tuple or list; returns a BatchHandle, or None (nothing queued) when an input is not exactly a "
+          "torch.Tensor");
   py::class_<BatchHandle>(sub, "BatchHandle", "a batcher request's result (a torch_ext BatchResult)")
       .def(
           "result",

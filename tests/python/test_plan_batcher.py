@@ -276,6 +276,24 @@ def test_at_most_max_running_batches_run_at_once_and_the_first_runner_to_finish_
         assert (s.batches, s.client_batches) == (2, 2)
 
 
+class Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x * scale
+
+
+def test_a_request_with_an_input_that_is_not_a_tensor_takes_torchscripts_path_and_gets_its_rows():
+    # The scale is not batched: requests join a batch only where they agree on it.
+    module = torch.jit.script(Scaled().eval())
+    xs = [torch.randn(1, 3) for _ in range(4)]
+    scales = [2.0, 2.0, 3.0, 3.0]
+    with Batcher(PlanCache(module, miss_mode="pad", max_batch_size=4), max_batch_size=2,
+                 max_delay_ms=NEVER_MS) as batcher:
+        futures = [batcher.submit(x, scale) for x, scale in zip(xs, scales)]
+        assert all(torch.equal(f.result(timeout=60), module(x, scale)) for f, x, scale in zip(futures, xs, scales))
+        s = batcher.stats()
+    assert (s.batches, s.client_batches, s.max_batch_rows) == (2, 2, 2)
+
+
 def test_a_deadline_that_cannot_be_met_fails_at_once_saying_so(cache):
     module, plans = cache
     with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS) as batcher:

@@ -122,11 +122,11 @@ class Batcher(ScriptObjectFace):
         future of its output. A batch the request fills runs here before it returns (and those that
         fill meanwhile while max_running_batches run), unless submit_runs_batch=False. Raises
         RuntimeError at once when the queue is full or deadline_ms cannot be met."""
-        flat = self._flat(inputs, kwargs)
+        # The path every request takes, kept short: it runs with the GIL held, once per request.
+        flat = inputs if self._scripted and not kwargs else self._flat(inputs, kwargs)
         deadline = _deadline(deadline_ms)
-        if all(type(value) is torch.Tensor for value in flat):
-            handle = self._submit_tensors(flat, deadline)
-        else:  # a tuple: TorchScript infers the type of a list of mixed values as no type at all
+        handle = self._submit_tensors(flat, deadline)
+        if handle is None:  # not all tensors. A tuple: TorchScript infers a list of mixed values as no type at all
             handle = _C.plan.batch_handle(self._submit(tuple(flat), deadline))
         self.cache._count_request()
         return BatchFuture(handle, self._structure, self._timeout)
