@@ -165,7 +165,6 @@ void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchR
       }
     }
   }
-  // The batcher's thread is woken to start the oldest request's max_delay_ms, or to run a full batch.
   // The batcher's thread is woken only where it waits for what this request brings: a first request
   // (to start its max_delay_ms), or a full batch to run. A thread waiting for an earlier request's
   // due time wakes by itself no later than this one's; one waiting for a slot, when a runner frees it.
