@@ -20,7 +20,6 @@ the submitting clients.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -80,6 +79,7 @@ def run_batcher(cache, requests: list, waiting: bool = True, **options) -> dict:
         wall = run_threads(client, CLIENTS)
         s = batcher.stats()
     return dict(wall=wall, latencies=latencies, batches=s.batches, client_batches=s.client_batches,
+                max_running_batches=batcher.max_running_batches,
                 mean_rows=s.rows / s.batches, mean_batch_seconds=s.batch_seconds / s.batches)
 
 
@@ -173,7 +173,7 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
         f"limit's; the batcher's ran {format_seconds(runs['waiting'][median_round]['mean_batch_seconds'])} each with "
         f"waiting clients, {format_seconds(runs['submitting'][median_round]['mean_batch_seconds'])} with submitting "
         f"ones (batches filled by different clients run at once, at most max_running_batches: one a core, "
-        f"{max(1, (os.cpu_count() or 1) // torch.get_num_threads())} here) and "
+        f"{runs['submitting'][median_round]['max_running_batches']} here) and "
         f"{format_seconds(runs['handing off'][median_round]['mean_batch_seconds'])} handed to the batcher's thread.")
     checks.append((f"{short}: p99 at most max_delay + 2x one batch's service time (waiting clients): "
                    f"{format_seconds(p99)} vs {MAX_DELAY_MS:g} ms + 2 x {format_seconds(batch_seconds)} (every round's "

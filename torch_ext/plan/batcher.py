@@ -9,7 +9,7 @@ The queue is bounded: submit() raises at once when max_queue requests wait.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -112,9 +112,9 @@ class Batcher(ScriptObjectFace):
         self._scripted = cache._in_spec is None  # inputs by position, outputs as they are
         self._structure = cache._structured
 
-    def _flat(self, inputs: tuple, kwargs: dict) -> list:
+    def _flat(self, inputs: tuple, kwargs: dict) -> Sequence[Any]:
         if self._scripted:
-            return list(self.cache._positional_inputs(inputs, kwargs))
+            return self.cache._positional_inputs(inputs, kwargs)
         return self.cache._flat(inputs, kwargs)
 
     def submit(self, *inputs: Any, deadline_ms: Optional[float] = None, **kwargs: Any) -> BatchFuture:
@@ -122,8 +122,7 @@ class Batcher(ScriptObjectFace):
         future of its output. A batch the request fills runs here before it returns (and those that
         fill meanwhile while max_running_batches run), unless submit_runs_batch=False. Raises
         RuntimeError at once when the queue is full or deadline_ms cannot be met."""
-        # The path every request takes, kept short: it runs with the GIL held, once per request.
-        flat = inputs if self._scripted and not kwargs else self._flat(inputs, kwargs)
+        flat = self._flat(inputs, kwargs)
         deadline = _deadline(deadline_ms)
         handle = self._submit_tensors(flat, deadline)
         if handle is None:  # not all tensors. A tuple: TorchScript infers a list of mixed values as no type at all

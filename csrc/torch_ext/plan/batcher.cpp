@@ -56,9 +56,11 @@ Batcher::Batcher(c10::intrusive_ptr<PlanCache> cache, BatcherOptions options)
   TORCH_CHECK_VALUE(max_rows_ > 0, "Batcher: set max_batch_size (the cache has no max_batch_size to take it from)");
   // More batches at once than cores only makes them take turns, and a Python client that holds
   // the GIL then waits for a core as well, stalling every other client.
-  const int64_t cores = std::thread::hardware_concurrency();
-  max_running_ = options_.max_running_batches > 0 ? options_.max_running_batches
-                                                  : std::max<int64_t>(1, cores / std::max(1, at::get_num_threads()));
+  // The default is resolved here, so the option reads the number chosen.
+  if (options_.max_running_batches == 0) {
+    const int64_t cores = std::thread::hardware_concurrency();
+    options_.max_running_batches = std::max<int64_t>(1, cores / std::max(1, at::get_num_threads()));
+  }
   register_fork_participant(this);
   thread_ = std::make_unique<std::thread>([this] { loop(); });
 }
@@ -157,7 +159,7 @@ void Batcher::enqueue(std::vector<c10::IValue> inputs, c10::intrusive_ptr<BatchR
     // with submit_runs_batch false leaves it to that thread, one wake-up per batch). When every
     // slot is taken, the batch waits for the first of their runners to finish, which runs it next.
     full = queued_rows_ >= max_rows_;
-    if (run_if_full && full && running_ < max_running_) {
+    if (run_if_full && full && running_ < options_.max_running_batches) {
       batch = take_batch_locked(expired);
       if (!batch.requests.empty()) {
         ++running_;
@@ -353,9 +355,10 @@ void Batcher::loop() {
       waiting_ = Waiting::kNothing;
       continue;
     }
-    if (running_ >= max_running_) {  // the first runner to finish takes a full batch, or wakes this thread
+    // Every slot taken: the first runner to finish takes a full batch itself, or wakes this thread.
+    if (running_ >= options_.max_running_batches) {
       waiting_ = Waiting::kSlot;
-      cv_.wait(lock, [this] { return running_ < max_running_; });
+      cv_.wait(lock, [this] { return running_ < options_.max_running_batches; });
       waiting_ = Waiting::kNothing;
       continue;
     }

@@ -68,7 +68,7 @@ struct BatcherOptions {
               "most batches running at once, on clients' threads and the batcher's; a batch filled while that many "
               "run waits, and the first of them to finish runs it next (no hand-off); 0: one per core for torch's "
               "intra-op threads (the machine's hardware threads / torch.get_num_threads() when the batcher is made, "
-              "at least 1)"));
+              "at least 1), which the option then reads"));
   }
   void validate() const;
 };
@@ -219,8 +219,7 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   std::condition_variable cv_;
   std::deque<Request> queue_;
   int64_t queued_rows_ = 0;
-  int64_t max_running_ = 1;  // options_.max_running_batches, resolved
-  int64_t running_ = 0;      // batches running now (guarded by mutex_)
+  int64_t running_ = 0;  // batches running now (guarded by mutex_)
   // What the batcher's thread waits for (guarded by mutex_): a request into the empty queue, the
   // oldest request's due time (or its batch to fill), a free slot; kNothing: it is running.
   enum class Waiting { kNothing, kRequest, kDue, kSlot };
