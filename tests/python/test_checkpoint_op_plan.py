@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_ext
 from torch_ext import memory
 from torch_ext.checkpointing.api import _CheckpointedForward
-from torch_ext.checkpointing.op_choice import _UNWRAP, _choose, _peak, _steps
+from torch_ext.checkpointing.op_choice import _UNWRAP, _choose, _grads_held, _peak, _steps
 from torch_ext.checkpointing.op_planner import OpPlan
 
 
@@ -24,10 +24,11 @@ def mlp_chain(n=16, width=128):
     return [nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)]
 
 
-def peak_and_grads(layers, x):
+def peak_and_grads(layers, x, grads_preallocated=True):
     model = nn.Sequential(*layers)
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # gradients accumulate in place: only activations count
+        # Preallocated, gradients accumulate in place: only activations count.
+        p.grad = torch.zeros_like(p) if grads_preallocated else None
     x = x.detach().requires_grad_()
     with memory.track() as tracked:
         model(x).sum().backward()
@@ -197,6 +198,57 @@ def test_under_torch_compile_a_plan_keeps_for_backward_what_it_keeps_in_eager():
     eager, compiled = kept_for_backward(
         lambda: nn.Sequential(*[torch_ext.checkpoint(layer, save="matmul") for layer in copy.deepcopy(layers)]))
     assert compiled == eager and unwrapped / 4 < eager < unwrapped  # the addmm outputs, not gelu's
+
+
+def test_held_gradients_count_every_later_blocks_gradients_in_each_blocks_backward():
+    params = [10, 20, 30, 40]
+    assert _grads_held(params, "accumulated") == [0, 0, 0, 0]
+    assert _grads_held(params, "held", other_bytes=5) == [95, 75, 45, 5]
+    with pytest.raises(ValueError, match="gradients must be one of 'accumulated', 'held', got 'kept'"):
+        torch_ext.plan_ops(mlp_chain(n=2), torch.randn(4, 128), budget_bytes=1 << 30, gradients="kept")
+
+
+def test_a_plan_for_held_gradients_stays_within_its_budget_when_grad_starts_none(chain):
+    # With .grad None at the step's start (optimizer.zero_grad()'s default) every block's gradients
+    # stay until the backward ends. A plan made for gradients added in place runs over a budget
+    # below them; planned for held gradients, that budget is refused, and those it takes hold.
+    layers, x, loose = chain
+    held = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, gradients="held")
+    # Block 0's backward holds the gradients of every block (its own, and those made before it).
+    assert held.min_budget_bytes > sum(loose.block_parameter_bytes) > loose.min_budget_bytes
+    low = (loose.min_budget_bytes + held.min_budget_bytes) // 2
+    over, _ = peak_and_grads(loose.with_budget(low).apply(copy.deepcopy(layers)), x, grads_preallocated=False)
+    assert over > low
+    with pytest.raises(ValueError, match="gradients='held': block 0's backward holds"):
+        held.with_budget(low)
+    _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)
+    for fraction in (0.0, 0.3, 0.8):
+        budget = int(held.min_budget_bytes + fraction * (held.no_checkpoint_peak_bytes - held.min_budget_bytes))
+        plan = held.with_budget(budget)
+        assert plan.gradients == "held" and OpPlan.from_json(plan.to_json()) == plan
+        peak, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x, grads_preallocated=False)
+        assert peak <= budget and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+def test_a_plan_for_held_gradients_stays_within_its_budget_with_the_whole_chain_compiled(chain):
+    # A compiled backward is one graph that returns every weight gradient together, before they
+    # are added into .grad (preallocated here): held until it ends, whatever the .grad.
+    layers, x, loose = chain
+    held = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, gradients="held")
+
+    def compiled_peak(plan):
+        torch._dynamo.reset()
+        model = torch.compile(nn.Sequential(*plan.apply(copy.deepcopy(layers))))
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for _ in range(2):  # the first call compiles
+            with memory.track() as tracked:
+                model(x.detach().requires_grad_()).sum().backward()
+        return tracked.peak_delta_bytes
+
+    low = (loose.min_budget_bytes + held.min_budget_bytes) // 2
+    assert compiled_peak(loose.with_budget(low)) > low
+    assert compiled_peak(held.with_budget(held.min_budget_bytes)) <= held.min_budget_bytes
 
 
 def test_plan_round_trips_through_json(chain, tmp_path):
@@ -373,6 +425,17 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
         assert torch.equal(a.grad, b.grad), name
     with pytest.raises(ValueError, match="ops=True plans under a budget"):
         hf.checkpoint_layers(copy.deepcopy(reference), every=1, ops=True)
+    # Held gradients: those of the parameters outside the layers (embeddings, final norm, head)
+    # count through every layer's backward.
+    held = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, ops=True, repeat=1,
+                                gradients="held")
+    layers = hf.decoder_layers(reference)
+    outside = sum(p.nbytes for p in reference.parameters()) - sum(p.nbytes for p in layers.parameters())
+    assert held.gradients == "held" and held.other_gradient_bytes == outside > 0
+    # The first layer's backward holds every gradient of the model.
+    assert held.min_budget_bytes > sum(p.nbytes for p in reference.parameters())
+    with pytest.raises(ValueError, match="gradients='held' is an option of the op-level planner; give ops=True"):
+        hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, gradients="held")
 
 
 def test_plans_keep_dropout_masks_or_draw_them_again_and_gradients_stay_exact():

@@ -78,7 +78,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_bytes: Optional[int] = None,
                       inputs: Optional[dict] = None, ops: bool = False, repeat: int = 2,
-                      progress: Optional[Callable] = None, **options: Any) -> list[int] | CheckpointPlan | OpPlan:
+                      gradients: str = "accumulated", progress: Optional[Callable] = None,
+                      **options: Any) -> list[int] | CheckpointPlan | OpPlan:
     """Checkpoint the model's decoder layers with torch_ext.checkpoint (options: its options).
 
     every=k: layers 0, k, 2k, ...; returns their indices. budget_bytes=B: runs
@@ -87,12 +88,18 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     of least recompute within B bytes of layer activations chooses; returns the CheckpointPlan.
     budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured on what
     each layer receives): the layers the plan checkpoints save the ops it chooses (through the
-    native policy, save=), the others are left unwrapped; returns the OpPlan.
+    native policy, save=), the others are left unwrapped; returns the OpPlan. gradients (ops=True):
+    plan_ops' option; with "held" the gradients of the model's parameters outside the layers (its
+    embeddings and head) count as held through every layer's backward too: plan with it to compile
+    the whole model with torch.compile, or when the step starts with .grad None.
     Hugging Face's own gradient checkpointing must be off (the layers would be checkpointed twice)."""
     if (every is None) == (budget_bytes is None):
         raise ValueError("checkpoint_layers: give exactly one of every or budget_bytes")
     if ops and budget_bytes is None:
         raise ValueError("checkpoint_layers: ops=True plans under a budget; give budget_bytes, not every")
+    if gradients != "accumulated" and not ops:
+        raise ValueError(f"checkpoint_layers: gradients={gradients!r} is an option of the op-level planner; "
+                         f"give ops=True")
     if _uses_hugging_faces_checkpointing(model):
         raise ValueError(f"checkpoint_layers: {type(model).__name__} already uses Hugging Face's gradient "
                          f"checkpointing; call model.gradient_checkpointing_disable() first")
@@ -115,8 +122,10 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
         if options:
             raise ValueError(f"checkpoint_layers: ops=True takes no options (the plan sets each layer's save "
                              f"and measures with keep storage), got {sorted(options)}")
+        inside = {id(p) for p in layers.parameters()}
+        other = sum(p.nbytes for p in model.parameters() if p.requires_grad and id(p) not in inside)
         op_plan = plan_recorded_ops(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, repeat,
-                                    progress)
+                                    progress, gradients=gradients, other_gradient_bytes=other)
         op_plan.apply(layers)
         return op_plan
     storage = resolved.script.storage

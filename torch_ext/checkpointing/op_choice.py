@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 
 
 def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], activations: Sequence[int],
-          workspace: Sequence[int], params: Sequence[int], rounded: Optional[Sequence[int]] = None) -> int:
+          workspace: Sequence[int], params: Sequence[int], rounded: Optional[Sequence[int]] = None,
+          grads_held: Optional[Sequence[int]] = None) -> int:
     """Predicted peak with block i keeping kept_per_block[i] bytes for backward (a checkpointed
     block: the outputs it saves; an unwrapped one: its activations): while block k runs backward,
     the blocks before it hold their inputs and what they keep, block k its input, its activations
@@ -27,13 +28,32 @@ def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequenc
     runs while every block holds its input and what it keeps; the plan does not see it and counts
     it as needing what the last block's backward needs. rounded: every block checkpointed with its
     input stored rounded to 16 bits, rounded[k] bytes, held until its backward ends (which also
-    holds the input widened back). O(number of blocks)."""
+    holds the input widened back). grads_held[k]: gradient bytes block k's backward holds besides its
+    own parameters' (_grads_held). O(number of blocks)."""
     held, peak = 0, 0
     for k in range(len(inputs)):
         stored = rounded[k] if rounded is not None else 0
-        peak = max(peak, held + inputs[k] + stored + activations[k] + workspace[k] + outputs[k] + params[k])
+        peak = max(peak, held + inputs[k] + stored + activations[k] + workspace[k] + outputs[k] + params[k]
+                   + (grads_held[k] if grads_held is not None else 0))
         held += (stored if rounded is not None else inputs[k]) + kept_per_block[k]
     return max(peak, held + _after_chain(outputs, activations, workspace, params)) if inputs else peak
+
+
+def _grads_held(params: Sequence[int], gradients: str, other_bytes: int = 0) -> list[int]:
+    """Per block, the gradient bytes held while its backward runs besides its own parameters'.
+    "accumulated": none (each block's parameter gradients are added into .grad, allocated before
+    the step, as its backward makes them). "held": the gradients of every block after it (their
+    backward ran first) and other_bytes (parameters outside the chain whose gradients are made
+    before the chain's backward: a model's head), kept until the whole backward ends: .grad None
+    when the step starts (optimizer.zero_grad()'s default), or the whole model compiled as one
+    graph, whose backward returns every gradient together."""
+    if gradients == "accumulated":
+        return [0] * len(params)
+    later, after = [], other_bytes
+    for nbytes in reversed(params):
+        later.append(after)
+        after += nbytes
+    return later[::-1]
 
 
 def _after_chain(outputs, activations, workspace, params) -> int:
@@ -137,7 +157,7 @@ def _steps(block: Sequence[list], activations: int, replay: float) -> tuple[list
 
 
 def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations, workspace, params, budget: float,
-            rounded: Optional[Sequence[int]] = None):
+            rounded: Optional[Sequence[int]] = None, grads_held: Optional[Sequence[int]] = None):
     """Every block's steps (_steps), in order of recompute seconds saved per byte kept (highest
     first), each taken when the predicted peak (_peak's) with it fits budget. A block whose step
     does not fit takes none of its later steps (they build on it), except that a block that cannot be
@@ -147,7 +167,7 @@ def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations,
     nodes, O(N log N). A higher budget never predicts a lower peak: at the first step the two
     budgets take differently, the higher one takes a step the lower one could not fit. rounded:
     checkpointed blocks store their inputs rounded (_peak's), and unwrapping a block also keeps
-    its input whole again."""
+    its input whole again. grads_held: _peak's."""
     count = [0]
     blocks = len(ops)
 
@@ -164,8 +184,9 @@ def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations,
         replaced.append([entry(k, len(steps) + j, step) for j, step in enumerate(rest)])
     heapq.heapify(heap)
     held, own = 0, []
+    grads = grads_held if grads_held is not None else [0] * blocks
     for k in range(blocks):
-        own.append(held + inputs[k] + stored[k] + activations[k] + workspace[k] + outputs[k] + params[k])
+        own.append(held + inputs[k] + stored[k] + activations[k] + workspace[k] + outputs[k] + params[k] + grads[k])
         held += held_input[k]
     peaks = _Peaks(own + [held + _after_chain(outputs, activations, workspace, params)], count)
     saved: list[list[int]] = [[] for _ in range(blocks)]

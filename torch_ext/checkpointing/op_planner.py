@@ -23,7 +23,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 
 from .. import _C
 from .api import _CheckpointedForward, checkpoint
-from .op_choice import _choose, _peak
+from .op_choice import _choose, _grads_held, _peak
 from .op_storage import _check_storage, _rounded_bytes, _rounding_seconds
 from .planner import (_call, _detach_like, _evaluate, _measure_once, _storage_bytes, _tensor_leaves,
                       _trainable_parameters)
@@ -45,8 +45,11 @@ class OpPlan:
     checkpoint's storage: "keep", or a lossy "bf16" / "fp16" where storage_options allow it and no
     exact plan fits the budget; empty: "keep" everywhere); block_input_rounded_bytes[k] and
     block_rounding_seconds[k]: its input stored rounded, and the time to round it and widen it
-    back. Bytes are activation bytes as
-    plan_checkpoints counts them (parameters and their gradients excluded). Thread safety: a
+    back. gradients: how the step holds parameter gradients, as plan_ops' option ("accumulated" or
+    "held"); other_gradient_bytes: with "held", the gradients of parameters outside the chain
+    counted as held through every block's backward. Bytes are activation bytes as
+    plan_checkpoints counts them (parameters excluded; their gradients only as `gradients` says).
+    Thread safety: a
     plan is not changed by its methods (with_budget returns a new one), and context_fn gives
     each checkpointed call a policy of its own, so planned layers may run in several threads."""
 
@@ -70,6 +73,8 @@ class OpPlan:
     storage_options: list[str] = field(default_factory=lambda: ["keep"])
     block_input_rounded_bytes: list[int] = field(default_factory=list)
     block_rounding_seconds: list[float] = field(default_factory=list)
+    gradients: str = "accumulated"
+    other_gradient_bytes: int = 0
 
     def is_checkpointed(self, block: int) -> bool:
         """Whether apply() checkpoints block (else it leaves it unwrapped)."""
@@ -133,7 +138,8 @@ class OpPlan:
                          "workspace": self.block_workspace_bytes, "params": self.block_parameter_bytes,
                          "replay": self.block_replay_seconds or [0.0] * len(self.ops),
                          "seconds": [self.step_seconds], "rounded": self.block_input_rounded_bytes,
-                         "rounding": self.block_rounding_seconds}, budget_bytes, self.storage_options)
+                         "rounding": self.block_rounding_seconds}, budget_bytes, self.storage_options,
+                        self.gradients, self.other_gradient_bytes)
 
     def apply(self, layers: Iterable[nn.Module]) -> list[nn.Module]:
         """Checkpoint each layer the plan checkpoints in place with torch_ext.checkpoint(layer,
@@ -328,7 +334,8 @@ def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, record
 
 
 def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, repeat: int = 3,
-             progress: Optional[Callable] = None, storage: Sequence[str] = ("keep",), **kwargs: Any) -> OpPlan:
+             progress: Optional[Callable] = None, storage: Sequence[str] = ("keep",),
+             gradients: str = "accumulated", **kwargs: Any) -> OpPlan:
     """Measure a chain of blocks on sample inputs, op by op, and choose which blocks to checkpoint
     and the ops each checkpointed block saves so that the predicted peak activation memory stays
     within budget_bytes, keeping first what saves the most recompute seconds per byte. Each block
@@ -340,6 +347,13 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     storage: how checkpointed blocks may keep their inputs: "keep" (exact), and the lossy "bf16" /
     "fp16" (opt-in: gradients approximate), used only where no exact plan fits the budget (every
     checkpointed block then stores its input rounded, which lowers the minimum budget).
+    gradients: how the training step holds the blocks' parameter gradients. "accumulated" (the
+    default): .grad is allocated before the step (zero_grad(set_to_none=False)) and each block's
+    gradients are added into it as its backward makes them, eager or with each block compiled on
+    its own. "held": they stay until the whole backward ends, so block k's backward also holds
+    the gradients of every block after it: .grad None when the step starts (optimizer.zero_grad()'s
+    default), or the whole model compiled as one graph (its backward returns every gradient
+    together, before any is added into .grad).
     Raises ValueError, stating the minimum, when no plan fits.
     Apply the plan with plan.apply(layers); plan.with_budget(B) plans another budget from the same
     measurements (plans of one measurement are monotonic in the budget; a new measurement may
@@ -353,7 +367,17 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     if not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"plan_ops: repeat must be an int >= 1, got {repeat!r}")
     options = _check_storage(storage)
-    return _op_plan(_measure_blocks(layers, repeat, progress, options, sample_inputs, kwargs), budget_bytes, options)
+    _check_gradients(gradients)
+    return _op_plan(_measure_blocks(layers, repeat, progress, options, sample_inputs, kwargs), budget_bytes, options,
+                    gradients)
+
+
+_GRADIENTS = ("accumulated", "held")
+
+
+def _check_gradients(gradients: Any) -> None:
+    if gradients not in _GRADIENTS:
+        raise ValueError(f"plan_ops: gradients must be one of {', '.join(map(repr, _GRADIENTS))}, got {gradients!r}")
 
 
 def _check_budget(budget_bytes: Any) -> None:
@@ -434,42 +458,50 @@ def _pool_alike_blocks(m: dict) -> None:
 
 
 def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tuple, dict]], budget_bytes: int,
-                      repeat: int, progress: Optional[Callable] = None, storage: Sequence[str] = ("keep",)) -> OpPlan:
+                      repeat: int, progress: Optional[Callable] = None, storage: Sequence[str] = ("keep",),
+                      gradients: str = "accumulated", other_gradient_bytes: int = 0) -> OpPlan:
     """plan_ops over layers that a model calls one by one, each measured on the (args, kwargs)
-    it received in a real forward (hf.checkpoint_layers(..., ops=True))."""
+    it received in a real forward (hf.checkpoint_layers(..., ops=True)). other_gradient_bytes:
+    with gradients "held", those of the model's parameters outside the layers."""
     _check_budget(budget_bytes)
     options = _check_storage(storage)
-    return _op_plan(_measure_blocks(list(layers), repeat, progress, options, recorded=recorded), budget_bytes, options)
+    _check_gradients(gradients)
+    return _op_plan(_measure_blocks(list(layers), repeat, progress, options, recorded=recorded), budget_bytes, options,
+                    gradients, other_gradient_bytes)
 
 
-def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("keep",)) -> OpPlan:
+def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("keep",),
+             gradients: str = "accumulated", other_gradient_bytes: int = 0) -> OpPlan:
     """The plan for budget_bytes: exact storage where "keep" is allowed and a plan with it fits,
     else every checkpointed block's input stored rounded (the first lossy option allowed)."""
     shape = (m["inputs"], m["outputs"], m["activations"], m["workspace"], m["params"])
     n = len(m["ops"])
+    grads = _grads_held(m["params"], gradients, other_gradient_bytes)
     rounded = m.get("rounded") or []
     lossy = next((option for option in storage_options if option != "keep"), None) if len(rounded) == n else None
-    minimum = {option: _peak([0] * n, *shape, rounded=None if option == "keep" else rounded)
+    minimum = {option: _peak([0] * n, *shape, rounded=None if option == "keep" else rounded, grads_held=grads)
                for option in storage_options if option in ("keep", lossy)}
     min_budget = min(minimum.values())
     if budget_bytes < min_budget:
         raise ValueError(f"plan_ops: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below the "
                          f"minimum any op-level plan of these {n} blocks can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB, every block checkpointed, nothing saved"
-                         f"{', inputs stored in ' + lossy if lossy else ''}; storage={list(storage_options)})")
+                         f"{', inputs stored in ' + lossy if lossy else ''}; storage={list(storage_options)}"
+                         f"{_held_note(grads, m['params'])})")
     # Exact storage first: a lower budget then never predicts a higher peak (a rounded plan's peak
     # is below the exact minimum, which every exact plan's peak reaches).
     chosen = "keep" if budget_bytes >= minimum.get("keep", math.inf) else lossy
     rounds = chosen != "keep"
     saved, checkpointed, peak, _ = _choose(m["ops"], m["replay"], *shape, float(budget_bytes),
-                                           rounded=rounded if rounds else None)
+                                           rounded=rounded if rounds else None, grads_held=grads)
     kept = [{tuple(op) for op in block} for block in saved]
     rounding = m.get("rounding") or [0.0] * n
     recompute = sum(m["replay"][k] + (rounding[k] if rounds else 0.0)
                     + sum(op[3] for op in block if tuple(op[:2]) not in kept[k])
                     for k, block in enumerate(m["ops"]) if checkpointed[k])
-    no_checkpoint = _evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], m["params"],
-                              m["inputs"][0])
+    no_checkpoint = (_evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], m["params"],
+                               m["inputs"][0]) if gradients == "accumulated"
+                     else _peak(m["activations"], *shape, grads_held=grads))
     return OpPlan(saved=saved, budget_bytes=int(budget_bytes), predicted_peak_bytes=int(peak),
                   min_budget_bytes=int(min_budget), no_checkpoint_peak_bytes=int(no_checkpoint),
                   predicted_recompute_seconds=recompute, step_seconds=sum(m["seconds"]), ops=m["ops"],
@@ -479,4 +511,13 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
                   block_replay_seconds=m["replay"],
                   storage=[chosen if rounds and checkpointed[k] else "keep" for k in range(n)],
                   storage_options=list(storage_options), block_input_rounded_bytes=list(rounded),
-                  block_rounding_seconds=list(rounding))
+                  block_rounding_seconds=list(rounding), gradients=gradients,
+                  other_gradient_bytes=int(other_gradient_bytes))
+
+
+def _held_note(grads: Sequence[int], params: Sequence[int]) -> str:
+    """The error's word on held gradients: what they add to the first block's backward alone."""
+    if not any(grads):
+        return ""
+    return (f"; gradients='held': block 0's backward holds {(grads[0] + params[0]) / 2**20:.2f} MiB of parameter "
+            f"gradients, those of every block and of the parameters outside the chain")
