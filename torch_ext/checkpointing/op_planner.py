@@ -49,9 +49,9 @@ class OpPlan:
     "held"); other_gradient_bytes: with "held", the gradients of parameters outside the chain
     counted as held through every block's backward. Bytes are activation bytes as
     plan_checkpoints counts them (parameters excluded; their gradients only as `gradients` says).
-    Thread safety: a
-    plan is not changed by its methods (with_budget returns a new one), and context_fn gives
-    each checkpointed call a policy of its own, so planned layers may run in several threads."""
+    Thread safety: a plan is not changed by its methods (with_budget returns a new one), and
+    context_fn gives each checkpointed call a policy of its own, so planned layers may run in
+    several threads."""
 
     saved: list[list[list]]
     budget_bytes: int
