@@ -1,0 +1,132 @@
+"""The op-level planner's recording (op_planner.py): every aten op of a block's forward as torch's
+selective checkpointing sees it, with the bytes of its outputs and its time, and which of them the
+native policy counts alike (a forward without a Python dispatch mode can call other ops)."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+from .. import _C
+from .planner import _call, _detach_like, _tensor_leaves
+from .selective import dropout_p
+
+
+# The draws of dropout masks (bernoulli_ in place): the native policy keeps the mask as bool (one
+# byte an element) and the generator's state after the draw (csrc/torch_ext/checkpoint/selective.h).
+_KEPT_DRAWS = (torch.ops.aten.bernoulli_.float, torch.ops.aten.bernoulli_.Tensor)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records each op of a forward as torch's selective checkpointing sees it (SAC_IGNORED_OPS
+    skipped): name, occurrence, the bytes of its outputs' new storages (of a mask draw, its bool
+    copy), its seconds. Ops whose outputs alias an input (views, in-place), that return no tensor,
+    or whose outputs a later op of the forward mutates are not candidates, nor are random ops other
+    than mask draws: a replay restores the forward's RNG state and draws the random ops again in
+    order, which gives the forward's numbers only if the generator passes where it passed before
+    (a kept draw puts it there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[list] = []
+        self.mutated: set[int] = set()
+        self.by_storage: dict[int, list[int]] = {}
+        self.seen: Counter = Counter()
+        self.alive: list = []  # the candidates' outputs, so that no storage address is reused in the forward
+
+    @property
+    def ops(self) -> list[list]:
+        return [record for i, record in enumerate(self.records) if i not in self.mutated]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        name = str(func)
+        index = self.seen[name]
+        self.seen[name] += 1
+        inputs = {t.untyped_storage().data_ptr() for t in _tensor_leaves((args, kwargs))}
+        if func._schema.is_mutable:  # an output mutated later cannot be saved (torch's SAC raises)
+            for ptr in inputs:
+                self.mutated.update(self.by_storage.get(ptr, ()))
+        outputs, nbytes = _tensor_leaves(out), 0
+        if func in _KEPT_DRAWS:  # kept as a bool copy: later changes to the mask do not reach it
+            if args[0].device.type == "cpu" and kwargs.get("generator") is None:
+                self.records.append([name, index, args[0].numel(), seconds])
+            return out
+        if outputs and not any(t.untyped_storage().data_ptr() in inputs for t in outputs):
+            nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs}.values())
+        if nbytes > 0 and not _draws(func, args, kwargs):
+            for t in outputs:
+                self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(len(self.records))
+            self.records.append([name, index, int(nbytes), seconds])
+            self.alive.append(outputs)
+        return out
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the call draws random numbers: a random op, unless its dropout_p is 0 (attention)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    p = dropout_p(func, args, kwargs)
+    return p is None or p != 0.0
+
+
+def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool,
+                measured: Counter) -> tuple[list[list], list[str], int]:
+    """The candidate ops of one forward of layer (with grad, as in training), the names the native
+    policy counts alike, and how many times the block is to be measured: seconds are the median of
+    `repeat` forwards, or of one when `repeat` earlier blocks ran the same ops with the same bytes
+    (counted in measured): their timings are pooled with this block's (_pool_alike_blocks), so a
+    deep model of identical layers is not timed `repeat` times over."""
+    runs: list = []
+    while len(runs) < repeat:
+        with torch.enable_grad(), _OpRecorder() as recorder:
+            _call(layer, _detach_like(value, recorded), kwargs, first)
+        runs.append(recorder.ops)
+        signature = tuple(tuple(op[:3]) for op in runs[0])
+        if len(runs) == 1 and measured[signature] >= repeat:
+            break
+    if any([op[:3] for op in run] != [op[:3] for op in runs[0]] for run in runs):
+        raise ValueError("plan_ops: a block ran different ops on the same input in repeated forwards; "
+                         "an op-level plan needs a block whose ops do not depend on data or state")
+    if len(runs) == repeat:
+        measured[signature] += 1
+    ops = [op[:3] + [statistics.median(run[i][3] for run in runs)] for i, op in enumerate(runs[0])]
+    return ops, _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen), len(runs)
+
+
+def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, recorded: bool, ops: list,
+                  calls: Counter) -> list[str]:
+    """The candidate op names whose calls the native policy counts as the recorder did: a forward
+    without a Python dispatch mode may call other ops (torch's math attention adds its mask in
+    place unless a mode is active), and an occurrence must name the same call in both."""
+    def probe(items: list[str]) -> list:
+        with torch.enable_grad():
+            return _C.checkpoint.probe(lambda: _call(layer, _detach_like(value, recorded), kwargs, first), items)
+
+    names = sorted({op[0] for op in ops})
+    try:
+        probed = probe(names)
+    except ValueError:  # an op the native policy cannot save: check them one by one
+        probed = []
+        for name in names:
+            try:
+                probed += probe([name])
+            except ValueError:
+                pass
+    native_calls = Counter(op.replace("::", ".", 1) for op, _, _ in probed)  # named as str(OpOverload) names them
+    native_bytes = {(op.replace("::", ".", 1), k): n for op, k, n in probed}
+    consistent = {name for name in names if native_calls[name] == calls[name]}
+    for name, index, nbytes, _ in ops:
+        if native_bytes.get((name, index)) != nbytes:
+            consistent.discard(name)
+    return sorted(consistent)
