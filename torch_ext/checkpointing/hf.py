@@ -24,7 +24,7 @@ from torch import nn
 from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options
 from .chains import _PLANNED_POLICY
 from .op_planner import OpPlan, plan_recorded_ops
-from .planner import CheckpointPlan, plan_recorded_layers
+from .planner import CheckpointPlan, _trainable_parameters, plan_recorded_layers
 
 __all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "decoder_layers"]
 
@@ -123,7 +123,7 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
             raise ValueError(f"checkpoint_layers: ops=True takes no options (the plan sets each layer's save "
                              f"and measures with keep storage), got {sorted(options)}")
         inside = {id(p) for p in layers.parameters()}
-        other = sum(p.nbytes for p in model.parameters() if p.requires_grad and id(p) not in inside)
+        other = sum(p.nbytes for p in _trainable_parameters(model) if id(p) not in inside)
         op_plan = plan_recorded_ops(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, repeat,
                                     progress, gradients=gradients, other_gradient_bytes=other)
         op_plan.apply(layers)
