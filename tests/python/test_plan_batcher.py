@@ -204,8 +204,13 @@ def test_the_call_that_fills_a_batch_runs_it_on_its_thread_unless_a_submit_leave
     with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS, submit_runs_batch=by_caller) as batcher:
         xs = [torch.randn(1, 8) for _ in range(4)]
         futures = [batcher.submit(x) for x in xs[:3]]
-        ran_on = []
-        futures[0].add_done_callback(lambda _: ran_on.append(threading.get_ident()))
+        ran_on, called = [], threading.Event()
+
+        def record(_):
+            ran_on.append(threading.get_ident())
+            called.set()
+
+        futures[0].add_done_callback(record)
         assert not any(f.done() for f in futures)
         if filled_by == "infer":
             out = batcher.infer(xs[3])  # runs the batch here, before returning
@@ -215,6 +220,9 @@ def test_the_call_that_fills_a_batch_runs_it_on_its_thread_unless_a_submit_leave
         assert all(f.done() for f in futures[:3]) or not by_caller
         for f, x in zip(futures, xs):
             assert torch.equal(f.result(timeout=60), module(x))
+        # Results are stored before callbacks run: on the batcher's thread the callback may still be
+        # on its way when result() returns.
+        assert called.wait(timeout=60)
         assert len(ran_on) == 1 and (ran_on[0] == threading.get_ident()) == by_caller
         s = batcher.stats()
         assert (s.batches, s.client_batches, s.max_batch_rows) == (1, int(by_caller), 4)
