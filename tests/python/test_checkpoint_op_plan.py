@@ -4,6 +4,7 @@ selective checkpointing through torch_ext.checkpoint, monotonic in the budget, s
 JSON; gradients equal the unwrapped chain's."""
 import copy
 import dataclasses
+import json
 import math
 from collections import Counter
 
@@ -265,6 +266,10 @@ def test_plan_round_trips_through_json(chain, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
     with pytest.raises(ValueError, match="not an OpPlan"):
         OpPlan.from_json('{"segments": []}')
+    edited = json.loads(plan.to_json())
+    edited["gradients"] = "kept"
+    with pytest.raises(ValueError, match=r"OpPlan.from_json: gradients must be one of .*got 'kept'"):
+        OpPlan.from_json(json.dumps(edited))
 
 
 def test_rounded_storage_is_chosen_only_where_no_exact_plan_fits_and_lowers_the_minimum(chain):

@@ -174,6 +174,7 @@ class OpPlan:
         if unknown or missing:
             raise ValueError(f"OpPlan.from_json: not an OpPlan (unknown fields {sorted(unknown)}, "
                              f"missing {sorted(missing)})")
+        _check_gradients(data.get("gradients", "accumulated"), "OpPlan.from_json")
         return cls(**data)
 
     def save(self, path: str) -> None:
@@ -256,9 +257,9 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
 _GRADIENTS = ("accumulated", "held")
 
 
-def _check_gradients(gradients: Any) -> None:
+def _check_gradients(gradients: Any, owner: str = "plan_ops") -> None:
     if gradients not in _GRADIENTS:
-        raise ValueError(f"plan_ops: gradients must be one of {', '.join(map(repr, _GRADIENTS))}, got {gradients!r}")
+        raise ValueError(f"{owner}: gradients must be one of {', '.join(map(repr, _GRADIENTS))}, got {gradients!r}")
 
 
 def _check_budget(budget_bytes: Any) -> None:
