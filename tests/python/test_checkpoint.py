@@ -622,9 +622,10 @@ def wide_chain(n=8, width=256):
     return [nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)]
 
 
-def measured_peak(chain, x):
+def measured_peak(chain, x, grads_preallocated=True):
     for p in chain.parameters():
-        p.grad = torch.zeros_like(p)  # gradients accumulate in place: only activations count
+        # Preallocated, gradients accumulate in place: only activations count.
+        p.grad = torch.zeros_like(p) if grads_preallocated else None
     with memory.track() as tracked:
         chain(x).sum().backward()
     return tracked.peak_delta_bytes
@@ -662,7 +663,9 @@ def test_planner_states_the_minimum_budget():
         torch_ext.plan_checkpoints(layers, x, budget_bytes=0)
 
 
-def test_planner_dynamic_program_is_optimal_against_brute_force():
+@pytest.mark.parametrize("gradients", ["accumulated", "held"])
+def test_planner_dynamic_program_is_optimal_against_brute_force(gradients):
+    from torch_ext.checkpointing.op_choice import _grads_held
     from torch_ext.checkpointing.planner import _evaluate, _solve
 
     torch.manual_seed(0)
@@ -672,6 +675,8 @@ def test_planner_dynamic_program_is_optimal_against_brute_force():
     out_bytes = torch.randint(1, 20, (n,)).tolist()
     workspace = torch.randint(0, 30, (n,)).tolist()
     params = torch.randint(0, 40, (n,)).tolist()
+    held = _grads_held(params, "held", other_bytes=7) if gradients == "held" else None
+    shape = (saved, out_bytes, workspace, params, 5)
     plans = []
     for cuts in itertools.product([False, True], repeat=n - 1):
         starts = [0] + [i + 1 for i, c in enumerate(cuts) if c]
@@ -679,12 +684,46 @@ def test_planner_dynamic_program_is_optimal_against_brute_force():
         for modes in itertools.product([False, True], repeat=len(starts)):
             segs = list(zip(starts, ends, modes))
             cost = sum(sum(seconds[p:q]) for p, q, m in segs if m)
-            plans.append((_evaluate(segs, saved, out_bytes, workspace, params, 5), cost))
+            plans.append((_evaluate(segs, *shape, held), cost))
     min_peak = min(p for p, _ in plans)
-    assert _solve(n, seconds, saved, out_bytes, workspace, params, 5, None)[1] == min_peak
+    if held:  # the first segment's backward holds every gradient, whatever the plan
+        assert min_peak > sum(params) + 7
+    assert _solve(n, seconds, *shape, None, held=held)[1] == min_peak
     for budget in sorted({p for p, _ in plans}):
         best = min(c for p, c in plans if p <= budget)
-        assert _solve(n, seconds, saved, out_bytes, workspace, params, 5, budget)[2] == pytest.approx(best)
+        assert _solve(n, seconds, *shape, budget, held=held)[2] == pytest.approx(best)
+
+
+def test_a_plan_for_held_gradients_stays_within_its_budget_when_grad_starts_none():
+    # With .grad None at the step's start (optimizer.zero_grad()'s default) every layer's gradients
+    # stay until the backward ends: a plan made for gradients added in place runs over a budget
+    # below them; planned for held gradients, that budget is refused, and those it takes hold.
+    layers = wide_chain()
+    x = torch.randn(256, 256, requires_grad=True)
+    loose = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1)
+    held = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1, gradients="held")
+    assert held.gradients == "held" and loose.gradients == "accumulated"
+    weights = sum(p.nbytes for layer in layers for p in layer.parameters())
+    assert held.min_budget_bytes > weights > loose.min_budget_bytes
+    low = (loose.min_budget_bytes + held.min_budget_bytes) // 2
+    over = torch_ext.plan_checkpoints(layers, x, budget_bytes=low, repeat=1)
+    chain = torch_ext.CheckpointedSequential(copy.deepcopy(layers), boundaries=over)
+    assert measured_peak(chain, x, grads_preallocated=False) > low
+    with pytest.raises(ValueError, match="gradients='held': layer 0's backward holds"):
+        torch_ext.plan_checkpoints(layers, x, budget_bytes=low, repeat=1, gradients="held")
+    plain = nn.Sequential(*copy.deepcopy(layers))
+    measured_peak(plain, x)
+    for fraction in (0.0, 0.5):
+        budget = int(held.min_budget_bytes + fraction * (held.no_checkpoint_peak_bytes - held.min_budget_bytes))
+        chain = torch_ext.CheckpointedSequential(copy.deepcopy(layers), budget_bytes=budget, gradients="held")
+        chain(x)  # plans on the first forward with grad
+        assert chain.plan.gradients == "held" and (chain.plan.boundaries or fraction > 0)
+        assert measured_peak(chain, x, grads_preallocated=False) <= budget
+        assert_same_grads(plain, chain)
+    with pytest.raises(ValueError, match="gradients must be one of 'accumulated', 'held', got 'kept'"):
+        torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, gradients="kept")
+    with pytest.raises(ValueError, match="gradients='held' is an option of planning; give budget_bytes"):
+        torch_ext.CheckpointedSequential(copy.deepcopy(layers), every=2, gradients="held")
 
 
 # ---- TorchScript, opcheck, torch.compile, DDP ------------------------------------------------

@@ -439,8 +439,13 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
     assert held.gradients == "held" and held.other_gradient_bytes == outside > 0
     # The first layer's backward holds every gradient of the model.
     assert held.min_budget_bytes > sum(p.nbytes for p in reference.parameters())
-    with pytest.raises(ValueError, match="gradients='held' is an option of the op-level planner; give ops=True"):
-        hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, gradients="held")
+    # The layer-level planner takes the same option.
+    held_layers = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, repeat=1,
+                                       gradients="held")
+    assert held_layers.gradients == "held" and held_layers.other_gradient_bytes == outside
+    assert held_layers.min_budget_bytes > sum(p.nbytes for p in reference.parameters())
+    with pytest.raises(ValueError, match="gradients='held' is an option of planning under a budget"):
+        hf.checkpoint_layers(copy.deepcopy(reference), every=2, gradients="held")
 
 
 def test_plans_keep_dropout_masks_or_draw_them_again_and_gradients_stay_exact():

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .api import _run, checkpoint_options, option_names
-from .planner import CheckpointPlan, _call, _storage_bytes, _tensor_leaves, plan_checkpoints
+from .planner import CheckpointPlan, _call, _check_gradients, _storage_bytes, _tensor_leaves, plan_checkpoints
 
 def _segments_from_boundaries(n: int, boundaries: Sequence[int], owner: str) -> list[tuple[int, int, bool]]:
     bounds = list(boundaries)
@@ -36,8 +36,9 @@ class CheckpointedSequential(nn.Sequential):
 
     Exactly one of: every=k (a checkpoint every k layers, from layer 0), boundaries=[...] (the
     layers whose inputs are kept; layers before the first run without checkpointing), or
-    budget_bytes=B (planned by plan_checkpoints on the first forward with grad; see .plan). A
-    CheckpointPlan may be given as boundaries. The state_dict keys are nn.Sequential's.
+    budget_bytes=B (planned by plan_checkpoints on the first forward with grad, with its
+    `gradients` option; see .plan). A CheckpointPlan may be given as boundaries. The state_dict
+    keys are nn.Sequential's.
 
     After a forward with grad the chain keeps weak references to each segment's input, for
     recompute(), and the bytes of the stored boundaries, for the accounting methods: it never keeps
@@ -48,7 +49,7 @@ class CheckpointedSequential(nn.Sequential):
     """
 
     def __init__(self, layers: Any, *, every: Optional[int] = None, boundaries: Any = None,
-                 budget_bytes: Optional[int] = None, **options: Any) -> None:
+                 budget_bytes: Optional[int] = None, gradients: str = "accumulated", **options: Any) -> None:
         if isinstance(layers, (dict, OrderedDict)):
             super().__init__(OrderedDict(layers))
         elif isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
@@ -65,7 +66,12 @@ class CheckpointedSequential(nn.Sequential):
         self.options = checkpoint_options("CheckpointedSequential", **options)
         if budget_bytes is not None and self.options.chooses_ops:
             raise ValueError(f"CheckpointedSequential: {_PLANNED_POLICY}")
+        _check_gradients(gradients, "CheckpointedSequential")
+        if gradients != "accumulated" and budget_bytes is None:
+            raise ValueError(f"CheckpointedSequential: gradients={gradients!r} is an option of planning; give "
+                             f"budget_bytes")
         self.budget_bytes = budget_bytes
+        self.gradients = gradients
         self.plan: Optional[CheckpointPlan] = None
         if budget_bytes is not None:
             if not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
@@ -157,8 +163,7 @@ class CheckpointedSequential(nn.Sequential):
             if not grad:
                 return self._plain(inputs, kwargs)
             self.plan = plan_checkpoints(list(self), *inputs, budget_bytes=self.budget_bytes,
-                                         storage=self.options.script.storage,
-                                         **kwargs)
+                                         storage=self.options.script.storage, gradients=self.gradients, **kwargs)
             self._segments = list(self.plan.segments)
         value: Any = None
         for start, end, checkpointed in self._segments:

@@ -88,18 +88,19 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     of least recompute within B bytes of layer activations chooses; returns the CheckpointPlan.
     budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured on what
     each layer receives): the layers the plan checkpoints save the ops it chooses (through the
-    native policy, save=), the others are left unwrapped; returns the OpPlan. gradients (ops=True):
-    plan_ops' option; with "held" the gradients of the model's parameters outside the layers (its
-    embeddings and head) count as held through every layer's backward too: plan with it to compile
-    the whole model with torch.compile, or when the step starts with .grad None.
+    native policy, save=), the others are left unwrapped; returns the OpPlan. gradients (with
+    budget_bytes): the planners' option; with "held" the gradients of the model's parameters
+    outside the layers (its embeddings and head) count as held through every layer's backward too:
+    plan with it to compile the whole model with torch.compile, or when the step starts with .grad
+    None.
     Hugging Face's own gradient checkpointing must be off (the layers would be checkpointed twice)."""
     if (every is None) == (budget_bytes is None):
         raise ValueError("checkpoint_layers: give exactly one of every or budget_bytes")
     if ops and budget_bytes is None:
         raise ValueError("checkpoint_layers: ops=True plans under a budget; give budget_bytes, not every")
-    if gradients != "accumulated" and not ops:
-        raise ValueError(f"checkpoint_layers: gradients={gradients!r} is an option of the op-level planner; "
-                         f"give ops=True")
+    if gradients != "accumulated" and budget_bytes is None:
+        raise ValueError(f"checkpoint_layers: gradients={gradients!r} is an option of planning under a budget; "
+                         f"give budget_bytes, not every")
     if _uses_hugging_faces_checkpointing(model):
         raise ValueError(f"checkpoint_layers: {type(model).__name__} already uses Hugging Face's gradient "
                          f"checkpointing; call model.gradient_checkpointing_disable() first")
@@ -118,19 +119,19 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     resolved = checkpoint_options("checkpoint_layers", **options)
     if resolved.chooses_ops:
         raise ValueError(f"checkpoint_layers: {_PLANNED_POLICY}")
+    inside = {id(p) for p in layers.parameters()}
+    other = sum(p.nbytes for p in _trainable_parameters(model) if id(p) not in inside)
     if ops:
         if options:
             raise ValueError(f"checkpoint_layers: ops=True takes no options (the plan sets each layer's save "
                              f"and measures with keep storage), got {sorted(options)}")
-        inside = {id(p) for p in layers.parameters()}
-        other = sum(p.nbytes for p in _trainable_parameters(model) if id(p) not in inside)
         op_plan = plan_recorded_ops(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, repeat,
                                     progress, gradients=gradients, other_gradient_bytes=other)
         op_plan.apply(layers)
         return op_plan
     storage = resolved.script.storage
     plan = plan_recorded_layers(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, storage,
-                                repeat, progress)
+                                repeat, progress, gradients, other)
     for start, _, checkpointed in plan.segments:
         if checkpointed:
             checkpoint(layers[start], **options)

@@ -23,7 +23,8 @@ from .api import _CheckpointedForward, checkpoint
 from .op_choice import _choose, _grads_held, _peak
 from .op_recording import _KEPT_DRAWS, _record_ops
 from .op_storage import _check_storage, _rounded_bytes, _rounding_seconds
-from .planner import _evaluate, _measure_once, _storage_bytes, _tensor_leaves, _trainable_parameters
+from .planner import (_check_gradients, _evaluate, _held_note, _measure_once, _storage_bytes, _tensor_leaves,
+                      _trainable_parameters)
 
 
 @dataclass
@@ -249,17 +250,9 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     if not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"plan_ops: repeat must be an int >= 1, got {repeat!r}")
     options = _check_storage(storage)
-    _check_gradients(gradients)
+    _check_gradients(gradients, "plan_ops")
     return _op_plan(_measure_blocks(layers, repeat, progress, options, sample_inputs, kwargs), budget_bytes, options,
                     gradients)
-
-
-_GRADIENTS = ("accumulated", "held")
-
-
-def _check_gradients(gradients: Any, owner: str = "plan_ops") -> None:
-    if gradients not in _GRADIENTS:
-        raise ValueError(f"{owner}: gradients must be one of {', '.join(map(repr, _GRADIENTS))}, got {gradients!r}")
 
 
 def _check_budget(budget_bytes: Any) -> None:
@@ -347,7 +340,7 @@ def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tupl
     with gradients "held", those of the model's parameters outside the layers."""
     _check_budget(budget_bytes)
     options = _check_storage(storage)
-    _check_gradients(gradients)
+    _check_gradients(gradients, "plan_ops")
     return _op_plan(_measure_blocks(list(layers), repeat, progress, options, recorded=recorded), budget_bytes, options,
                     gradients, other_gradient_bytes)
 
@@ -369,7 +362,7 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
                          f"minimum any op-level plan of these {n} blocks can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB, every block checkpointed, nothing saved"
                          f"{', inputs stored in ' + lossy if lossy else ''}; storage={list(storage_options)}"
-                         f"{_held_note(grads, m['params'])})")
+                         f"{_held_note(grads, m['params'], 'block')})")
     # Exact storage first: a lower budget then never predicts a higher peak (a rounded plan's peak
     # is below the exact minimum, which every exact plan's peak reaches).
     chosen = "keep" if budget_bytes >= minimum.get("keep", math.inf) else lossy
@@ -395,11 +388,3 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
                   storage_options=list(storage_options), block_input_rounded_bytes=list(rounded),
                   block_rounding_seconds=list(rounding), gradients=gradients,
                   other_gradient_bytes=int(other_gradient_bytes))
-
-
-def _held_note(grads: Sequence[int], params: Sequence[int]) -> str:
-    """The error's word on held gradients: what they add to the first block's backward alone."""
-    if not any(grads):
-        return ""
-    return (f"; gradients='held': block 0's backward holds {(grads[0] + params[0]) / 2**20:.2f} MiB of parameter "
-            f"gradients, those of every block and of the parameters outside the chain")

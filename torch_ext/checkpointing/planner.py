@@ -15,6 +15,10 @@ from torch.utils import _pytree as pytree
 
 from .. import memory
 from .api import checkpoint_options
+from .op_choice import _grads_held
+
+_GRADIENTS = ("accumulated", "held")
+
 
 @dataclass
 class CheckpointPlan:
@@ -23,7 +27,10 @@ class CheckpointPlan:
     segments: (start, end, checkpointed) covering layers [0, n); a checkpointed segment keeps its
     input and replays in backward, the others keep their activations. boundaries: the first layer
     of each checkpointed segment. Bytes are activation bytes (boundaries, saved activations and
-    the largest backward workspace; parameters and their gradients excluded)."""
+    the largest backward workspace; parameters excluded) and parameter gradients as `gradients`
+    says: "accumulated", those a checkpointed segment's replay hands back together; "held", every
+    layer's from its backward to the step's end, with other_gradient_bytes (parameters outside
+    the chain) held throughout (plan_checkpoints' option)."""
 
     segments: list[tuple[int, int, bool]]
     budget_bytes: int
@@ -39,6 +46,8 @@ class CheckpointPlan:
     layer_workspace_bytes: list[int] = field(default_factory=list)
     layer_parameter_bytes: list[int] = field(default_factory=list)
     input_bytes: int = 0
+    gradients: str = "accumulated"
+    other_gradient_bytes: int = 0
 
     @property
     def boundaries(self) -> list[int]:
@@ -177,13 +186,17 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
 
 
 def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int], workspace: list[int],
-           param_bytes: list[int], input_bytes: int, budget: Optional[float], max_segment: Optional[int] = None):
+           param_bytes: list[int], input_bytes: int, budget: Optional[float], max_segment: Optional[int] = None,
+           held: Optional[Sequence[int]] = None):
     """Dynamic programming over the chain. Each segment [p, q) is either checkpointed (holds its
     input; replays in backward at the cost of its forward time) or stored (holds its input and
     its activations). While segment j runs backward, memory is what segments before it hold plus
     its input, its activations, its largest backward workspace and the gradient of its output, plus,
     for a checkpointed segment, its parameters' gradients (the replay hands them back together); the
-    peak is the maximum of that over j.
+    peak is the maximum of that over j. held (gradients "held"; _grads_held): per layer, the
+    gradient bytes its backward holds besides its own; every segment, stored or checkpointed, then
+    holds its own parameters' gradients and held[q - 1] (each a constant of the segment, so the
+    search is the same).
     With budget=None, returns the plan of least peak; otherwise the least recompute time whose
     peak fits the budget (None if none does). Segments span at most max_segment layers (None: any).
     States on the frontier are Pareto-optimal in (held bytes, peak or cost)."""
@@ -206,14 +219,14 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
             activations = prefix_saved[q] - prefix_saved[p]
             work = max(workspace[p:q])
             replay = prefix_seconds[q] - prefix_seconds[p]
-            grads = prefix_params[q] - prefix_params[p]
-            for held, peak, cost, segs in states:
-                local = held + seg_input[p] + activations + work + out_bytes[q - 1]
-                if budget is None or max(peak, local + grads) <= budget:
-                    frontier[q].append((held + seg_input[p], max(peak, local + grads), cost + replay,
+            stored_grads, replay_grads = _segment_grads(prefix_params[q] - prefix_params[p], held, q)
+            for kept, peak, cost, segs in states:
+                local = kept + seg_input[p] + activations + work + out_bytes[q - 1]
+                if budget is None or max(peak, local + replay_grads) <= budget:
+                    frontier[q].append((kept + seg_input[p], max(peak, local + replay_grads), cost + replay,
                                         segs + ((p, q, True),)))
-                if budget is None or max(peak, local) <= budget:
-                    frontier[q].append((held + seg_input[p] + activations, max(peak, local), cost,
+                if budget is None or max(peak, local + stored_grads) <= budget:
+                    frontier[q].append((kept + seg_input[p] + activations, max(peak, local + stored_grads), cost,
                                         segs + ((p, q, False),)))
         for q in range(p + 1, n + 1):
             frontier[q] = _pareto(frontier[q], by_cost=budget is not None)
@@ -223,6 +236,14 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     if budget is None:
         return min(finals, key=lambda s: (s[1], s[2]))
     return min(finals, key=lambda s: (s[2], s[1]))
+
+
+def _segment_grads(own: int, held: Optional[Sequence[int]], q: int) -> tuple[int, int]:
+    """The gradient bytes segment [p, q)'s backward holds (own: its parameters'), stored and
+    checkpointed; held as _solve's."""
+    if held is None:
+        return 0, own
+    return own + held[q - 1], own + held[q - 1]
 
 
 def _pareto(states, by_cost: bool):
@@ -239,7 +260,8 @@ def _pareto(states, by_cost: bool):
 
 
 def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, storage: Optional[str] = None,
-                     repeat: int = 3, progress: Optional[Callable] = None, **kwargs: Any) -> CheckpointPlan:
+                     repeat: int = 3, progress: Optional[Callable] = None, gradients: str = "accumulated",
+                     **kwargs: Any) -> CheckpointPlan:
     """Measure one step of a chain of layers and choose checkpoint boundaries for a memory budget.
 
     Each layer runs forward and backward `repeat` times on the outputs of the previous one
@@ -247,6 +269,10 @@ def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_byt
     the bytes it saves for backward, its output bytes and its backward workspace are measured
     (torch_ext.memory). A dynamic program over the chain then picks the segments that minimise
     recompute time while the predicted peak activation memory stays within budget_bytes.
+    gradients: how the training step holds the layers' parameter gradients, as plan_ops' option:
+    "accumulated" (the default; .grad allocated before the step, each gradient added into it as
+    backward makes it) or "held" (every layer's gradients stay until the backward ends: .grad None
+    at the step's start, or the whole chain compiled as one graph).
     Raises ValueError, stating the minimum, when no plan fits. kwargs go to the first layer.
     """
     layers = list(layers.values() if isinstance(layers, (dict, OrderedDict)) else layers)
@@ -259,17 +285,34 @@ def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_byt
     storage = checkpoint_options("plan_checkpoints", **({} if storage is None else {"storage": storage})).script.storage
     if repeat < 1:
         raise ValueError(f"plan_checkpoints: repeat must be >= 1, got {repeat}")
+    _check_gradients(gradients, "plan_checkpoints")
     progress = progress or (lambda iterable, desc: iterable)
     measured = _measure_layers(layers, sample_inputs, kwargs, repeat, storage, progress)
-    return _plan(layers, measured, budget_bytes, None, "plan_checkpoints")
+    return _plan(layers, measured, budget_bytes, None, "plan_checkpoints", gradients)
+
+
+def _check_gradients(gradients: Any, owner: str) -> None:
+    if gradients not in _GRADIENTS:
+        raise ValueError(f"{owner}: gradients must be one of {', '.join(map(repr, _GRADIENTS))}, got {gradients!r}")
+
+
+def _held_note(held: Sequence[int], params: Sequence[int], unit: str) -> str:
+    """A budget error's word on held gradients: what they add to the first block's backward."""
+    if not any(held):
+        return ""
+    return (f"; gradients='held': {unit} 0's backward holds {(held[0] + params[0]) / 2**20:.2f} MiB of parameter "
+            f"gradients, those of every {unit} and of the parameters outside the chain")
 
 
 def plan_recorded_layers(layers: Sequence[nn.Module], recorded: Sequence[tuple[tuple, dict]], budget_bytes: int,
-                         storage: str, repeat: int, progress: Optional[Callable] = None) -> CheckpointPlan:
+                         storage: str, repeat: int, progress: Optional[Callable] = None, gradients: str = "accumulated",
+                         other_gradient_bytes: int = 0) -> CheckpointPlan:
     """A plan over layers that a model calls one by one (a Hugging Face decoder stack): each layer
     is measured on the (args, kwargs) it received in a real forward (recorded), and every
     segment is one layer, checkpointed or not. The boundary a checkpointed layer keeps is its
-    first argument; arguments shared by all layers (masks, rotary embeddings) are counted once."""
+    first argument; arguments shared by all layers (masks, rotary embeddings) are counted once.
+    other_gradient_bytes: with gradients "held", those of the model's parameters outside the layers."""
+    _check_gradients(gradients, "checkpoint_layers")
     progress = progress or (lambda iterable, desc: iterable)
     device = next((t.device for t in _tensor_leaves(recorded[0])), torch.device("cpu"))
     fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
@@ -292,37 +335,43 @@ def plan_recorded_layers(layers: Sequence[nn.Module], recorded: Sequence[tuple[t
                     buffer.copy_(copy)
     input_bytes = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(recorded[0][0])[:1], storage))
     return _plan(list(layers), (fwd, bwd, saved, out_bytes, workspace, input_bytes), budget_bytes, 1,
-                 "checkpoint_layers")
+                 "checkpoint_layers", gradients, other_gradient_bytes)
 
 
-def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optional[int], owner: str) -> CheckpointPlan:
+def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optional[int], owner: str,
+          gradients: str = "accumulated", other_gradient_bytes: int = 0) -> CheckpointPlan:
     fwd, bwd, saved, out_bytes, workspace, input_bytes = measured
     n = len(layers)
     param_bytes = [sum(p.nbytes for p in _trainable_parameters(layer)) if isinstance(layer, nn.Module) else 0
                    for layer in layers]
-    least = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes, None, max_segment)
+    held = _grads_held(param_bytes, gradients, other_gradient_bytes) if gradients == "held" else None
+    shape = (saved, out_bytes, workspace, param_bytes, input_bytes)
+    least = _solve(n, fwd, *shape, None, max_segment, held)
     min_budget = least[1]
-    no_checkpoint = _evaluate([(0, n, False)], saved, out_bytes, workspace, param_bytes, input_bytes)
+    no_checkpoint = _evaluate([(0, n, False)], *shape, held)
     if budget_bytes < min_budget:
         raise ValueError(f"{owner}: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below "
                          f"the minimum any plan of these {n} layers can meet: {min_budget} bytes "
-                         f"({min_budget / 2**20:.2f} MiB); without checkpointing the peak is {no_checkpoint} bytes")
-    _, peak, cost, segments = _solve(n, fwd, saved, out_bytes, workspace, param_bytes, input_bytes,
-                                     float(budget_bytes), max_segment)
+                         f"({min_budget / 2**20:.2f} MiB); without checkpointing the peak is {no_checkpoint} bytes"
+                         f"{_held_note(held or [0], param_bytes, 'layer')}")
+    _, peak, cost, segments = _solve(n, fwd, *shape, float(budget_bytes), max_segment, held)
     return CheckpointPlan(segments=[tuple(s) for s in segments], budget_bytes=int(budget_bytes),
                           predicted_peak_bytes=int(peak), min_budget_bytes=int(min_budget),
                           no_checkpoint_peak_bytes=int(no_checkpoint), predicted_recompute_seconds=cost,
                           step_seconds=sum(fwd) + sum(bwd), layer_forward_seconds=fwd, layer_backward_seconds=bwd,
                           layer_saved_bytes=saved, layer_output_bytes=out_bytes, layer_workspace_bytes=workspace,
-                          layer_parameter_bytes=param_bytes, input_bytes=input_bytes)
+                          layer_parameter_bytes=param_bytes, input_bytes=input_bytes, gradients=gradients,
+                          other_gradient_bytes=int(other_gradient_bytes))
 
 
-def _evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes) -> int:
+def _evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes, held=None) -> int:
+    """The peak _solve predicts for these segments."""
     seg_input = [input_bytes] + out_bytes[:-1]
-    held, peak = 0, 0
+    kept, peak = 0, 0
     for p, q, checkpointed in segments:
         activations = sum(saved[p:q])
-        grads = sum(param_bytes[p:q]) if checkpointed else 0
-        peak = max(peak, held + seg_input[p] + activations + max(workspace[p:q]) + out_bytes[q - 1] + grads)
-        held += seg_input[p] + (0 if checkpointed else activations)
+        stored_grads, replay_grads = _segment_grads(sum(param_bytes[p:q]), held, q)
+        grads = replay_grads if checkpointed else stored_grads
+        peak = max(peak, kept + seg_input[p] + activations + max(workspace[p:q]) + out_bytes[q - 1] + grads)
+        kept += seg_input[p] + (0 if checkpointed else activations)
     return peak
