@@ -13,7 +13,8 @@ use_cache), eager, CPU:
   (f) torch_ext's op-level planner at 25%, 50% and 75% of (a)'s layer activation memory
       (hf.checkpoint_layers(model, budget_bytes=..., inputs=batch, ops=True)); the plans save
       through (g)'s mechanism
-  compiled (torch.compile(model), inductor): (a), (c), (e), (g) and the (f) plans
+  compiled (torch.compile(model), inductor): (a), (c), (e), (g) and the (f) plans, planned with
+      gradients="held" (a compiled backward returns every weight gradient together)
   (h) torch.compile of the unwrapped model with torch._functorch.config.activation_memory_budget
       at 0.25, 0.5 and 0.75 (Inductor's partitioner chooses what to recompute)
 
@@ -86,22 +87,28 @@ def variants(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return built
 
 
-def planned(base: torch.nn.Module, batch: dict, device, built: dict) -> tuple[dict, dict, list]:
-    """Adds the op-level plans to built: (budgets, plans, the layers' recorded inputs); the
-    budgets are fractions of (a)'s layer activation memory (checkpoint_hf.layers_peak)."""
+def planned(base: torch.nn.Module, batch: dict, device, built: dict) -> tuple[dict, dict, dict, list]:
+    """Adds the op-level plans to built: (budgets, plans, the compiled rows' models, the layers'
+    recorded inputs); the budgets are fractions of (a)'s layer activation memory
+    (checkpoint_hf.layers_peak). The eager rows' plans are made for gradients added into .grad as
+    they are made; the compiled rows' for gradients held (gradients="held": the compiled backward
+    returns every weight gradient together), each under the row's name + ", compiled"."""
     recorded = hf._record_layer_inputs(base, hf.decoder_layers(base), batch)
     activation = layers_peak(built[NONE], recorded, device)
-    budgets, plans = {}, {}
-    for fraction, name in PLANNED.items():
-        model = copy.deepcopy(base)
-        budgets[name] = int(activation * fraction)
-        try:
-            plans[name] = hf.checkpoint_layers(model, budget_bytes=budgets[name], inputs=batch, ops=True, repeat=2)
-        except ValueError as error:  # below the minimum: reported, not timed
-            plans[name] = error
-            continue
-        built[name] = model
-    return budgets, plans, recorded
+    budgets, plans, compiled = {}, {}, {}
+    for fraction, eager_name in PLANNED.items():
+        for gradients, name, rows in (("accumulated", eager_name, built),
+                                      ("held", f"{eager_name}, compiled", compiled)):
+            model = copy.deepcopy(base)
+            budgets[name] = int(activation * fraction)
+            try:
+                plans[name] = hf.checkpoint_layers(model, budget_bytes=budgets[name], inputs=batch, ops=True,
+                                                   repeat=2, gradients=gradients)
+            except ValueError as error:  # below the minimum: reported, not timed
+                plans[name] = error
+                continue
+            rows[name] = model
+    return budgets, plans, compiled, recorded
 
 
 def budget_backend(fraction: float):
@@ -123,13 +130,13 @@ def inductor_dropout_step(compiled, batch: dict) -> None:
         compiled(**batch).loss.backward()
 
 
-def compiled_steps(base: torch.nn.Module, built: dict, batch: dict) -> dict:
+def compiled_steps(base: torch.nn.Module, built: dict, planned_compiled: dict, batch: dict) -> dict:
     """The compiled rows: name -> (model, step)."""
     def step(compiled):
         return functools.partial(lambda c: c(**batch).loss.backward(), compiled)
 
-    rows = {f"{name}, compiled": (built[name], step(torch.compile(built[name])))
-            for name in (*COMPILED, *PLANNED.values()) if name in built}
+    models = {f"{name}, compiled": built[name] for name in COMPILED} | planned_compiled
+    rows = {name: (model, step(torch.compile(model))) for name, model in models.items()}
     for fraction, name in BUDGETED.items():
         model = copy.deepcopy(base)
         for p in model.parameters():
@@ -144,13 +151,13 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
     config = base.config
     batch = padded_batch(config.vocab_size, 2 if quick else 4, config.max_position_embeddings, device)
     built = variants(base)
-    budgets, plans, recorded = planned(base, batch, device, built)
-    for model in built.values():
+    budgets, plans, planned_compiled, recorded = planned(base, batch, device, built)
+    for model in (*built.values(), *planned_compiled.values()):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
     rows = {name: (model, functools.partial(lambda m: m(**batch).loss.backward(), model))
             for name, model in built.items()}
-    rows.update(compiled_steps(base, built, batch))
+    rows.update(compiled_steps(base, built, planned_compiled, batch))
     steps, grad_diffs, peaks, reference = {}, {}, {}, None
     for name, (model, step) in rows.items():
         steps[name] = step
@@ -186,8 +193,15 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
     checks.append((f"{label}: (c), (e) and (g) give (a)'s gradients exactly (dropout on): {'yes' if same else 'no'}",
                    same))
     for name, budget in budgets.items():
+        compiled = name.endswith(", compiled")
         if isinstance(plans[name], ValueError):
-            checks.append((f"{label}: {name}: {plans[name]}", False))
+            # Refusing is what the held planner must do below its minimum: no plan may run over.
+            checks.append((f"{label}: {name}{' (gradients held)' if compiled else ''}: {plans[name]}", compiled))
+            continue
+        if compiled:
+            checks.append((f"{label}: {name} (gradients held) within its budget: step peak "
+                           f"{harness.format_bytes(peaks[name])} <= {harness.format_bytes(budget)} (predicted "
+                           f"{harness.format_bytes(plans[name].predicted_peak_bytes)})", peaks[name] <= budget))
             continue
         peak = layers_peak(built[name], recorded, device)
         checks.append((f"{label}: {name} within its budget: layers peak {harness.format_bytes(peak)} <= "
@@ -299,7 +313,9 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     report.notes.append(f"transformers {transformers.__version__}; {torch.get_num_threads()} torch thread(s). "
                         f"Policy of (c) and (e): torchtitan's (attention saved, every second matmul of a layer's "
                         f"forward saved); (g) the same choice through save='torchtitan'. (h) draws dropout with "
-                        f"Inductor's generator, so its gradients differ from (a)'s where the model has dropout. "
+                        f"Inductor's generator, so its gradients differ from (a)'s where the model has dropout. Compiled (f) "
+                        f"rows: plans made with gradients='held' (the compiled backward returns every weight "
+                        f"gradient before any is added into .grad); a budget below that minimum is refused. "
                         f"Plot: docs/{PLOT.name}.")
     checks.append(scaling_check())
     report.add_checks(checks)
