@@ -145,7 +145,8 @@ def run(device: torch.device, quick: bool, command: str) -> None:
         name = f"(d) torch_ext planned, {fraction:.0%} budget"
         budget = int(activation_bytes * fraction)
         try:
-            plan = torch_ext.plan_checkpoints(list(model.blocks), sample, budget_bytes=budget, repeat=2)
+            plan = torch_ext.plan_checkpoints(list(model.blocks), sample, budget_bytes=budget, repeat=2,
+                                              gradients="accumulated")  # the steps preallocate .grad
         except ValueError as error:  # no plan fits this budget
             if not device_mode:
                 raise

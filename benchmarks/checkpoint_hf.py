@@ -107,7 +107,8 @@ def variants(base: torch.nn.Module, batch: dict, device) -> tuple[dict, dict, di
         model = copy.deepcopy(base)
         budgets[name] = int(activation * fraction)
         try:
-            plans[name] = hf.checkpoint_layers(model, budget_bytes=budgets[name], inputs=batch)
+            # The steps preallocate .grad: gradients added in place.
+            plans[name] = hf.checkpoint_layers(model, budget_bytes=budgets[name], inputs=batch, gradients="accumulated")
         except ValueError as error:  # no placement fits: reported, not timed
             plans[name] = error
             continue

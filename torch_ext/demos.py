@@ -321,7 +321,7 @@ def demo_checkpoint(progress, quick: bool = False) -> None:
     with memory.track() as tracked:
         step(plain)()
     activation_bytes = tracked.peak_delta_bytes
-    plan = plan_checkpoints(list(base.blocks), embedded, budget_bytes=activation_bytes // 2,
+    plan = plan_checkpoints(list(base.blocks), embedded, budget_bytes=activation_bytes // 2, gradients="accumulated",
                             repeat=1 if quick else 2, progress=progress)
     planned = CheckpointedSequential(base.blocks, boundaries=plan)
     rows = []

@@ -634,11 +634,12 @@ def measured_peak(chain, x, grads_preallocated=True):
 def test_planner_meets_its_budget_and_prefers_no_recompute_when_memory_allows():
     layers = wide_chain()
     x = torch.randn(256, 256, requires_grad=True)
-    loose = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1)
+    # measured_peak preallocates .grad: gradients added in place.
+    loose = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1, gradients="accumulated")
     assert loose.boundaries == [] and loose.predicted_recompute_seconds == 0
     assert loose.predicted_peak_bytes == loose.no_checkpoint_peak_bytes
     budget = (loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 2
-    plan = torch_ext.plan_checkpoints(layers, x, budget_bytes=budget, repeat=1)
+    plan = torch_ext.plan_checkpoints(layers, x, budget_bytes=budget, repeat=1, gradients="accumulated")
     assert plan.predicted_peak_bytes <= budget and plan.boundaries
     assert 0 < plan.predicted_overhead < 1
     chain = torch_ext.CheckpointedSequential(copy.deepcopy(layers), boundaries=plan)
@@ -648,7 +649,7 @@ def test_planner_meets_its_budget_and_prefers_no_recompute_when_memory_allows():
     assert peak_plan <= budget < peak_plain
     assert_same_grads(plain, chain)
     # budget_bytes=B plans on the first forward with grad.
-    auto = torch_ext.CheckpointedSequential(copy.deepcopy(layers), budget_bytes=budget)
+    auto = torch_ext.CheckpointedSequential(copy.deepcopy(layers), budget_bytes=budget, gradients="accumulated")
     auto(x)
     assert auto.plan is not None and auto.plan.predicted_peak_bytes <= budget
 
@@ -700,22 +701,27 @@ def test_a_plan_for_held_gradients_stays_within_its_budget_when_grad_starts_none
     # below them; planned for held gradients, that budget is refused, and those it takes hold.
     layers = wide_chain()
     x = torch.randn(256, 256, requires_grad=True)
-    loose = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1)
-    held = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1, gradients="held")
+    loose = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1, gradients="accumulated")
+    held = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1)  # "held" is the default
     assert held.gradients == "held" and loose.gradients == "accumulated"
+    # With nothing to recompute, the plan is the no-checkpointing peak: the least over stored
+    # segments, not one segment holding every activation beside every gradient.
+    assert held.boundaries == [] and held.predicted_peak_bytes == held.no_checkpoint_peak_bytes
+    assert torch_ext.plan_checkpoints(layers, x, budget_bytes=held.no_checkpoint_peak_bytes - 1, repeat=1).boundaries
+    assert measured_peak(nn.Sequential(*copy.deepcopy(layers)), x, grads_preallocated=False) <= held.no_checkpoint_peak_bytes
     weights = sum(p.nbytes for layer in layers for p in layer.parameters())
     assert held.min_budget_bytes > weights > loose.min_budget_bytes
     low = (loose.min_budget_bytes + held.min_budget_bytes) // 2
-    over = torch_ext.plan_checkpoints(layers, x, budget_bytes=low, repeat=1)
+    over = torch_ext.plan_checkpoints(layers, x, budget_bytes=low, repeat=1, gradients="accumulated")
     chain = torch_ext.CheckpointedSequential(copy.deepcopy(layers), boundaries=over)
     assert measured_peak(chain, x, grads_preallocated=False) > low
     with pytest.raises(ValueError, match="gradients='held': layer 0's backward holds"):
-        torch_ext.plan_checkpoints(layers, x, budget_bytes=low, repeat=1, gradients="held")
+        torch_ext.plan_checkpoints(layers, x, budget_bytes=low, repeat=1)
     plain = nn.Sequential(*copy.deepcopy(layers))
     measured_peak(plain, x)
     for fraction in (0.0, 0.5):
         budget = int(held.min_budget_bytes + fraction * (held.no_checkpoint_peak_bytes - held.min_budget_bytes))
-        chain = torch_ext.CheckpointedSequential(copy.deepcopy(layers), budget_bytes=budget, gradients="held")
+        chain = torch_ext.CheckpointedSequential(copy.deepcopy(layers), budget_bytes=budget)  # held: the default
         chain(x)  # plans on the first forward with grad
         assert chain.plan.gradients == "held" and (chain.plan.boundaries or fraction > 0)
         assert measured_peak(chain, x, grads_preallocated=False) <= budget

@@ -57,7 +57,8 @@ def every_op_saved(plan, blocks=None):
 def chain():
     layers = mlp_chain()
     x = torch.randn(128, 128)
-    loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)
+    # The tests measure steps with .grad preallocated (peak_and_grads): gradients added in place.
+    loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, gradients="accumulated")
     return layers, x, loose
 
 
@@ -116,7 +117,7 @@ def test_blocks_alike_to_repeat_measured_blocks_run_once_per_measurement():
 
 def test_minimum_is_below_40_percent_of_the_plain_peak_with_equal_gradients(chain):
     layers, x, loose = chain
-    plan = torch_ext.plan_ops(layers, x, budget_bytes=loose.min_budget_bytes, repeat=1)
+    plan = torch_ext.plan_ops(layers, x, budget_bytes=loose.min_budget_bytes, repeat=1, gradients="accumulated")
     # Nothing saved but, when it ranks first, an op of the last block (its saved outputs are part
     # of the activations its own backward holds anyway, so they cost no peak).
     assert plan.saved[:15] == [[]] * 15 and plan.checkpointed[:15] == [True] * 15
@@ -214,7 +215,8 @@ def test_a_plan_for_held_gradients_stays_within_its_budget_when_grad_starts_none
     # stay until the backward ends. A plan made for gradients added in place runs over a budget
     # below them; planned for held gradients, that budget is refused, and those it takes hold.
     layers, x, loose = chain
-    held = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, gradients="held")
+    held = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)  # "held" is the default
+    assert held.gradients == "held"
     # Block 0's backward holds the gradients of every block (its own, and those made before it).
     assert held.min_budget_bytes > sum(loose.block_parameter_bytes) > loose.min_budget_bytes
     low = (loose.min_budget_bytes + held.min_budget_bytes) // 2
@@ -255,7 +257,7 @@ def test_a_plan_for_held_gradients_stays_within_its_budget_with_the_whole_chain_
 def test_plan_round_trips_through_json(chain, tmp_path):
     layers, x, loose = chain
     plan = torch_ext.plan_ops(layers, x, budget_bytes=(loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 3,
-                              repeat=1)
+                              repeat=1, gradients="accumulated")
     path = str(tmp_path / "plan.json")
     plan.save(path)
     loaded = OpPlan.load(path)
@@ -278,7 +280,8 @@ def test_rounded_storage_is_chosen_only_where_no_exact_plan_fits_and_lowers_the_
     in bf16, and the measured peak stays within the budget, below the exact minimum's."""
     layers, x, exact = chain
     loose = exact.with_budget(1 << 40)
-    both = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, storage=("keep", "bf16"))
+    both = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, storage=("keep", "bf16"),
+                              gradients="accumulated")
     assert both.min_budget_bytes < exact.min_budget_bytes
     assert sum(both.block_input_rounded_bytes) * 2 == sum(both.block_input_bytes)  # fp32 inputs, halved
     at_exact_minimum = both.with_budget(exact.min_budget_bytes)
@@ -307,7 +310,7 @@ def test_errors_name_the_problem(chain):
     layers, x, loose = chain
     with pytest.raises(ValueError, match=f"minimum any op-level plan of these 16 blocks can meet: "
                                          f"{loose.min_budget_bytes} bytes"):
-        torch_ext.plan_ops(layers, x, budget_bytes=loose.min_budget_bytes - 1, repeat=1)
+        torch_ext.plan_ops(layers, x, budget_bytes=loose.min_budget_bytes - 1, repeat=1, gradients="accumulated")
     with pytest.raises(ValueError, match="positive number of bytes"):
         torch_ext.plan_ops(layers, x, budget_bytes=0)
     with pytest.raises(ValueError, match="minimum any op-level plan"):
@@ -439,9 +442,8 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
     assert held.gradients == "held" and held.other_gradient_bytes == outside > 0
     # The first layer's backward holds every gradient of the model.
     assert held.min_budget_bytes > sum(p.nbytes for p in reference.parameters())
-    # The layer-level planner takes the same option.
-    held_layers = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, repeat=1,
-                                       gradients="held")
+    # The layer-level planner takes the same option, "held" by default.
+    held_layers = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, repeat=1)
     assert held_layers.gradients == "held" and held_layers.other_gradient_bytes == outside
     assert held_layers.min_budget_bytes > sum(p.nbytes for p in reference.parameters())
     with pytest.raises(ValueError, match="gradients='held' is an option of planning under a budget"):

@@ -49,7 +49,7 @@ class CheckpointedSequential(nn.Sequential):
     """
 
     def __init__(self, layers: Any, *, every: Optional[int] = None, boundaries: Any = None,
-                 budget_bytes: Optional[int] = None, gradients: str = "accumulated", **options: Any) -> None:
+                 budget_bytes: Optional[int] = None, gradients: Optional[str] = None, **options: Any) -> None:
         if isinstance(layers, (dict, OrderedDict)):
             super().__init__(OrderedDict(layers))
         elif isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
@@ -66,10 +66,11 @@ class CheckpointedSequential(nn.Sequential):
         self.options = checkpoint_options("CheckpointedSequential", **options)
         if budget_bytes is not None and self.options.chooses_ops:
             raise ValueError(f"CheckpointedSequential: {_PLANNED_POLICY}")
-        _check_gradients(gradients, "CheckpointedSequential")
-        if gradients != "accumulated" and budget_bytes is None:
+        if gradients is not None and budget_bytes is None:
             raise ValueError(f"CheckpointedSequential: gradients={gradients!r} is an option of planning; give "
                              f"budget_bytes")
+        gradients = "held" if gradients is None else gradients
+        _check_gradients(gradients, "CheckpointedSequential")
         self.budget_bytes = budget_bytes
         self.gradients = gradients
         self.plan: Optional[CheckpointPlan] = None

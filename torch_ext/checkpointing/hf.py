@@ -78,7 +78,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_bytes: Optional[int] = None,
                       inputs: Optional[dict] = None, ops: bool = False, repeat: int = 2,
-                      gradients: str = "accumulated", progress: Optional[Callable] = None,
+                      gradients: Optional[str] = None, progress: Optional[Callable] = None,
                       **options: Any) -> list[int] | CheckpointPlan | OpPlan:
     """Checkpoint the model's decoder layers with torch_ext.checkpoint (options: its options).
 
@@ -89,18 +89,19 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured on what
     each layer receives): the layers the plan checkpoints save the ops it chooses (through the
     native policy, save=), the others are left unwrapped; returns the OpPlan. gradients (with
-    budget_bytes): the planners' option; with "held" the gradients of the model's parameters
-    outside the layers (its embeddings and head) count as held through every layer's backward too:
-    plan with it to compile the whole model with torch.compile, or when the step starts with .grad
-    None.
+    budget_bytes): the planners' option, "held" by default (the step starts with .grad None, as
+    after optimizer.zero_grad() or Trainer's, or the whole model is compiled); the gradients of the
+    model's parameters outside the layers (its embeddings and head) then count as held through
+    every layer's backward too. "accumulated" for a loop that keeps .grad allocated.
     Hugging Face's own gradient checkpointing must be off (the layers would be checkpointed twice)."""
     if (every is None) == (budget_bytes is None):
         raise ValueError("checkpoint_layers: give exactly one of every or budget_bytes")
     if ops and budget_bytes is None:
         raise ValueError("checkpoint_layers: ops=True plans under a budget; give budget_bytes, not every")
-    if gradients != "accumulated" and budget_bytes is None:
+    if gradients is not None and budget_bytes is None:
         raise ValueError(f"checkpoint_layers: gradients={gradients!r} is an option of planning under a budget; "
                          f"give budget_bytes, not every")
+    gradients = "held" if gradients is None else gradients
     if _uses_hugging_faces_checkpointing(model):
         raise ValueError(f"checkpoint_layers: {type(model).__name__} already uses Hugging Face's gradient "
                          f"checkpointing; call model.gradient_checkpointing_disable() first")

@@ -218,7 +218,7 @@ def _plan_contexts(saved: frozenset) -> tuple:
 
 def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, repeat: int = 3,
              progress: Optional[Callable] = None, storage: Sequence[str] = ("keep",),
-             gradients: str = "accumulated", **kwargs: Any) -> OpPlan:
+             gradients: str = "held", **kwargs: Any) -> OpPlan:
     """Measure a chain of blocks on sample inputs, op by op, and choose which blocks to checkpoint
     and the ops each checkpointed block saves so that the predicted peak activation memory stays
     within budget_bytes, keeping first what saves the most recompute seconds per byte. Each block
@@ -230,13 +230,15 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     storage: how checkpointed blocks may keep their inputs: "keep" (exact), and the lossy "bf16" /
     "fp16" (opt-in: gradients approximate), used only where no exact plan fits the budget (every
     checkpointed block then stores its input rounded, which lowers the minimum budget).
-    gradients: how the training step holds the blocks' parameter gradients. "accumulated" (the
-    default): .grad is allocated before the step (zero_grad(set_to_none=False)) and each block's
-    gradients are added into it as its backward makes them, eager or with each block compiled on
-    its own. "held": they stay until the whole backward ends, so block k's backward also holds
-    the gradients of every block after it: .grad None when the step starts (optimizer.zero_grad()'s
-    default), or the whole model compiled as one graph (its backward returns every gradient
-    together, before any is added into .grad).
+    gradients: how the training step holds the blocks' parameter gradients. "held" (the default):
+    they stay until the whole backward ends, so block k's backward also holds the gradients of
+    every block after it; this is so when .grad is None at the step's start (optimizer.zero_grad()'s
+    default, and every loop's first step), or when the whole model is compiled as one graph (its
+    backward returns every gradient together, before any is added into .grad). "accumulated":
+    .grad is allocated before every step (zero_grad(set_to_none=False) after a first step) and
+    each block's gradients are added into it as its backward makes them, eager or with each block
+    compiled on its own; its minimum is lower, and a step that starts with .grad None runs over it
+    by up to the gradients' bytes.
     Raises ValueError, stating the minimum, when no plan fits.
     Apply the plan with plan.apply(layers); plan.with_budget(B) plans another budget from the same
     measurements (plans of one measurement are monotonic in the budget; a new measurement may

@@ -187,7 +187,7 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
 
 def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int], workspace: list[int],
            param_bytes: list[int], input_bytes: int, budget: Optional[float], max_segment: Optional[int] = None,
-           held: Optional[Sequence[int]] = None):
+           held: Optional[Sequence[int]] = None, checkpointing: bool = True):
     """Dynamic programming over the chain. Each segment [p, q) is either checkpointed (holds its
     input; replays in backward at the cost of its forward time) or stored (holds its input and
     its activations). While segment j runs backward, memory is what segments before it hold plus
@@ -198,7 +198,8 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     holds its own parameters' gradients and held[q - 1] (each a constant of the segment, so the
     search is the same).
     With budget=None, returns the plan of least peak; otherwise the least recompute time whose
-    peak fits the budget (None if none does). Segments span at most max_segment layers (None: any).
+    peak fits the budget (None if none does). Segments span at most max_segment layers (None: any);
+    checkpointing=False: stored segments only.
     States on the frontier are Pareto-optimal in (held bytes, peak or cost)."""
     prefix_seconds = [0.0]
     prefix_saved = [0]
@@ -222,7 +223,7 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
             stored_grads, replay_grads = _segment_grads(prefix_params[q] - prefix_params[p], held, q)
             for kept, peak, cost, segs in states:
                 local = kept + seg_input[p] + activations + work + out_bytes[q - 1]
-                if budget is None or max(peak, local + replay_grads) <= budget:
+                if checkpointing and (budget is None or max(peak, local + replay_grads) <= budget):
                     frontier[q].append((kept + seg_input[p], max(peak, local + replay_grads), cost + replay,
                                         segs + ((p, q, True),)))
                 if budget is None or max(peak, local + stored_grads) <= budget:
@@ -260,7 +261,7 @@ def _pareto(states, by_cost: bool):
 
 
 def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, storage: Optional[str] = None,
-                     repeat: int = 3, progress: Optional[Callable] = None, gradients: str = "accumulated",
+                     repeat: int = 3, progress: Optional[Callable] = None, gradients: str = "held",
                      **kwargs: Any) -> CheckpointPlan:
     """Measure one step of a chain of layers and choose checkpoint boundaries for a memory budget.
 
@@ -270,9 +271,10 @@ def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_byt
     (torch_ext.memory). A dynamic program over the chain then picks the segments that minimise
     recompute time while the predicted peak activation memory stays within budget_bytes.
     gradients: how the training step holds the layers' parameter gradients, as plan_ops' option:
-    "accumulated" (the default; .grad allocated before the step, each gradient added into it as
-    backward makes it) or "held" (every layer's gradients stay until the backward ends: .grad None
-    at the step's start, or the whole chain compiled as one graph).
+    "held" (the default: every layer's gradients stay until the backward ends, as they do when
+    .grad is None at the step's start or the whole chain is compiled as one graph) or
+    "accumulated" (.grad allocated before every step, each gradient added into it as backward
+    makes it: a lower minimum, for loops that keep .grad allocated).
     Raises ValueError, stating the minimum, when no plan fits. kwargs go to the first layer.
     """
     layers = list(layers.values() if isinstance(layers, (dict, OrderedDict)) else layers)
@@ -348,13 +350,18 @@ def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optio
     shape = (saved, out_bytes, workspace, param_bytes, input_bytes)
     least = _solve(n, fwd, *shape, None, max_segment, held)
     min_budget = least[1]
-    no_checkpoint = _evaluate([(0, n, False)], *shape, held)
+    # The least peak of stored segments only (one stored segment over the whole chain would count
+    # every activation beside every held gradient, which no backward holds at once).
+    unwrapped = _solve(n, fwd, *shape, None, max_segment, held, checkpointing=False)
+    no_checkpoint = unwrapped[1]
     if budget_bytes < min_budget:
         raise ValueError(f"{owner}: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below "
                          f"the minimum any plan of these {n} layers can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB); without checkpointing the peak is {no_checkpoint} bytes"
                          f"{_held_note(held or [0], param_bytes, 'layer')}")
     _, peak, cost, segments = _solve(n, fwd, *shape, float(budget_bytes), max_segment, held)
+    if cost == 0:  # no recompute: at its least peak (the search by cost keeps one such plan, not the lowest)
+        _, peak, cost, segments = unwrapped
     return CheckpointPlan(segments=[tuple(s) for s in segments], budget_bytes=int(budget_bytes),
                           predicted_peak_bytes=int(peak), min_budget_bytes=int(min_budget),
                           no_checkpoint_peak_bytes=int(no_checkpoint), predicted_recompute_seconds=cost,
