@@ -131,8 +131,9 @@ def test_checkpoint_layers_refuses_what_would_checkpoint_twice_or_is_underspecif
         hf.checkpoint_layers(model)
     with pytest.raises(ValueError, match="needs inputs"):
         hf.checkpoint_layers(model, budget_bytes=1 << 20)
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match="already uses Hugging Face's gradient checkpointing"):
+    model.activation_checkpointing_enable()  # transformers 5.23's name for gradient_checkpointing_enable
+    with pytest.raises(ValueError, match="already uses Hugging Face's gradient checkpointing; call "
+                                         r"model.activation_checkpointing_disable\(\) first"):
         hf.checkpoint_layers(model, every=1)
     with pytest.raises(TypeError, match="unknown option.*stroage"):
         hf.gradient_checkpointing_enable(gpt2(), stroage="bf16")

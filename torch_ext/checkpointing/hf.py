@@ -103,8 +103,10 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
                          f"give budget_bytes, not every")
     gradients = "held" if gradients is None else gradients
     if _uses_hugging_faces_checkpointing(model):
+        disable = ("activation_checkpointing_disable" if hasattr(model, "activation_checkpointing_disable")
+                   else "gradient_checkpointing_disable")  # transformers 5.23's name; the old one warns
         raise ValueError(f"checkpoint_layers: {type(model).__name__} already uses Hugging Face's gradient "
-                         f"checkpointing; call model.gradient_checkpointing_disable() first")
+                         f"checkpointing; call model.{disable}() first")
     checkpoint_options("checkpoint_layers", **options)
     layers = decoder_layers(model)
     if every is not None:
