@@ -2,7 +2,8 @@
 with a padded batch, with their defaults (dropout, use_cache), eager and under torch.compile:
 
   (a) no checkpointing
-  (b) Hugging Face's model.gradient_checkpointing_enable()
+  (b) Hugging Face's model.activation_checkpointing_enable() (transformers 5.23's name for
+      gradient_checkpointing_enable, which now warns that it is deprecated)
   (c) torch.utils.checkpoint per decoder layer (use_reentrant=False), with use_cache=False: with the
       default cache its replay appends to the cache again and fails on a padded batch
   (d) torch_ext per decoder layer (torch_ext.checkpointing.hf.checkpoint_layers(model, every=1))
@@ -31,7 +32,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import harness
 from torch_ext.checkpointing import hf
 
-NONE, HF, TORCH, OURS = ("(a) no checkpointing", "(b) Hugging Face gradient_checkpointing_enable()",
+NONE, HF, TORCH, OURS = ("(a) no checkpointing", "(b) Hugging Face activation_checkpointing_enable()",
                          "(c) torch.utils.checkpoint per layer", "(d) torch_ext per layer")
 PLANNED = {0.5: "(e) torch_ext planned, 50% budget", 0.25: "(f) torch_ext planned, 25% budget"}
 
@@ -95,7 +96,7 @@ def variants(base: torch.nn.Module, batch: dict, device) -> tuple[dict, dict, di
     activation bytes and the layers' recorded inputs."""
     recorded = hf._record_layer_inputs(base, hf.decoder_layers(base), batch)
     built = {NONE: copy.deepcopy(base), HF: copy.deepcopy(base), TORCH: copy.deepcopy(base), OURS: copy.deepcopy(base)}
-    built[HF].gradient_checkpointing_enable()
+    built[HF].activation_checkpointing_enable()
     torch_checkpoint_per_layer(built[TORCH])
     # With the default cache, torch's replay appends to the cache the forward filled, and the
     # recomputed attention fails on a padded batch (keys of twice the mask's length).

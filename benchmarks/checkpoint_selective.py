@@ -3,7 +3,7 @@ Hugging Face GPT-2 and Llama (12 layers, width 256, padded 4x128 batches, defaul
 use_cache), eager, CPU:
 
   (a) no checkpointing
-  (b) Hugging Face's model.gradient_checkpointing_enable() (torch.utils.checkpoint per layer)
+  (b) Hugging Face's model.activation_checkpointing_enable() (torch.utils.checkpoint per layer)
   (c) torch's SAC: the same, with gradient_checkpointing_kwargs' context_fn a torchtitan-style
       policy (attention saved, and every second matmul of each layer's forward)
   (d) torch_ext per layer: hf.gradient_checkpointing_enable(model)
@@ -78,9 +78,9 @@ def torchtitan_context():
 
 def variants(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
     built = {name: copy.deepcopy(base) for name in (NONE, HF, TORCH_SAC, OURS, OURS_SAC, NATIVE)}
-    built[HF].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    built[TORCH_SAC].gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": torchtitan_context})
+    built[HF].activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    built[TORCH_SAC].activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": torchtitan_context})
     hf.gradient_checkpointing_enable(built[OURS])
     hf.gradient_checkpointing_enable(built[OURS_SAC], context_fn=torchtitan_context)
     hf.gradient_checkpointing_enable(built[NATIVE], save="torchtitan")
@@ -92,22 +92,30 @@ def planned(base: torch.nn.Module, batch: dict, device, built: dict) -> tuple[di
     recorded inputs); the budgets are fractions of (a)'s layer activation memory
     (checkpoint_hf.layers_peak). The eager rows' plans are made for gradients added into .grad as
     they are made; the compiled rows' for gradients held (gradients="held": the compiled backward
-    returns every weight gradient together), each under the row's name + ", compiled"."""
+    returns every weight gradient together), each under the row's name + ", compiled". One
+    measurement per gradients mode, at the largest budget; the others are its plan.with_budget (so
+    the plans of one mode are monotonic in the budget, as the planner promises for one measurement)."""
     recorded = hf._record_layer_inputs(base, hf.decoder_layers(base), batch)
     activation = layers_peak(built[NONE], recorded, device)
     budgets, plans, compiled = {}, {}, {}
-    for fraction, eager_name in PLANNED.items():
-        for gradients, name, rows in (("accumulated", eager_name, built),
-                                      ("held", f"{eager_name}, compiled", compiled)):
+    for gradients, suffix, rows in (("accumulated", "", built), ("held", ", compiled", compiled)):
+        measured, models = None, {}
+        for fraction, eager_name in sorted(PLANNED.items(), reverse=True):
+            name = eager_name + suffix
             model = copy.deepcopy(base)
             budgets[name] = int(activation * fraction)
             try:
-                plans[name] = hf.checkpoint_layers(model, budget_bytes=budgets[name], inputs=batch, ops=True,
-                                                   repeat=2, gradients=gradients)
+                if measured is None:
+                    plans[name] = measured = hf.checkpoint_layers(model, budget_bytes=budgets[name], inputs=batch,
+                                                                  ops=True, repeat=2, gradients=gradients)
+                else:
+                    plans[name] = measured.with_budget(budgets[name])
+                    plans[name].apply(hf.decoder_layers(model))
             except ValueError as error:  # below the minimum: reported, not timed
                 plans[name] = error
                 continue
-            rows[name] = model
+            models[name] = model
+        rows.update((name + suffix, models[name + suffix]) for name in PLANNED.values() if name + suffix in models)
     return budgets, plans, compiled, recorded
 
 
