@@ -728,7 +728,7 @@ def test_a_plan_for_held_gradients_stays_within_its_budget_when_grad_starts_none
         assert_same_grads(plain, chain)
     with pytest.raises(ValueError, match="gradients must be one of 'accumulated', 'held', got 'kept'"):
         torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, gradients="kept")
-    with pytest.raises(ValueError, match="gradients='held' is an option of planning; give budget_bytes"):
+    with pytest.raises(ValueError, match="gradients='held' is an option of planning under a budget; give budget_bytes"):
         torch_ext.CheckpointedSequential(copy.deepcopy(layers), every=2, gradients="held")
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .api import _run, checkpoint_options, option_names
-from .planner import CheckpointPlan, _call, _check_gradients, _storage_bytes, _tensor_leaves, plan_checkpoints
+from .planner import CheckpointPlan, _call, _planning_gradients, _storage_bytes, _tensor_leaves, plan_checkpoints
 
 def _segments_from_boundaries(n: int, boundaries: Sequence[int], owner: str) -> list[tuple[int, int, bool]]:
     bounds = list(boundaries)
@@ -66,13 +66,8 @@ class CheckpointedSequential(nn.Sequential):
         self.options = checkpoint_options("CheckpointedSequential", **options)
         if budget_bytes is not None and self.options.chooses_ops:
             raise ValueError(f"CheckpointedSequential: {_PLANNED_POLICY}")
-        if gradients is not None and budget_bytes is None:
-            raise ValueError(f"CheckpointedSequential: gradients={gradients!r} is an option of planning; give "
-                             f"budget_bytes")
-        gradients = "held" if gradients is None else gradients
-        _check_gradients(gradients, "CheckpointedSequential")
         self.budget_bytes = budget_bytes
-        self.gradients = gradients
+        self.gradients = _planning_gradients(gradients, budget_bytes, "CheckpointedSequential")
         self.plan: Optional[CheckpointPlan] = None
         if budget_bytes is not None:
             if not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:

@@ -24,7 +24,7 @@ from torch import nn
 from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options
 from .chains import _PLANNED_POLICY
 from .op_planner import OpPlan, plan_recorded_ops
-from .planner import CheckpointPlan, _trainable_parameters, plan_recorded_layers
+from .planner import CheckpointPlan, _planning_gradients, _trainable_parameters, plan_recorded_layers
 
 __all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "decoder_layers"]
 
@@ -98,10 +98,7 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
         raise ValueError("checkpoint_layers: give exactly one of every or budget_bytes")
     if ops and budget_bytes is None:
         raise ValueError("checkpoint_layers: ops=True plans under a budget; give budget_bytes, not every")
-    if gradients is not None and budget_bytes is None:
-        raise ValueError(f"checkpoint_layers: gradients={gradients!r} is an option of planning under a budget; "
-                         f"give budget_bytes, not every")
-    gradients = "held" if gradients is None else gradients
+    gradients = _planning_gradients(gradients, budget_bytes, "checkpoint_layers")
     if _uses_hugging_faces_checkpointing(model):
         disable = ("activation_checkpointing_disable" if hasattr(model, "activation_checkpointing_disable")
                    else "gradient_checkpointing_disable")  # transformers 5.23's name; the old one warns

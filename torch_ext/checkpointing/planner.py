@@ -298,6 +298,17 @@ def _check_gradients(gradients: Any, owner: str) -> None:
         raise ValueError(f"{owner}: gradients must be one of {', '.join(map(repr, _GRADIENTS))}, got {gradients!r}")
 
 
+def _planning_gradients(gradients: Optional[str], budget_bytes: Any, owner: str) -> str:
+    """The gradients option of a wrapper that plans only when given budget_bytes: None is "held"
+    (the planners' default); given without a budget it is an error, not ignored."""
+    if gradients is not None and budget_bytes is None:
+        raise ValueError(f"{owner}: gradients={gradients!r} is an option of planning under a budget; give "
+                         f"budget_bytes")
+    gradients = "held" if gradients is None else gradients
+    _check_gradients(gradients, owner)
+    return gradients
+
+
 def _held_note(held: Sequence[int], params: Sequence[int], unit: str) -> str:
     """A budget error's word on held gradients: what they add to the first block's backward."""
     if not any(held):
