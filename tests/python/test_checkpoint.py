@@ -664,15 +664,17 @@ def test_planner_states_the_minimum_budget():
         torch_ext.plan_checkpoints(layers, x, budget_bytes=0)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("gradients", ["accumulated", "held"])
-def test_planner_dynamic_program_is_optimal_against_brute_force(gradients):
+def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed):
     from torch_ext.checkpointing.op_choice import _grads_held
     from torch_ext.checkpointing.planner import _evaluate, _solve
 
-    torch.manual_seed(0)
-    n = 6
+    torch.manual_seed(seed)
+    n = 7
     seconds = torch.rand(n).tolist()
-    saved = torch.randint(10, 100, (n,)).tolist()
+    # Seed 2 draws from few values, so many plans tie in bytes or time (the pruning's tie rules).
+    saved = torch.randint(10, 100, (n,)).tolist() if seed < 2 else torch.randint(1, 3, (n,)).mul(40).tolist()
     out_bytes = torch.randint(1, 20, (n,)).tolist()
     workspace = torch.randint(0, 30, (n,)).tolist()
     params = torch.randint(0, 40, (n,)).tolist()
@@ -685,14 +687,35 @@ def test_planner_dynamic_program_is_optimal_against_brute_force(gradients):
         for modes in itertools.product([False, True], repeat=len(starts)):
             segs = list(zip(starts, ends, modes))
             cost = sum(sum(seconds[p:q]) for p, q, m in segs if m)
-            plans.append((_evaluate(segs, *shape, held), cost))
-    min_peak = min(p for p, _ in plans)
-    if held:  # the first segment's backward holds every gradient, whatever the plan
-        assert min_peak > sum(params) + 7
-    assert _solve(n, seconds, *shape, None, held=held)[1] == min_peak
-    for budget in sorted({p for p, _ in plans}):
-        best = min(c for p, c in plans if p <= budget)
-        assert _solve(n, seconds, *shape, budget, held=held)[2] == pytest.approx(best)
+            plans.append((_evaluate(segs, *shape, held), cost, max(q - p for p, q, _ in segs), any(modes)))
+
+    def check(result, segments_allowed):
+        # the segments returned are a plan of the peak and recompute the search states
+        _, peak, cost, segs = result
+        assert [p for p, _, _ in segs] == [0] + [q for _, q, _ in segs[:-1]] and segs[-1][1] == n
+        assert segments_allowed(segs)
+        assert _evaluate(list(segs), *shape, held) == peak
+        assert sum(sum(seconds[p:q]) for p, q, m in segs if m) == pytest.approx(cost)
+        return peak, cost
+
+    for max_segment in (None, 2):
+        def allowed(segs, stored_only=False):
+            return ((max_segment is None or all(q - p <= max_segment for p, q, _ in segs))
+                    and not (stored_only and any(m for _, _, m in segs)))
+
+        fitting = [plan for plan in plans if max_segment is None or plan[2] <= max_segment]
+        min_peak = min(p for p, *_ in fitting)
+        if held:  # the first segment's backward holds every gradient, whatever the plan
+            assert min_peak > sum(params) + 7
+        assert check(_solve(n, seconds, *shape, None, max_segment, held), allowed)[0] == min_peak
+        stored = _solve(n, seconds, *shape, None, max_segment, held, checkpointing=False)
+        assert check(stored, lambda segs: allowed(segs, True))[0] == min(p for p, _, _, m in fitting if not m)
+        peaks = sorted({p for p, *_ in fitting})
+        assert _solve(n, seconds, *shape, peaks[0] - 1, max_segment, held) is None
+        for budget in peaks[::max(1, len(peaks) // 40)] + peaks[-1:]:
+            best = min(c for p, c, *_ in fitting if p <= budget)
+            peak, cost = check(_solve(n, seconds, *shape, budget, max_segment, held), allowed)
+            assert peak <= budget and cost == pytest.approx(best)
 
 
 def test_a_plan_for_held_gradients_stays_within_its_budget_when_grad_starts_none():

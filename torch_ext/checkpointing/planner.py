@@ -9,6 +9,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -201,42 +202,119 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     peak fits the budget (None if none does). Segments span at most max_segment layers (None: any);
     checkpointing=False: stored segments only.
     States on the frontier are Pareto-optimal in (held bytes, peak or cost)."""
-    prefix_seconds = [0.0]
+    prefix_seconds = np.concatenate(([0.0], np.cumsum(np.asarray(seconds, dtype=np.float64))))
     prefix_saved = [0]
     prefix_params = [0]
     for i in range(n):
         prefix_params.append(prefix_params[-1] + param_bytes[i])
-        prefix_seconds.append(prefix_seconds[-1] + seconds[i])
         prefix_saved.append(prefix_saved[-1] + saved[i])
     seg_input = [input_bytes] + out_bytes[:-1]
-    # frontier[p]: list of (held, peak, cost, segments)
-    frontier: list[list[tuple[int, int, float, tuple]]] = [[] for _ in range(n + 1)]
-    frontier[0] = [(0, 0, 0.0, ())]
+    by_cost = budget is not None
+    limit = budget if by_cost else _least_peak_bound(n, saved, out_bytes, workspace, param_bytes, input_bytes,
+                                                     max_segment, held, checkpointing)
+    # frontier[q]: the states reaching boundary q, as chunks of columns (held, peak, cost, the
+    # state at p it extends: p, its index there, checkpointed), vectorised over the states. A
+    # boundary's chunks are pruned to their Pareto front before it is extended (its front is then
+    # final: only boundaries before it extend into it) and whenever they have grown well past it.
+    frontier: list[list[tuple]] = [[] for _ in range(n + 1)]
+    sizes, pruned = [0] * (n + 1), [0] * (n + 1)
+    origin = np.zeros(1, dtype=np.int64)
+    frontier[0] = [(origin, origin, np.zeros(1), origin, origin, np.zeros(1, dtype=bool))]
     for p in range(n):
-        states = frontier[p]
-        if not states:
+        frontier[p] = [_front(frontier[p], by_cost)]
+        kept, peak, cost = frontier[p][0][:3]
+        if not len(kept):
             continue
+        work = 0
         for q in range(p + 1, (n if max_segment is None else min(n, p + max_segment)) + 1):
             activations = prefix_saved[q] - prefix_saved[p]
-            work = max(workspace[p:q])
-            replay = prefix_seconds[q] - prefix_seconds[p]
+            if kept[0] + seg_input[p] + activations > limit:
+                break  # no state fits a segment this long, nor a longer one (activations only grow)
+            work = max(work, workspace[q - 1])
             stored_grads, replay_grads = _segment_grads(prefix_params[q] - prefix_params[p], held, q)
-            for kept, peak, cost, segs in states:
-                local = kept + seg_input[p] + activations + work + out_bytes[q - 1]
-                if checkpointing and (budget is None or max(peak, local + replay_grads) <= budget):
-                    frontier[q].append((kept + seg_input[p], max(peak, local + replay_grads), cost + replay,
-                                        segs + ((p, q, True),)))
-                if budget is None or max(peak, local + stored_grads) <= budget:
-                    frontier[q].append((kept + seg_input[p] + activations, max(peak, local + stored_grads), cost,
-                                        segs + ((p, q, False),)))
-        for q in range(p + 1, n + 1):
-            frontier[q] = _pareto(frontier[q], by_cost=budget is not None)
-    finals = frontier[n]
-    if not finals:
+            base = seg_input[p] + activations + work + out_bytes[q - 1]
+            # Fronts are sorted by held bytes, so the states that fit are a prefix of the front.
+            for grads, checkpointed in (((replay_grads, True),) if checkpointing else ()) + ((stored_grads, False),):
+                fits = len(kept) if limit == math.inf else int(np.searchsorted(kept, limit - base - grads, "right"))
+                if not fits:
+                    continue
+                chunk = _undominated((kept[:fits] + seg_input[p] + (0 if checkpointed else activations),
+                                      np.maximum(peak[:fits], kept[:fits] + (base + grads)),
+                                      cost[:fits] + (prefix_seconds[q] - prefix_seconds[p] if checkpointed else 0.0),
+                                      np.full(fits, p, dtype=np.int64), np.arange(fits, dtype=np.int64),
+                                      np.full(fits, checkpointed)), frontier[q][0] if pruned[q] else None, by_cost)
+                frontier[q].append(chunk)
+                sizes[q] += len(chunk[0])
+            if sizes[q] > 4 * pruned[q] + 64:
+                frontier[q] = [_front(frontier[q], by_cost)]
+                sizes[q] = pruned[q] = len(frontier[q][0][0]) or 1
+    kept, peak, cost, parents, indices, checkpointed = _front(frontier[n], by_cost)
+    if not len(kept):
         return None
-    if budget is None:
-        return min(finals, key=lambda s: (s[1], s[2]))
-    return min(finals, key=lambda s: (s[2], s[1]))
+    best = int(np.lexsort((cost, peak))[0] if budget is None else np.lexsort((peak, cost))[0])
+    result = (int(kept[best]), int(peak[best]), float(cost[best]))
+    segments, q, index = [], n, best
+    while q > 0:
+        start = int(frontier[q][0][3][index]) if q < n else int(parents[index])
+        flag = bool(frontier[q][0][5][index]) if q < n else bool(checkpointed[index])
+        index = int(frontier[q][0][4][index]) if q < n else int(indices[index])
+        segments.append((start, q, flag))
+        q = start
+    return result + (tuple(reversed(segments)),)
+
+
+def _least_peak_bound(n: int, saved, out_bytes, workspace, param_bytes, input_bytes, max_segment, held,
+                      checkpointing: bool) -> float:
+    """A peak some plan meets, which the search for the least peak may drop states above: the least
+    of segments of 1, 2, 4, ... layers, checkpointed (stored where checkpointing is False)."""
+    peaks, length = [], 1
+    while length <= (n if max_segment is None else min(n, max_segment)):
+        segments = [(p, min(n, p + length), checkpointing) for p in range(0, n, length)]
+        peaks.append(_evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes, held))
+        length *= 2
+    return min(peaks)
+
+
+def _undominated(chunk: tuple, front: Optional[tuple], by_cost: bool) -> tuple:
+    """The states of chunk that no state of front (a _front, or None) dominates strictly: less or
+    equal held bytes and less cost (by_cost) or peak. The states dropped would not be on the next
+    front either, and no tie is decided here."""
+    if front is None or not len(front[0]):
+        return chunk
+    column = 2 if by_cost else 1
+    # A front's second column falls as its held bytes rise: the last state holding no more is the best.
+    at = np.searchsorted(front[0], chunk[0], "right") - 1
+    dominated = (at >= 0) & (front[column][np.maximum(at, 0)] < chunk[column])
+    if not dominated.any():
+        return chunk
+    return tuple(values[~dominated] for values in chunk)
+
+
+def _front(chunks: list[tuple], by_cost: bool) -> tuple:
+    """The states of chunks not dominated in (held, cost) (by_cost) or (held, peak), sorted by
+    held bytes: of states equal in held bytes, the least cost (peak) is kept, ties by the other and
+    then by the order they came in."""
+    if not chunks:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0), empty, empty, np.zeros(0, dtype=bool)
+    columns = [np.concatenate(column) for column in zip(*chunks)] if len(chunks) > 1 else list(chunks[0])
+    # Each chunk is sorted by held bytes already, so a stable sort merges runs (no full lexsort).
+    order = np.argsort(columns[0], kind="stable")
+    kept, peak, cost = (column[order] for column in columns[:3])
+    second, third = (cost, peak) if by_cost else (peak, cost)
+    # Of each run of equal held bytes, the state of least (second, third), the first of equals.
+    starts = np.flatnonzero(np.concatenate(([True], kept[1:] != kept[:-1])))
+    sizes = np.diff(np.append(starts, len(kept)))
+    least = second == np.repeat(np.minimum.reduceat(second, starts), sizes)
+    masked = np.where(least, third, np.inf)
+    least &= masked == np.repeat(np.minimum.reduceat(masked, starts), sizes)
+    firsts = np.minimum.reduceat(np.where(least, np.arange(len(kept)), len(kept)), starts)
+    ranked = second[firsts]
+    keep = np.empty(len(firsts), dtype=bool)
+    keep[:1] = True
+    keep[1:] = ranked[1:] < np.minimum.accumulate(ranked)[:-1]
+    chosen = order[firsts[keep]]
+    return tuple(column[chosen] for column in columns)
 
 
 def _segment_grads(own: int, held: Optional[Sequence[int]], q: int) -> tuple[int, int]:
@@ -245,19 +323,6 @@ def _segment_grads(own: int, held: Optional[Sequence[int]], q: int) -> tuple[int
     if held is None:
         return 0, own
     return own + held[q - 1], own + held[q - 1]
-
-
-def _pareto(states, by_cost: bool):
-    """Keep states not dominated in (held, cost) (by_cost) or (held, peak)."""
-    key = (lambda s: (s[0], s[2], s[1])) if by_cost else (lambda s: (s[0], s[1], s[2]))
-    states.sort(key=key)
-    kept, best = [], math.inf
-    for s in states:
-        second = s[2] if by_cost else s[1]
-        if second < best:
-            kept.append(s)
-            best = second
-    return kept
 
 
 def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, storage: Optional[str] = None,
@@ -370,9 +435,10 @@ def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optio
                          f"the minimum any plan of these {n} layers can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB); without checkpointing the peak is {no_checkpoint} bytes"
                          f"{_held_note(held or [0], param_bytes, 'layer')}")
-    _, peak, cost, segments = _solve(n, fwd, *shape, float(budget_bytes), max_segment, held)
-    if cost == 0:  # no recompute: at its least peak (the search by cost keeps one such plan, not the lowest)
+    if no_checkpoint <= budget_bytes:  # no recompute needed: the stored-only plan of least peak
         _, peak, cost, segments = unwrapped
+    else:
+        _, peak, cost, segments = _solve(n, fwd, *shape, float(budget_bytes), max_segment, held)
     return CheckpointPlan(segments=[tuple(s) for s in segments], budget_bytes=int(budget_bytes),
                           predicted_peak_bytes=int(peak), min_budget_bytes=int(min_budget),
                           no_checkpoint_peak_bytes=int(no_checkpoint), predicted_recompute_seconds=cost,
