@@ -275,6 +275,24 @@ def scaling_check() -> tuple[str, bool]:
             seconds < 2.0)
 
 
+def layer_planning_note() -> str:
+    """plan_checkpoints (segments of any length) over the same 256 layers, at the budget halfway
+    between its minimum and its peak without checkpointing, for each gradients mode (no target)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(256)]
+    x = torch.randn(64, 256)
+    parts = []
+    for gradients in ("accumulated", "held"):
+        loose = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, gradients=gradients)
+        budget = (loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 2
+        start = time.perf_counter()
+        plan = torch_ext.plan_checkpoints(layers, x, budget_bytes=budget, gradients=gradients)
+        parts.append(f"gradients={gradients!r} {time.perf_counter() - start:.2f} s ({len(plan.segments)} segments "
+                     f"at {harness.format_bytes(budget)})")
+    return ("plan_checkpoints over the same 256 layers (segments of any length, repeat=3), measuring and choosing at "
+            "the budget halfway between its minimum and its peak without checkpointing: " + "; ".join(parts) + ".")
+
+
 def plot(points: dict) -> None:
     import matplotlib
 
@@ -330,6 +348,7 @@ def run(device: torch.device, quick: bool, command: str) -> None:
                         f"gradient before any is added into .grad); a budget below that minimum is refused. "
                         f"Plot: docs/{PLOT.name}.")
     checks.append(scaling_check())
+    report.notes.append(layer_planning_note())
     report.add_checks(checks)
     report.write()
     if not quick and device.type == "cpu":
