@@ -2,7 +2,6 @@
 byte budget at the least recompute (dynamic programming over the chain)."""
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections import OrderedDict
@@ -217,12 +216,18 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     # boundary's chunks are pruned to their Pareto front before it is extended (its front is then
     # final: only boundaries before it extend into it) and whenever they have grown well past it.
     frontier: list[list[tuple]] = [[] for _ in range(n + 1)]
-    sizes, pruned = [0] * (n + 1), [0] * (n + 1)
+    fronts: list[Optional[tuple]] = [None] * (n + 1)  # each boundary's last front
+    sizes = [0] * (n + 1)  # states in frontier[q]
     origin = np.zeros(1, dtype=np.int64)
     frontier[0] = [(origin, origin, np.zeros(1), origin, origin, np.zeros(1, dtype=bool))]
+
+    def prune(q: int) -> tuple:
+        fronts[q] = _front(frontier[q], by_cost)
+        frontier[q], sizes[q] = [fronts[q]], len(fronts[q][0])
+        return fronts[q]
+
     for p in range(n):
-        frontier[p] = [_front(frontier[p], by_cost)]
-        kept, peak, cost = frontier[p][0][:3]
+        kept, peak, cost = prune(p)[:3]
         if not len(kept):
             continue
         work = 0
@@ -235,31 +240,28 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
             base = seg_input[p] + activations + work + out_bytes[q - 1]
             # Fronts are sorted by held bytes, so the states that fit are a prefix of the front.
             for grads, checkpointed in (((replay_grads, True),) if checkpointing else ()) + ((stored_grads, False),):
-                fits = len(kept) if limit == math.inf else int(np.searchsorted(kept, limit - base - grads, "right"))
+                fits = int(np.searchsorted(kept, limit - base - grads, "right"))
                 if not fits:
                     continue
                 chunk = _undominated((kept[:fits] + seg_input[p] + (0 if checkpointed else activations),
                                       np.maximum(peak[:fits], kept[:fits] + (base + grads)),
                                       cost[:fits] + (prefix_seconds[q] - prefix_seconds[p] if checkpointed else 0.0),
                                       np.full(fits, p, dtype=np.int64), np.arange(fits, dtype=np.int64),
-                                      np.full(fits, checkpointed)), frontier[q][0] if pruned[q] else None, by_cost)
+                                      np.full(fits, checkpointed)), fronts[q], by_cost)
                 frontier[q].append(chunk)
                 sizes[q] += len(chunk[0])
-            if sizes[q] > 4 * pruned[q] + 64:
-                frontier[q] = [_front(frontier[q], by_cost)]
-                sizes[q] = pruned[q] = len(frontier[q][0][0]) or 1
-    kept, peak, cost, parents, indices, checkpointed = _front(frontier[n], by_cost)
+            if sizes[q] > 4 * (len(fronts[q][0]) if fronts[q] else 0) + 64:
+                prune(q)
+    kept, peak, cost = prune(n)[:3]
     if not len(kept):
         return None
-    best = int(np.lexsort((cost, peak))[0] if budget is None else np.lexsort((peak, cost))[0])
-    result = (int(kept[best]), int(peak[best]), float(cost[best]))
-    segments, q, index = [], n, best
-    while q > 0:
-        start = int(frontier[q][0][3][index]) if q < n else int(parents[index])
-        flag = bool(frontier[q][0][5][index]) if q < n else bool(checkpointed[index])
-        index = int(frontier[q][0][4][index]) if q < n else int(indices[index])
-        segments.append((start, q, flag))
-        q = start
+    index = int(np.lexsort((cost, peak))[0] if budget is None else np.lexsort((peak, cost))[0])
+    result = (int(kept[index]), int(peak[index]), float(cost[index]))
+    segments, q = [], n
+    while q > 0:  # back along the links: each front is final once its boundary was extended
+        parents, indices, checkpointed = fronts[q][3:]
+        segments.append((int(parents[index]), q, bool(checkpointed[index])))
+        q, index = int(parents[index]), int(indices[index])
     return result + (tuple(reversed(segments)),)
 
 
