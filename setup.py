@@ -79,9 +79,9 @@ class CMakeBuild(build_ext):
 
 # Name, version, packages and the rest of the metadata: pyproject.toml.
 setup(
-    # safetensors[torch]: safetensors.torch's save_* (torch_ext.save_pageable) imports numpy, which
-    # plain safetensors does not require.
-    install_requires=[torch_requirement(), "safetensors[torch]>=0.4.3", "tqdm>=4.0"],
+    # numpy: the checkpoint planner's search and the plan cache's traffic model (both imported by
+    # `import torch_ext`). safetensors[torch]: safetensors.torch's save_* (torch_ext.save_pageable).
+    install_requires=[torch_requirement(), "numpy>=1.22", "safetensors[torch]>=0.4.3", "tqdm>=4.0"],
     ext_modules=[CMakeExtension("torch_ext._C")],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,

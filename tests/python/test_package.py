@@ -111,6 +111,7 @@ def test_wheel_metadata_and_files(wheel):
     torch_requirement = next(r for r in requires if r.startswith("torch"))
     assert set(torch_requirement[len("torch"):].replace(" ", "").split(",")) == {
         f">={major}.{minor}", f"<{major}.{minor + 1}"}, torch_requirement
+    assert any(r.startswith("numpy") and ">=" in r for r in requires), requires  # imported by `import torch_ext`
     assert any(r.startswith("safetensors[torch]") and ">=" in r for r in requires), requires
     assert any(r.startswith("tqdm") and ">=" in r for r in requires), requires
     assert not any("==" in r.split(";")[0] for r in requires), requires  # no exact pins
