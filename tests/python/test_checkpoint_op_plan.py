@@ -448,6 +448,10 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
     assert held_layers.min_budget_bytes > sum(p.nbytes for p in reference.parameters())
     with pytest.raises(ValueError, match="gradients='held' is an option of planning under a budget"):
         hf.checkpoint_layers(copy.deepcopy(reference), every=2, gradients="held")
+    for ops in (False, True):  # refused before anything is measured, on both planners' paths
+        with pytest.raises(ValueError, match="checkpoint_layers: gradients must be one of .*got 'kept'"):
+            hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, ops=ops,
+                                 gradients="kept")
 
 
 def test_plans_keep_dropout_masks_or_draw_them_again_and_gradients_stay_exact():

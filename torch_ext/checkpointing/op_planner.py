@@ -342,7 +342,6 @@ def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tupl
     with gradients "held", those of the model's parameters outside the layers."""
     _check_budget(budget_bytes)
     options = _check_storage(storage)
-    _check_gradients(gradients, "plan_ops")
     return _op_plan(_measure_blocks(list(layers), repeat, progress, options, recorded=recorded), budget_bytes, options,
                     gradients, other_gradient_bytes)
 

@@ -392,7 +392,6 @@ def plan_recorded_layers(layers: Sequence[nn.Module], recorded: Sequence[tuple[t
     segment is one layer, checkpointed or not. The boundary a checkpointed layer keeps is its
     first argument; arguments shared by all layers (masks, rotary embeddings) are counted once.
     other_gradient_bytes: with gradients "held", those of the model's parameters outside the layers."""
-    _check_gradients(gradients, "checkpoint_layers")
     progress = progress or (lambda iterable, desc: iterable)
     device = next((t.device for t in _tensor_leaves(recorded[0])), torch.device("cpu"))
     fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
