@@ -6,6 +6,7 @@ import statistics
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
@@ -201,12 +202,8 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     peak fits the budget (None if none does). Segments span at most max_segment layers (None: any);
     checkpointing=False: stored segments only.
     States on the frontier are Pareto-optimal in (held bytes, peak or cost)."""
-    prefix_seconds = np.concatenate(([0.0], np.cumsum(np.asarray(seconds, dtype=np.float64))))
-    prefix_saved = [0]
-    prefix_params = [0]
-    for i in range(n):
-        prefix_params.append(prefix_params[-1] + param_bytes[i])
-        prefix_saved.append(prefix_saved[-1] + saved[i])
+    prefix_seconds, prefix_saved, prefix_params = (list(accumulate(values, initial=0))
+                                                   for values in (seconds, saved, param_bytes))
     seg_input = [input_bytes] + out_bytes[:-1]
     by_cost = budget is not None
     limit = budget if by_cost else _least_peak_bound(n, saved, out_bytes, workspace, param_bytes, input_bytes,
