@@ -269,11 +269,15 @@ def anchor_checks(label: str, timings: dict, peaks: dict, steps: dict, zero: dic
     return checks
 
 
+def deep_chain() -> tuple[list, torch.Tensor]:
+    """256 Linear+GELU layers (width 256) and a batch of 64: the planners' scaling case."""
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(256)], torch.randn(64, 256)
+
+
 def scaling_check() -> tuple[str, bool]:
     """plan_ops over 256 Linear+GELU layers (width 256, batch 64): measuring and choosing, < 2 s."""
-    torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(256)]
-    x = torch.randn(64, 256)
+    layers, x = deep_chain()
     start = time.perf_counter()
     plan = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40)
     seconds = time.perf_counter() - start
@@ -288,9 +292,7 @@ def scaling_check() -> tuple[str, bool]:
 def layer_planning_note() -> str:
     """plan_checkpoints (segments of any length) over the same 256 layers, at the budget halfway
     between its minimum and its peak without checkpointing, for each gradients mode (no target)."""
-    torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(256)]
-    x = torch.randn(64, 256)
+    layers, x = deep_chain()
     parts = []
     for gradients in ("accumulated", "held"):
         loose = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, gradients=gradients)
