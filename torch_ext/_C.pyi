@@ -27,7 +27,12 @@ class _CheckpointModule:
 
     def probe(self, fn: Callable[[], Any], items: list[str]) -> list[tuple[str, int, int]]:
         """Runs fn() listing each call of the ops items name as the native policy counts them:
-        (op, occurrence in its item's group, bytes of its outputs' storages)."""
+        (op, occurrence in its item's group, bytes of its outputs' storages; -1 where a later op
+        of fn changed the output in place)."""
+
+    def track_unsafe_views(self, on: bool) -> None:
+        """on: this thread's aten::_unsafe_view outputs share their input's version counter (so
+        torch's selective checkpointing sees a change made through one); off: undoes one on."""
 
 checkpoint: _CheckpointModule
 

@@ -2,6 +2,7 @@
 are not run again in backward (counted with a dispatch mode, which a served op never reaches), the
 gradients equal the unwrapped model's and torch's selective checkpointing with the same policy, on
 every front door (Python, TorchScript, torch.compile) and on a Hugging Face model."""
+import copy
 import functools
 
 import pytest
@@ -153,6 +154,55 @@ def test_an_output_changed_in_place_after_it_was_saved_is_recomputed():
     assert_same([leaf.grad for leaf in leaves], expected)
 
 
+def scores_changed_in_place(q, k, mask):
+    # torch.matmul of 4-D tensors returns its bmm's output through aten::_unsafe_view, a tensor with a
+    # version counter of its own; torch's math attention adds its mask to it in place the same way
+    # (Hugging Face's T5 under sdpa)
+    scores = torch.matmul(q, k.transpose(-2, -1))
+    scores.add_(mask)
+    return scores.softmax(-1)[..., 0].square().sum()
+
+
+def attention_leaves(n=16):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 3, n, 8, generator=g, requires_grad=True) for _ in range(2)] + [torch.randn(n, n, generator=g)]
+
+
+def test_a_batched_product_changed_in_place_through_matmuls_result_is_recomputed_and_not_kept():
+    q, k, mask = attention_leaves()
+    scores_changed_in_place(q, k, mask).backward()
+    expected = [q.grad.clone(), k.grad.clone()]
+    kept = {}
+    for save in (None, "aten::bmm"):
+        q.grad = k.grad = None
+        start = memory.stats().current_bytes
+        loss = torch_ext.checkpoint_call(scores_changed_in_place, q, k, mask, save=save)
+        kept[save] = memory.stats().current_bytes - start
+        loss.backward()
+        assert_same([q.grad, k.grad], expected)
+    scores_bytes = 2 * 3 * 16 * 16 * 4
+    assert kept[None] < scores_bytes and kept["aten::bmm"] < scores_bytes  # dropped as the forward ends
+
+
+def test_the_probe_marks_an_output_changed_later_in_the_forward():
+    q, k, mask = attention_leaves()
+
+    def forward():
+        scores_changed_in_place(q, k, mask)
+        torch.matmul(q, k.transpose(-2, -1))
+    probed = torch_ext._C.checkpoint.probe(forward, ["aten::bmm"])
+    assert [(op, occurrence) for op, occurrence, _ in probed] == [("aten::bmm.default", 0), ("aten::bmm.default", 1)]
+    assert probed[0][2] == -1 and probed[1][2] == 2 * 3 * 16 * 16 * 4
+
+
+def test_under_torchs_policy_a_change_through_matmuls_result_raises_naming_the_segment():
+    # torch.utils.checkpoint misses this change and replays with the changed scores: wrong gradients
+    q, k, mask = attention_leaves()
+    loss = torch_ext.checkpoint_call(scores_changed_in_place, q, k, mask, context_fn=torchs_policy({aten.bmm.default}))
+    with pytest.raises(RuntimeError, match="(?s)mutated.*in the replay of scores_changed_in_place"):
+        loss.backward()
+
+
 def unwrapped_grad_then_reseed(segment, q, seed=3):
     """q's gradient through segment(q) from RNG seed (q.grad reset), and the RNG at seed again."""
     torch.manual_seed(seed)
@@ -302,6 +352,26 @@ def test_a_hugging_face_model_with_the_torchtitan_preset_matches_torchs_policy()
     assert_same(grads, torch_grads)
     assert compute_ops(counts) == compute_ops(torch_counts)
     assert counts["_scaled_dot_product_flash_attention_for_cpu"] == 0
+
+
+def test_t5_under_sdpa_saving_matmuls_gives_full_checkpointings_gradients():
+    # T5's relative position bias is an attention mask that requires grad, so sdpa takes torch's math
+    # attention, which adds the mask in place to its matmul's result: a saved bmm output changed later
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+    base = transformers.T5ForConditionalGeneration(config).train()
+    g = torch.Generator().manual_seed(3)
+    batch = dict(input_ids=torch.randint(1, 128, (2, 12), generator=g), labels=torch.randint(1, 128, (2, 7), generator=g))
+    grads = {}
+    for save in (None, ("matmul", "attention")):
+        model = copy.deepcopy(base)
+        hf.gradient_checkpointing_enable(model, **({} if save is None else {"save": save}))
+        torch.manual_seed(1)  # the same dropout masks in both
+        model(**batch).loss.backward()
+        grads[save] = [p.grad for p in model.parameters()]
+    assert_same(grads[("matmul", "attention")], grads[None])
 
 
 @pytest.mark.parametrize("block_type, save, op, runs", [

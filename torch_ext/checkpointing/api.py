@@ -190,11 +190,21 @@ class _UnderContexts:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.forward_done:
-            with self.recompute_context:
-                return self.fn(*args, **kwargs)
+            try:
+                with self.recompute_context:
+                    return self.fn(*args, **kwargs)
+            except RuntimeError as error:  # torch's policy raises without naming the segment
+                error.add_note(f"torch_ext.checkpoint: in the replay of {self.name}, under context_fn's policy")
+                raise
         self.forward_done = True
-        with self.forward_context:
-            return self.fn(*args, **kwargs)
+        # torch's policy checks the outputs it keeps for changes by their version counters; at::matmul's
+        # batched product reaches its caller through aten::_unsafe_view, whose counter is its own
+        _C.checkpoint.track_unsafe_views(True)
+        try:
+            with self.forward_context:
+                return self.fn(*args, **kwargs)
+        finally:
+            _C.checkpoint.track_unsafe_views(False)
         raise RuntimeError(f"torch_ext.checkpoint: {self.name}: the forward context from context_fn suppressed an "
                            f"exception raised in the checkpointed forward; a failed forward has no value to return")
 

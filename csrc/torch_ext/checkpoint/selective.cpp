@@ -136,6 +136,37 @@ void ensure_registered(const c10::OperatorHandle& op, const std::string& item) {
   r.libraries.push_back(std::move(library));
 }
 
+thread_local int64_t tracking_unsafe_views = 0;
+
+// aten::_unsafe_view shares its input's storage but gives its output a version counter of its own
+// (autograd does not treat it as a view). at::matmul returns a batched product's output that way,
+// and torch's math attention then adds its mask to it in place: a saved bmm output would change
+// unseen. While a forward saves outputs the unsafe view shares its input's counter, so that such a
+// change shows on the saved output.
+void unsafe_view_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const c10::DispatchKeySet below = ks & c10::after_ADInplaceOrView_keyset;
+  if (tracking_unsafe_views == 0) {
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  const at::Tensor self = (*stack)[stack->size() - op.schema().arguments().size()].toTensor();
+  op.redispatchBoxed(below, stack);
+  const at::Tensor& out = stack->back().toTensor();
+  if (out.is_alias_of(self)) {
+    out.unsafeGetTensorImpl()->set_version_counter(self.unsafeGetTensorImpl()->version_counter());
+  }
+}
+
+void ensure_unsafe_views_tracked() {
+  static const bool registered = [] {
+    static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::ADInplaceOrView,
+                                              __FILE__, __LINE__);  // never destroyed, as the Registry's
+    library->impl("_unsafe_view", torch::CppFunction::makeFromBoxedFunction<&unsafe_view_kernel>());
+    return true;
+  }();
+  (void)registered;
+}
+
 bool is_out_variant(const c10::FunctionSchema& schema) {
   for (const auto& argument : schema.arguments()) {
     if (argument.alias_info() != nullptr && argument.alias_info()->isWrite()) return true;
@@ -261,6 +292,7 @@ void add_item(SavePolicy& policy, const std::string& item) {
 
 SaveSpec::SaveSpec(std::vector<std::string> items) : items_(std::move(items)) {
   if (items_.empty()) return;
+  ensure_unsafe_views_tracked();
   auto policy = std::make_shared<SavePolicy>();
   for (const auto& item : items_) {
     if (item == "torchtitan") {
@@ -271,6 +303,16 @@ SaveSpec::SaveSpec(std::vector<std::string> items) : items_(std::move(items)) {
     }
   }
   policy_ = std::move(policy);
+}
+
+void track_unsafe_views(bool on) {
+  if (on) {
+    ensure_unsafe_views_tracked();
+    ++tracking_unsafe_views;
+  } else {
+    TORCH_CHECK(tracking_unsafe_views > 0, "track_unsafe_views(false) without a track_unsafe_views(true) on this thread");
+    --tracking_unsafe_views;
+  }
 }
 
 std::vector<SaveRule> save_rules(const SaveSpec& spec) {
@@ -294,9 +336,40 @@ SelectiveScope::SelectiveScope(const SavePolicy* policy, SavedOutputs* saved, Mo
   }
   if (policy_ != nullptr) counts_.assign(policy_->groups.size(), 0);
   active_scope = policy_ != nullptr ? this : nullptr;
+  tracks_unsafe_views_ = policy_ != nullptr && saved_ != nullptr && mode_ != Mode::kServe;
+  if (tracks_unsafe_views_) ++tracking_unsafe_views;
 }
 
-SelectiveScope::~SelectiveScope() { active_scope = enclosing_; }
+SelectiveScope::~SelectiveScope() {
+  active_scope = enclosing_;
+  if (!tracks_unsafe_views_) return;
+  --tracking_unsafe_views;
+  if (mode_ == Mode::kRecord) {
+    saved_->release_changed();
+    return;
+  }
+  for (size_t i = 0; i < saved_->probed.size(); ++i) {
+    if (SavedOutputs::changed(saved_->entries[i])) std::get<2>(saved_->probed[i]) = -1;
+  }
+  saved_->entries.clear();
+}
+
+bool SavedOutputs::changed(const Entry& entry) {
+  for (size_t i = 0; i < entry.outputs.size(); ++i) {
+    const c10::IValue& value = entry.outputs[i];
+    if (value.isTensor() && value.toTensor().defined() && value.toTensor()._version() != entry.versions[i]) return true;
+  }
+  return false;
+}
+
+void SavedOutputs::release_changed() {
+  for (auto& entry : entries) {
+    if (!entry.served && changed(entry)) {
+      entry.outputs.clear();
+      entry.served = true;  // the replay runs the op
+    }
+  }
+}
 
 void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
   const SavePolicy::Rule* rule = policy_->find(op);
@@ -323,6 +396,11 @@ void SelectiveScope::handle(const c10::OperatorHandle& op, c10::DispatchKeySet b
       }
     }
     saved_->probed.emplace_back(qualified(op.operator_name()), occurrence, bytes);
+    if (rule->random) {
+      saved_->entries.push_back({&op.schema(), {}, {}, false, std::nullopt});  // its mask is kept as a copy
+    } else {
+      record(op, *stack);  // to see whether a later op changes the output
+    }
     return;
   }
   bool save = policy_->groups[rule->group].saves(occurrence);
@@ -407,12 +485,7 @@ SavedOutputs::Entry& SelectiveScope::next_entry(const c10::OperatorHandle& op, i
 
 bool SelectiveScope::serve(const c10::OperatorHandle& op, int64_t occurrence, torch::jit::Stack& stack) {
   SavedOutputs::Entry& entry = next_entry(op, occurrence);
-  bool servable = !entry.served;  // a second replay (a retained graph) runs the op again
-  for (size_t i = 0; servable && i < entry.outputs.size(); ++i) {
-    const c10::IValue& value = entry.outputs[i];
-    servable = !value.isTensor() || value.toTensor()._version() == entry.versions[i];  // else changed in place
-  }
-  if (!servable) {
+  if (entry.served || SavedOutputs::changed(entry)) {  // a second replay (a retained graph) runs the op again
     return false;
   }
   // Handed over, not kept: the replay's graph holds the outputs until their backward, as torch's

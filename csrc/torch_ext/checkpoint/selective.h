@@ -26,8 +26,10 @@
 // mask is drawn again. An op called with dropout_p > 0 is never saved (its replay must draw the
 // forward's random numbers again, in order); other random ops, views, other in-place ops and ops
 // that decompose before autograd cannot be named. An output changed in place after the forward
-// saved it is recomputed instead of served, and so is every saved op in a second replay (a
-// retained graph): the first replay takes the outputs.
+// saved it is recomputed instead of served (its copy dropped as the forward ends), and so is every
+// saved op in a second replay (a retained graph): the first replay takes the outputs. A change made
+// through aten::_unsafe_view (how at::matmul returns a batched product) counts too: while a forward
+// keeps outputs, that op's output shares its input's version counter.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -77,6 +79,12 @@ struct SaveRule {
 };
 std::vector<SaveRule> save_rules(const SaveSpec& spec);
 
+// on: from now on this thread's aten::_unsafe_view outputs share their input's version counter, as
+// inside a forward that keeps outputs; off: undoes one on. For a forward run under torch's
+// selective checkpointing policy, whose check of the outputs it keeps then sees a change made
+// through such a view (torch raises instead of replaying with the changed output).
+void track_unsafe_views(bool on);
+
 // The outputs one checkpointed call's forward saved, in order, for its replays.
 class SavedOutputs {
  public:
@@ -95,8 +103,15 @@ class SavedOutputs {
   // serves nothing.
   bool python_modes = false;
   std::vector<Entry> entries;
-  // kProbe: each call of the policy's ops, as (op as 'aten::mm.default', occurrence, output bytes).
+  // kProbe: each call of the policy's ops, as (op as 'aten::mm.default', occurrence, output bytes);
+  // bytes -1: a later op of the forward changed the output in place, so it cannot be served.
   std::vector<std::tuple<std::string, int64_t, int64_t>> probed;
+
+  // Whether a tensor output of `entry` changed in place after it was saved.
+  static bool changed(const Entry& entry);
+  // Drops the outputs changed in place since they were saved (their ops run in the replay), so that
+  // they are not held for nothing: the forward's scope calls it as it ends.
+  void release_changed();
 };
 
 // While alive, the policy's ops on this thread record into (kRecord) or are served from (kServe)
@@ -133,6 +148,7 @@ class SelectiveScope {
   std::vector<int64_t> counts_;  // occurrences so far, by group
   size_t cursor_ = 0;            // the next entry a replay serves
   SelectiveScope* enclosing_;
+  bool tracks_unsafe_views_ = false;  // a forward or probe that keeps outputs (see unsafe_view_kernel)
 };
 
 }  // namespace torch_ext::checkpoint
