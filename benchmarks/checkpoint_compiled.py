@@ -40,7 +40,7 @@ def kept_and_peak(model: torch.nn.Module, batch: dict, compiled: str) -> tuple[i
         p.grad = torch.zeros_like(p)
     step = torch.compile(model) if compiled == "model" else model
     if compiled == "layers":
-        for layer in hf.decoder_layers(model):
+        for layer in hf.repeated_layers(model):
             layer.compile()
     for _ in range(2):  # the first compiles
         torch.manual_seed(5)
@@ -55,7 +55,7 @@ def kept_and_peak(model: torch.nn.Module, batch: dict, compiled: str) -> tuple[i
 def run_model(label: str, build, quick: bool, device, report: harness.Report, checks: list) -> None:
     base = build().to(device)
     batch = padded_batch(base.config.vocab_size, 2 if quick else 4, base.config.max_position_embeddings, device)
-    recorded = hf._record_layer_inputs(base, hf.decoder_layers(base), batch)
+    _, recorded = hf._record_layer_inputs(base, hf.repeated_layers(base), batch)
     unplanned = layers_peak(copy.deepcopy(base), recorded, device)
     variants: dict[str, tuple[torch.nn.Module, int | None]] = {"(a) no checkpointing": (copy.deepcopy(base), None)}
     every = copy.deepcopy(base)

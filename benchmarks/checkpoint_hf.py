@@ -68,13 +68,13 @@ def torch_checkpoint_per_layer(model: torch.nn.Module) -> None:
     def checkpointed(forward, *args, **kwargs):
         return torch_checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    for layer in hf.decoder_layers(model):
+    for layer in hf.repeated_layers(model):
         layer.forward = functools.partial(checkpointed, layer.forward)
 
 
 def layers_peak(model: torch.nn.Module, recorded: list, device) -> int:
     """Peak memory of the decoder layers' forward and backward on the inputs recorded in the model."""
-    layers = hf.decoder_layers(model)
+    layers = hf.repeated_layers(model)
     first_args, _ = recorded[0]
     hidden = first_args[0].detach().requires_grad_()
 
@@ -94,7 +94,7 @@ def layers_peak(model: torch.nn.Module, recorded: list, device) -> int:
 def variants(base: torch.nn.Module, batch: dict, device) -> tuple[dict, dict, dict, int, list]:
     """The eager models of (a)-(f) (copies of base), the plans, their budgets, (a)'s layer
     activation bytes and the layers' recorded inputs."""
-    recorded = hf._record_layer_inputs(base, hf.decoder_layers(base), batch)
+    _, recorded = hf._record_layer_inputs(base, hf.repeated_layers(base), batch)
     built = {NONE: copy.deepcopy(base), HF: copy.deepcopy(base), TORCH: copy.deepcopy(base), OURS: copy.deepcopy(base)}
     built[HF].activation_checkpointing_enable()
     torch_checkpoint_per_layer(built[TORCH])

@@ -96,7 +96,7 @@ def planned(base: torch.nn.Module, batch: dict, device, built: dict) -> tuple[di
     returns every weight gradient together), each under the row's name + ", compiled". One
     measurement per gradients mode, at the largest budget; the others are its plan.with_budget (so
     the plans of one mode are monotonic in the budget, as the planner promises for one measurement)."""
-    recorded = hf._record_layer_inputs(base, hf.decoder_layers(base), batch)
+    _, recorded = hf._record_layer_inputs(base, hf.repeated_layers(base), batch)
     activation = layers_peak(built[NONE], recorded, device)
     budgets, plans, compiled = {}, {}, {}
     for gradients, suffix, rows in (("accumulated", "", built), ("held", ", compiled", compiled)):
@@ -111,7 +111,7 @@ def planned(base: torch.nn.Module, batch: dict, device, built: dict) -> tuple[di
                                                                   ops=True, repeat=2, gradients=gradients)
                 else:
                     plans[name] = measured.with_budget(budgets[name])
-                    plans[name].apply(hf.decoder_layers(model))
+                    plans[name].apply(hf.repeated_layers(model))
             except ValueError as error:  # below the minimum: reported, not timed
                 plans[name] = error
                 continue

@@ -60,7 +60,7 @@ def assert_exact(model, reference):
 def test_every_layer_checkpointed_in_place_gives_the_unwrapped_models_gradients(name, padded):
     model = MODELS[name]()
     reference = copy.deepcopy(model)
-    layers = hf.decoder_layers(model)
+    layers = hf.repeated_layers(model)
     for layer in layers:
         torch_ext.checkpoint(layer)
     inputs = batch(padded)
@@ -76,7 +76,7 @@ def test_every_layer_checkpointed_in_place_gives_the_unwrapped_models_gradients(
 
 def test_the_cache_is_dropped_with_one_warning_per_layer_class():
     model = gpt2()
-    for layer in hf.decoder_layers(model):
+    for layer in hf.repeated_layers(model):
         torch_ext.checkpoint(layer)
     from torch_ext.checkpointing import api
     api._WARNED.discard("GPT2Block")
@@ -98,7 +98,7 @@ def test_hugging_faces_own_gradient_checkpointing_calls_torch_ext(name, monkeypa
     inputs = batch(True)
     assert torch.equal(step(model, inputs), step(reference, inputs))
     assert_exact(model, reference)
-    assert len(calls) == len(hf.decoder_layers(model))  # one checkpointed call per layer
+    assert len(calls) == len(hf.repeated_layers(model))  # one checkpointed call per layer
 
 
 def test_checkpoint_layers_every_k_and_by_budget():
@@ -125,6 +125,42 @@ def test_checkpoint_layers_every_k_and_by_budget():
     assert all(seconds > 0 for seconds in chosen.layer_forward_seconds)
 
 
+def bart():
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=3,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64)
+    return transformers.BartForConditionalGeneration(config).train()
+
+
+def is_checkpointed(layer):
+    return isinstance(layer.__dict__.get("forward"), torch_ext.checkpointing.api._CheckpointedForward)
+
+
+@pytest.mark.parametrize("how", ["every", "layer plan", "op plan"])
+def test_an_encoder_decoders_layers_are_checkpointed_in_both_stacks(how):
+    model = bart()
+    reference = copy.deepcopy(model)
+    layers = hf.repeated_layers(model)
+    assert layers == [*model.model.encoder.layers, *model.model.decoder.layers]
+    inputs = batch(True)
+    inputs["labels"] = inputs["labels"][:, :9].clone()  # a target shorter than the source
+    if how == "every":
+        assert hf.checkpoint_layers(model, every=1) == list(range(5))
+        assert all(is_checkpointed(layer) for layer in layers)
+    else:
+        # gradients added into .grad as each layer's backward makes them: the least memory checkpoints every layer
+        planning = dict(inputs=inputs, repeat=1, ops=how == "op plan", gradients="accumulated")
+        loose = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, **planning)
+        plan = hf.checkpoint_layers(model, budget_bytes=loose.min_budget_bytes, **planning)
+        checkpointed = plan.checkpointed if how == "op plan" else [
+            any(start <= k < end and on for start, end, on in plan.segments) for k in range(5)]
+        assert len(checkpointed) == 5 and checkpointed[1] and checkpointed[3]  # an encoder's layer and a decoder's
+        assert [is_checkpointed(layer) for layer in layers] == checkpointed
+    step(model, inputs), step(reference, inputs)
+    assert_exact(model, reference)
+
+
 def test_checkpoint_layers_refuses_what_would_checkpoint_twice_or_is_underspecified():
     model = gpt2()
     with pytest.raises(ValueError, match="exactly one of every or budget_bytes"):
@@ -144,7 +180,7 @@ def test_a_checkpointed_decoder_layer_compiles_in_one_graph_with_the_models_keyw
     """What the model passes a layer (mask, position ids, rotary embeddings, its cache) traces in
     one graph: recognising the cache costs dynamo no graph break."""
     model = MODELS[name]().eval()  # no dropout: compiled and eager draw different masks
-    layers = hf.decoder_layers(model)
+    layers = hf.repeated_layers(model)
     seen = []
     handle = layers[1].register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
     with torch.no_grad():

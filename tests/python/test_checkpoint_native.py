@@ -7,7 +7,6 @@ import functools
 
 import pytest
 import torch
-import torch.utils.checkpoint as tuc
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 

@@ -425,7 +425,7 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
     assert all(plan.saves_natively(k) for k in range(len(plan.saved)))
     assert any(plan.checkpointed)
     assert [isinstance(layer.__dict__.get("forward"), _CheckpointedForward)
-            for layer in hf.decoder_layers(model)] == plan.checkpointed
+            for layer in hf.repeated_layers(model)] == plan.checkpointed
     for m in (model, reference):
         torch.manual_seed(1)
         m(**inputs, labels=ids).loss.backward()
@@ -437,8 +437,8 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
     # count through every layer's backward.
     held = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, ops=True, repeat=1,
                                 gradients="held")
-    layers = hf.decoder_layers(reference)
-    outside = sum(p.nbytes for p in reference.parameters()) - sum(p.nbytes for p in layers.parameters())
+    layers = hf.repeated_layers(reference)
+    outside = sum(p.nbytes for p in reference.parameters()) - sum(p.nbytes for layer in layers for p in layer.parameters())
     assert held.gradients == "held" and held.other_gradient_bytes == outside > 0
     # The first layer's backward holds every gradient of the model.
     assert held.min_budget_bytes > sum(p.nbytes for p in reference.parameters())

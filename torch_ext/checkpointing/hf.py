@@ -2,12 +2,12 @@
 functions work on the model objects you pass.
 
     torch_ext.checkpointing.hf.gradient_checkpointing_enable(model)        their path, our function
-    torch_ext.checkpointing.hf.checkpoint_layers(model, every=2)           every other decoder layer
+    torch_ext.checkpointing.hf.checkpoint_layers(model, every=2)           every other layer
     torch_ext.checkpointing.hf.checkpoint_layers(model, budget_bytes=B, inputs={"input_ids": ids, ...})
 
 The first keeps Hugging Face's own gradient checkpointing (their layers turn caching off in
 training, with their warning, and enable input gradients) and has it call torch_ext's checkpoint
-instead of torch.utils.checkpoint's. The second checkpoints the decoder layers with
+instead of torch.utils.checkpoint's. The second checkpoints the repeated layers with
 torch_ext.checkpoint directly, chosen by every=k or by a plan for a byte budget measured on the
 model's real inputs: each layer receives, in one recorded forward, its attention mask, position
 ids and rotary embeddings, and the planner measures it on exactly those.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from .chains import _PLANNED_POLICY
 from .op_planner import OpPlan, plan_recorded_ops
 from .planner import CheckpointPlan, _planning_gradients, _trainable_parameters, plan_recorded_layers
 
-__all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "decoder_layers"]
+__all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "repeated_layers"]
 
 
 def _is_checkpointing_layer(module: nn.Module) -> bool:
@@ -64,28 +64,34 @@ def _uses_hugging_faces_checkpointing(model: nn.Module) -> bool:
     return bool(getattr(model, name, False))
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's repeated layers: the longest nn.ModuleList of Hugging Face
-    GradientCheckpointingLayers, or else the longest nn.ModuleList of modules of one class."""
+def repeated_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated layers, the ones Hugging Face's gradient checkpointing checkpoints: every
+    GradientCheckpointingLayer held in an nn.ModuleList, in the order the model registers them (an
+    encoder-decoder's encoder layers, then its decoder's; none inside another), or else, for a model
+    without them, the longest nn.ModuleList of modules of one class."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    hf_lists = [m for m in lists if all(_is_checkpointing_layer(layer) for layer in m)]
+    hf_layers = [layer for m in lists if all(_is_checkpointing_layer(layer) for layer in m) for layer in m]
+    if hf_layers:
+        inner = {id(sub) for layer in hf_layers for sub in layer.modules() if sub is not layer}
+        return [layer for layer in hf_layers if id(layer) not in inner]
     uniform = [m for m in lists if len({type(layer) for layer in m}) == 1]
-    candidates = hf_lists or uniform
-    if not candidates:
-        raise ValueError(f"decoder_layers: {type(model).__name__} has no nn.ModuleList of repeated layers")
-    return max(candidates, key=len)
+    if not uniform:
+        raise ValueError(f"repeated_layers: {type(model).__name__} has no nn.ModuleList of repeated layers")
+    return list(max(uniform, key=len))
 
 
 def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_bytes: Optional[int] = None,
                       inputs: Optional[dict] = None, ops: bool = False, repeat: int = 2,
                       gradients: Optional[str] = None, progress: Optional[Callable] = None,
                       **options: Any) -> list[int] | CheckpointPlan | OpPlan:
-    """Checkpoint the model's decoder layers with torch_ext.checkpoint (options: its options).
+    """Checkpoint the model's repeated layers (repeated_layers(model): an encoder-decoder's in both
+    stacks) with torch_ext.checkpoint (options: its options).
 
-    every=k: layers 0, k, 2k, ...; returns their indices. budget_bytes=B: runs
-    model(**inputs) once (in the model's current mode, without grad) recording what each layer
+    every=k: layers 0, k, 2k, ... of repeated_layers(model); returns their indices. budget_bytes=B:
+    runs model(**inputs) once (in the model's current mode, without grad) recording what each layer
     receives, measures each layer's forward and backward on it, and checkpoints the layers a plan
-    of least recompute within B bytes of layer activations chooses; returns the CheckpointPlan.
+    of least recompute within B bytes of layer activations chooses, the layers taken in the order
+    that forward runs them; returns the CheckpointPlan.
     budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured on what
     each layer receives): the layers the plan checkpoints save the ops it chooses (through the
     native policy, save=), the others are left unwrapped; returns the OpPlan. gradients (with
@@ -105,7 +111,7 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
         raise ValueError(f"checkpoint_layers: {type(model).__name__} already uses Hugging Face's gradient "
                          f"checkpointing; call model.{disable}() first")
     checkpoint_options("checkpoint_layers", **options)
-    layers = decoder_layers(model)
+    layers = repeated_layers(model)
     if every is not None:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint_layers: every must be a positive int, got {every!r}")
@@ -119,29 +125,31 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     resolved = checkpoint_options("checkpoint_layers", **options)
     if resolved.chooses_ops:
         raise ValueError(f"checkpoint_layers: {_PLANNED_POLICY}")
-    inside = {id(p) for p in layers.parameters()}
+    inside = {id(p) for layer in layers for p in layer.parameters()}
     other = sum(p.nbytes for p in _trainable_parameters(model) if id(p) not in inside)
+    if ops and options:
+        raise ValueError(f"checkpoint_layers: ops=True takes no options (the plan sets each layer's save "
+                         f"and measures with keep storage), got {sorted(options)}")
+    layers, recorded = _record_layer_inputs(model, layers, inputs)
     if ops:
-        if options:
-            raise ValueError(f"checkpoint_layers: ops=True takes no options (the plan sets each layer's save "
-                             f"and measures with keep storage), got {sorted(options)}")
-        op_plan = plan_recorded_ops(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, repeat,
-                                    progress, gradients=gradients, other_gradient_bytes=other)
+        op_plan = plan_recorded_ops(layers, recorded, budget_bytes, repeat, progress, gradients=gradients,
+                                    other_gradient_bytes=other)
         op_plan.apply(layers)
         return op_plan
     storage = resolved.script.storage
-    plan = plan_recorded_layers(list(layers), _record_layer_inputs(model, layers, inputs), budget_bytes, storage,
-                                repeat, progress, gradients, other)
+    plan = plan_recorded_layers(layers, recorded, budget_bytes, storage, repeat, progress, gradients, other)
     for start, _, checkpointed in plan.segments:
         if checkpointed:
             checkpoint(layers[start], **options)
     return plan
 
 
-def _record_layer_inputs(model: nn.Module, layers: nn.ModuleList, inputs: dict) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) each layer receives in one forward of model(**inputs), caches dropped (a
-    checkpointed layer runs without one in training)."""
+def _record_layer_inputs(model: nn.Module, layers: Sequence[nn.Module],
+                         inputs: dict) -> tuple[list[nn.Module], list[tuple[tuple, dict]]]:
+    """The layers in the order one forward of model(**inputs) first runs them, and the (args, kwargs)
+    each receives in it, caches dropped (a checkpointed layer runs without one in training)."""
     recorded: list = [None] * len(layers)
+    order: list[int] = []
 
     def record(index):
         def hook(module, args, kwargs):
@@ -149,6 +157,8 @@ def _record_layer_inputs(model: nn.Module, layers: nn.ModuleList, inputs: dict) 
             kwargs = {k: (None if _is_hf_cache(v) else v) for k, v in kwargs.items()}
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
+            if recorded[index] is None:
+                order.append(index)
             recorded[index] = (args, kwargs)
         return hook
 
@@ -162,4 +172,4 @@ def _record_layer_inputs(model: nn.Module, layers: nn.ModuleList, inputs: dict) 
     missing = [i for i, r in enumerate(recorded) if r is None]
     if missing:
         raise ValueError(f"checkpoint_layers: layers {missing} did not run in model(**inputs)")
-    return recorded
+    return [layers[i] for i in order], [recorded[i] for i in order]
