@@ -679,7 +679,8 @@ def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed)
     workspace = torch.randint(0, 30, (n,)).tolist()
     params = torch.randint(0, 40, (n,)).tolist()
     held = _grads_held(params, "held", other_bytes=7) if gradients == "held" else None
-    shape = (saved, out_bytes, workspace, params, 5)
+    inputs = torch.randint(1, 20, (n,)).tolist()  # each layer's own: a model's layers need not chain
+    shape = (saved, out_bytes, workspace, params, inputs)
     plans = []
     for cuts in itertools.product([False, True], repeat=n - 1):
         starts = [0] + [i + 1 for i, c in enumerate(cuts) if c]

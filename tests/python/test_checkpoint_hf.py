@@ -156,6 +156,8 @@ def test_an_encoder_decoders_layers_are_checkpointed_in_both_stacks(how):
         checkpointed = plan.checkpointed if how == "op plan" else [
             any(start <= k < end and on for start, end, on in plan.segments) for k in range(5)]
         assert len(checkpointed) == 5 and checkpointed[1] and checkpointed[3]  # an encoder's layer and a decoder's
+        if how == "layer plan":  # each layer's boundary is its own input: the decoder's are 9 positions long, not 16
+            assert plan.layer_input_bytes == [2 * 16 * 32 * 4] * 2 + [2 * 9 * 32 * 4] * 3
         assert [is_checkpointed(layer) for layer in layers] == checkpointed
     step(model, inputs), step(reference, inputs)
     assert_exact(model, reference)

@@ -376,7 +376,7 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
                     + sum(op[3] for op in block if tuple(op[:2]) not in kept[k])
                     for k, block in enumerate(m["ops"]) if checkpointed[k])
     no_checkpoint = (_evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], m["params"],
-                               m["inputs"][0]) if gradients == "accumulated"
+                               m["inputs"]) if gradients == "accumulated"
                      else _peak(m["activations"], *shape, grads_held=grads))
     return OpPlan(saved=saved, budget_bytes=int(budget_bytes), predicted_peak_bytes=int(peak),
                   min_budget_bytes=int(min_budget), no_checkpoint_peak_bytes=int(no_checkpoint),

@@ -31,7 +31,8 @@ class CheckpointPlan:
     the largest backward workspace; parameters excluded) and parameter gradients as `gradients`
     says: "accumulated", those a checkpointed segment's replay hands back together; "held", every
     layer's from its backward to the step's end, with other_gradient_bytes (parameters outside
-    the chain) held throughout (plan_checkpoints' option)."""
+    the chain) held throughout (plan_checkpoints' option). layer_input_bytes[k]: the boundary a
+    segment starting at layer k keeps (in a chain, layer k - 1's output)."""
 
     segments: list[tuple[int, int, bool]]
     budget_bytes: int
@@ -46,7 +47,7 @@ class CheckpointPlan:
     layer_output_bytes: list[int] = field(default_factory=list)
     layer_workspace_bytes: list[int] = field(default_factory=list)
     layer_parameter_bytes: list[int] = field(default_factory=list)
-    input_bytes: int = 0
+    layer_input_bytes: list[int] = field(default_factory=list)
     gradients: str = "accumulated"
     other_gradient_bytes: int = 0
 
@@ -127,7 +128,7 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
     device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
     fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
     buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
-    input_bytes = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(inputs), storage))
+    input_bytes = [int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(inputs), storage))]
     value: Any = inputs
     with torch.random.fork_rng(devices=devices):
         try:
@@ -139,6 +140,8 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
                 workspace.append(samples[-1][3])
                 value = samples[-1][4]
                 out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(value), storage)))
+                if index + 1 < len(layers):
+                    input_bytes.append(out_bytes[-1])  # the next layer's input
                 del samples
         finally:
             with torch.no_grad():
@@ -187,7 +190,7 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
 
 
 def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int], workspace: list[int],
-           param_bytes: list[int], input_bytes: int, budget: Optional[float], max_segment: Optional[int] = None,
+           param_bytes: list[int], input_bytes: Sequence[int], budget: Optional[float], max_segment: Optional[int] = None,
            held: Optional[Sequence[int]] = None, checkpointing: bool = True):
     """Dynamic programming over the chain. Each segment [p, q) is either checkpointed (holds its
     input; replays in backward at the cost of its forward time) or stored (holds its input and
@@ -197,14 +200,16 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     peak is the maximum of that over j. held (gradients "held"; _grads_held): per layer, the
     gradient bytes its backward holds besides its own; every segment, stored or checkpointed, then
     holds its own parameters' gradients and held[q - 1] (each a constant of the segment, so the
-    search is the same).
+    search is the same). input_bytes[k]: what a segment starting at layer k holds as its input (in
+    a chain, layer k - 1's output; a model's layers may take other inputs, an encoder-decoder's
+    decoder its own embeddings).
     With budget=None, returns the plan of least peak; otherwise the least recompute time whose
     peak fits the budget (None if none does). Segments span at most max_segment layers (None: any);
     checkpointing=False: stored segments only.
     States on the frontier are Pareto-optimal in (held bytes, peak or cost)."""
     prefix_seconds, prefix_saved, prefix_params = (list(accumulate(values, initial=0))
                                                    for values in (seconds, saved, param_bytes))
-    seg_input = [input_bytes] + out_bytes[:-1]
+    seg_input = input_bytes
     by_cost = budget is not None
     limit = budget if by_cost else _least_peak_bound(n, saved, out_bytes, workspace, param_bytes, input_bytes,
                                                      max_segment, held, checkpointing)
@@ -386,8 +391,10 @@ def plan_recorded_layers(layers: Sequence[nn.Module], recorded: Sequence[tuple[t
                          other_gradient_bytes: int = 0) -> CheckpointPlan:
     """A plan over layers that a model calls one by one (a Hugging Face decoder stack): each layer
     is measured on the (args, kwargs) it received in a real forward (recorded), and every
-    segment is one layer, checkpointed or not. The boundary a checkpointed layer keeps is its
-    first argument; arguments shared by all layers (masks, rotary embeddings) are counted once.
+    segment is one layer, checkpointed or not. The boundary a checkpointed layer keeps is its own
+    first argument as recorded (an encoder-decoder's first decoder layer takes the decoder's
+    embeddings, not the last encoder layer's output); arguments shared by all layers (masks, rotary
+    embeddings, the encoder's output) are counted once.
     other_gradient_bytes: with gradients "held", those of the model's parameters outside the layers."""
     progress = progress or (lambda iterable, desc: iterable)
     device = next((t.device for t in _tensor_leaves(recorded[0])), torch.device("cpu"))
@@ -409,7 +416,8 @@ def plan_recorded_layers(layers: Sequence[nn.Module], recorded: Sequence[tuple[t
             with torch.no_grad():
                 for buffer, copy in buffers:
                     buffer.copy_(copy)
-    input_bytes = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(recorded[0][0])[:1], storage))
+    input_bytes = [int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(args)[:1], storage))
+                   for args, _ in recorded]
     return _plan(list(layers), (fwd, bwd, saved, out_bytes, workspace, input_bytes), budget_bytes, 1,
                  "checkpoint_layers", gradients, other_gradient_bytes)
 
@@ -442,13 +450,13 @@ def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optio
                           no_checkpoint_peak_bytes=int(no_checkpoint), predicted_recompute_seconds=cost,
                           step_seconds=sum(fwd) + sum(bwd), layer_forward_seconds=fwd, layer_backward_seconds=bwd,
                           layer_saved_bytes=saved, layer_output_bytes=out_bytes, layer_workspace_bytes=workspace,
-                          layer_parameter_bytes=param_bytes, input_bytes=input_bytes, gradients=gradients,
+                          layer_parameter_bytes=param_bytes, layer_input_bytes=input_bytes, gradients=gradients,
                           other_gradient_bytes=int(other_gradient_bytes))
 
 
 def _evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes, held=None) -> int:
     """The peak _solve predicts for these segments."""
-    seg_input = [input_bytes] + out_bytes[:-1]
+    seg_input = input_bytes
     kept, peak = 0, 0
     for p, q, checkpointed in segments:
         activations = sum(saved[p:q])
