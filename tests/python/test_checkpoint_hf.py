@@ -163,6 +163,12 @@ def test_an_encoder_decoders_layers_are_checkpointed_in_both_stacks(how):
     assert_exact(model, reference)
 
 
+def test_a_layer_held_by_two_lists_is_one_repeated_layer():
+    model = bart()
+    model.shared_layers = torch.nn.ModuleList([model.model.decoder.layers[0]])  # weights shared, as some models do
+    assert hf.repeated_layers(model) == [*model.model.encoder.layers, *model.model.decoder.layers]
+
+
 def test_checkpoint_layers_refuses_what_would_checkpoint_twice_or_is_underspecified():
     model = gpt2()
     with pytest.raises(ValueError, match="exactly one of every or budget_bytes"):

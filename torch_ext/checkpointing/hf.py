@@ -70,7 +70,9 @@ def repeated_layers(model: nn.Module) -> list[nn.Module]:
     encoder-decoder's encoder layers, then its decoder's; none inside another), or else, for a model
     without them, the longest nn.ModuleList of modules of one class."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    hf_layers = [layer for m in lists if all(_is_checkpointing_layer(layer) for layer in m) for layer in m]
+    # keyed by id, in order: a layer held by two lists (shared weights) counts once
+    hf_layers = list({id(layer): layer for m in lists if all(_is_checkpointing_layer(layer) for layer in m)
+                      for layer in m}.values())
     if hf_layers:
         inner = {id(sub) for layer in hf_layers for sub in layer.modules() if sub is not layer}
         return [layer for layer in hf_layers if id(layer) not in inner]
