@@ -112,7 +112,7 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
                    else "gradient_checkpointing_disable")  # transformers 5.23's name; the old one warns
         raise ValueError(f"checkpoint_layers: {type(model).__name__} already uses Hugging Face's gradient "
                          f"checkpointing; call model.{disable}() first")
-    checkpoint_options("checkpoint_layers", **options)
+    resolved = checkpoint_options("checkpoint_layers", **options)  # validated before the model changes
     layers = repeated_layers(model)
     if every is not None:
         if not isinstance(every, int) or every < 1:
@@ -124,7 +124,6 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     if not isinstance(inputs, dict) or not inputs:
         raise ValueError("checkpoint_layers: budget_bytes needs inputs, the keyword arguments of one model call "
                          "(input_ids, attention_mask, ...), to measure the layers on")
-    resolved = checkpoint_options("checkpoint_layers", **options)
     if resolved.chooses_ops:
         raise ValueError(f"checkpoint_layers: {_PLANNED_POLICY}")
     inside = {id(p) for layer in layers for p in layer.parameters()}

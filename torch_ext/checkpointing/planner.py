@@ -128,7 +128,7 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
     device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
     fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
     buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
-    input_bytes = [int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(inputs), storage))]
+    first_input = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(inputs), storage))
     value: Any = inputs
     with torch.random.fork_rng(devices=devices):
         try:
@@ -140,14 +140,12 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
                 workspace.append(samples[-1][3])
                 value = samples[-1][4]
                 out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(value), storage)))
-                if index + 1 < len(layers):
-                    input_bytes.append(out_bytes[-1])  # the next layer's input
                 del samples
         finally:
             with torch.no_grad():
                 for buffer, copy in buffers:
                     buffer.copy_(copy)
-    return fwd, bwd, saved, out_bytes, workspace, input_bytes
+    return fwd, bwd, saved, out_bytes, workspace, [first_input] + out_bytes[:-1]  # a chain: each input the output before
 
 
 def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device: torch.device,
@@ -209,7 +207,6 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     States on the frontier are Pareto-optimal in (held bytes, peak or cost)."""
     prefix_seconds, prefix_saved, prefix_params = (list(accumulate(values, initial=0))
                                                    for values in (seconds, saved, param_bytes))
-    seg_input = input_bytes
     by_cost = budget is not None
     limit = budget if by_cost else _least_peak_bound(n, saved, out_bytes, workspace, param_bytes, input_bytes,
                                                      max_segment, held, checkpointing)
@@ -235,17 +232,17 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
         work = 0
         for q in range(p + 1, (n if max_segment is None else min(n, p + max_segment)) + 1):
             activations = prefix_saved[q] - prefix_saved[p]
-            if kept[0] + seg_input[p] + activations > limit:
+            if kept[0] + input_bytes[p] + activations > limit:
                 break  # no state fits a segment this long, nor a longer one (activations only grow)
             work = max(work, workspace[q - 1])
             stored_grads, replay_grads = _segment_grads(prefix_params[q] - prefix_params[p], held, q)
-            base = seg_input[p] + activations + work + out_bytes[q - 1]
+            base = input_bytes[p] + activations + work + out_bytes[q - 1]
             # Fronts are sorted by held bytes, so the states that fit are a prefix of the front.
             for grads, checkpointed in (((replay_grads, True),) if checkpointing else ()) + ((stored_grads, False),):
                 fits = int(np.searchsorted(kept, limit - base - grads, "right"))
                 if not fits:
                     continue
-                chunk = _undominated((kept[:fits] + seg_input[p] + (0 if checkpointed else activations),
+                chunk = _undominated((kept[:fits] + input_bytes[p] + (0 if checkpointed else activations),
                                       np.maximum(peak[:fits], kept[:fits] + (base + grads)),
                                       cost[:fits] + (prefix_seconds[q] - prefix_seconds[p] if checkpointed else 0.0),
                                       np.full(fits, p, dtype=np.int64), np.arange(fits, dtype=np.int64),
@@ -456,12 +453,11 @@ def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optio
 
 def _evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes, held=None) -> int:
     """The peak _solve predicts for these segments."""
-    seg_input = input_bytes
     kept, peak = 0, 0
     for p, q, checkpointed in segments:
         activations = sum(saved[p:q])
         stored_grads, replay_grads = _segment_grads(sum(param_bytes[p:q]), held, q)
         grads = replay_grads if checkpointed else stored_grads
-        peak = max(peak, kept + seg_input[p] + activations + max(workspace[p:q]) + out_bytes[q - 1] + grads)
-        kept += seg_input[p] + (0 if checkpointed else activations)
+        peak = max(peak, kept + input_bytes[p] + activations + max(workspace[p:q]) + out_bytes[q - 1] + grads)
+        kept += input_bytes[p] + (0 if checkpointed else activations)
     return peak
