@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import torch_ext
 from torch_ext import memory
-from torch_ext.checkpointing import hf
+from torch_ext.checkpointing import hf, selective
 from test_checkpoint_selective import OpCounter, assert_same, qwen2  # noqa: E402
 
 aten = torch.ops.aten
@@ -319,6 +319,28 @@ def test_compiled_policies_on_the_same_code_do_not_share_a_graph():
     after = kept_by_compiled("aten::addmm#0")
     torch._dynamo.reset()
     assert everything > alone and after == alone
+
+
+def test_compiled_policy_finds_an_op_whose_cached_overload_was_replaced():
+    # packet.__getattr__(name) makes a new OpOverload and caches it on the packet, while dispatch
+    # keeps handing policies the object it met first. Rules that knew ops by identity, built after
+    # such a call, matched no op: the compiled policy saved nothing.
+    torch._dynamo.reset()
+    before = kept_by_compiled("matmul")  # mm and addmm dispatched: their objects are fixed
+    packets = (torch.ops.aten.mm, torch.ops.aten.addmm)
+    originals = [packet.default for packet in packets]
+    try:
+        for packet, original in zip(packets, originals):
+            assert packet.__getattr__("default") is not original and packet.default is not original
+        selective._rules.cache_clear()  # rules built from now on see the new objects
+        torch._dynamo.reset()
+        after = kept_by_compiled("matmul")
+    finally:
+        for packet, original in zip(packets, originals):
+            packet.default = original
+        selective._rules.cache_clear()
+        torch._dynamo.reset()
+    assert before > 0 and after == before
 
 
 def test_a_hugging_face_model_with_the_torchtitan_preset_matches_torchs_policy():

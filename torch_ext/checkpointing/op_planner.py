@@ -211,7 +211,7 @@ def _plan_contexts(saved: frozenset) -> tuple:
         seen[name] += 1
         # torch's policy would hand the replay the forward's mask tensor, which dropout then scales in
         # place: it draws masks again (only the native policy keeps them).
-        keep = (name, index) in saved and op not in _KEPT_DRAWS
+        keep = (name, index) in saved and name not in _KEPT_DRAWS
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return create_selective_checkpoint_contexts(policy)
 

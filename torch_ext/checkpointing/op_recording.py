@@ -19,7 +19,8 @@ from .selective import dropout_p
 
 # The draws of dropout masks (bernoulli_ in place): the native policy keeps the mask as bool (one
 # byte an element) and the generator's state after the draw (csrc/torch_ext/checkpoint/selective.h).
-_KEPT_DRAWS = (torch.ops.aten.bernoulli_.float, torch.ops.aten.bernoulli_.Tensor)
+# By name (str(op)), as plans name ops: an OpOverload object is not unique (see selective._qualified).
+_KEPT_DRAWS = frozenset({"aten.bernoulli_.float", "aten.bernoulli_.Tensor"})
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -58,7 +59,7 @@ class _OpRecorder(TorchDispatchMode):
             for ptr in inputs:
                 self.mutated.update(self.by_storage.get(ptr, ()))
         outputs, nbytes = _tensor_leaves(out), 0
-        if func in _KEPT_DRAWS:  # kept as a bool copy: later changes to the mask do not reach it
+        if name in _KEPT_DRAWS:  # kept as a bool copy: later changes to the mask do not reach it
             if args[0].device.type == "cpu" and kwargs.get("generator") is None:
                 self.records.append([name, index, args[0].numel(), seconds])
             return out

@@ -45,9 +45,16 @@ def dropout_p(op, args: tuple, kwargs: dict) -> Optional[float]:
     return kwargs.get("dropout_p", args[index] if index < len(args) else 0.0)
 
 
+def _qualified(op) -> str:
+    """'aten::mm.default': an overload's name, the key of _rules. Not the OpOverload object: code
+    that calls `packet.__getattr__(name)` replaces a packet's cached overload with a new object,
+    which an identity key would then miss (and the policy would silently save nothing)."""
+    return f"{op._schema.name}.{op._overloadname}"
+
+
 @functools.lru_cache(maxsize=64)
 def _rules(items: tuple) -> dict:
-    """op overload -> (group, every, occurrences)."""
+    """qualified op overload name (_qualified) -> (group, every, occurrences)."""
     rules = {}
     for qualified, group, every, occurrences in _C.checkpoint.save_rules(list(items)):
         try:
@@ -56,7 +63,7 @@ def _rules(items: tuple) -> dict:
             continue
         if _dropout_index(op) is None and torch.Tag.nondeterministic_seeded in op.tags:
             continue  # a mask draw: compiled, it is regenerated from its seed (and saving it would keep the float mask)
-        rules[op] = (group, every, frozenset(occurrences))
+        rules[_qualified(op)] = (group, every, frozenset(occurrences))
     return rules
 
 
@@ -74,7 +81,7 @@ def _compiled_contexts(items: tuple) -> tuple:
     counts = {False: [0] * groups, True: [0] * groups}
 
     def policy(ctx, op, *args, **kwargs):
-        rule = rules.get(op)
+        rule = rules.get(_qualified(op))
         if rule is None:
             return CheckpointPolicy.PREFER_RECOMPUTE
         group, every, occurrences = rule
