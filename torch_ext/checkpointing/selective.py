@@ -45,10 +45,13 @@ def dropout_p(op, args: tuple, kwargs: dict) -> Optional[float]:
     return kwargs.get("dropout_p", args[index] if index < len(args) else 0.0)
 
 
-def _qualified(op) -> str:
-    """'aten::mm.default': an overload's name, the key of _rules. Not the OpOverload object: code
-    that calls `packet.__getattr__(name)` replaces a packet's cached overload with a new object,
-    which an identity key would then miss (and the policy would silently save nothing)."""
+def _qualified(op) -> Optional[str]:
+    """'aten::mm.default': an overload's name, the key of _rules (None for what is not an op
+    overload, such as a higher-order op). Not the OpOverload object: code that calls
+    `packet.__getattr__(name)` replaces a packet's cached overload with a new object, which an
+    identity key would then miss (and the policy would silently save nothing)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
     return f"{op._schema.name}.{op._overloadname}"
 
 
