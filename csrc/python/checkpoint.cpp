@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <ATen/SavedTensorHooks.h>
+#include <c10/core/GradMode.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/PyInterpreter.h>
@@ -208,7 +209,7 @@ void replay(const std::shared_ptr<Call>& call, ck::Frame& frame, int64_t graph_t
     PyTuple_SET_ITEM(args.ptr(), static_cast<Py_ssize_t>(i), value);
   }
   ck::ReplayState::Guard guard(call->state);
-  torch::autograd::AutoGradMode grad(true);
+  c10::AutoGradMode grad(true);
   PyObject* repack = PyCFunction_New(&repack_def, capsule_of(RepackTarget{frame.shared_from_this(), graph_task}, kRepack));
   Py_DECREF(PyCFunction_GET_SELF(repack));  // the function holds the capsule
   PyObject* identity = module_hook(identity_def);
@@ -283,7 +284,7 @@ PyObject* run(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
                 "torch_ext._C.checkpoint.run(fn, args: tuple, kwargs: dict | None, options, name)");
     PyObject *fn = argv[0], *args = argv[1], *kwargs = argv[2] == Py_None ? nullptr : argv[2];
     if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) == 0) kwargs = nullptr;
-    if (!torch::autograd::GradMode::is_enabled()) return PyObject_Call(fn, args, kwargs);
+    if (!c10::GradMode::is_enabled()) return PyObject_Call(fn, args, kwargs);
     const auto* options = from_capsule<ck::CheckpointOptions>(argv[3], kOptions);
     if (options == nullptr) return nullptr;
     auto call = std::make_shared<Call>();
