@@ -4,7 +4,6 @@ native policy counts alike (a forward without a Python dispatch mode can call ot
 from __future__ import annotations
 
 import statistics
-import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -13,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from .. import _C
-from .planner import _call, _detach_like, _tensor_leaves
+from .planner import _call, _detach_like, _device_clock, _tensor_leaves
 from .selective import dropout_p
 
 
@@ -32,8 +31,9 @@ class _OpRecorder(TorchDispatchMode):
     order, which gives the forward's numbers only if the generator passes where it passed before
     (a kept draw puts it there)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         super().__init__()
+        self.clock = clock
         self.records: list[list] = []
         self.mutated: set[int] = set()
         self.by_storage: dict[int, list[int]] = {}
@@ -48,9 +48,9 @@ class _OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
-        start = time.perf_counter()
+        start = self.clock()
         out = func(*args, **kwargs)
-        seconds = time.perf_counter() - start
+        seconds = self.clock() - start
         name = str(func)
         index = self.seen[name]
         self.seen[name] += 1
@@ -89,8 +89,9 @@ def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: 
     (counted in measured): their timings are pooled with this block's (_pool_alike_blocks), so a
     deep model of identical layers is not timed `repeat` times over."""
     runs: list = []
+    clock = _device_clock(value, layer)
     while len(runs) < repeat:
-        with torch.enable_grad(), _OpRecorder() as recorder:
+        with torch.enable_grad(), _OpRecorder(clock) as recorder:
             _call(layer, _detach_like(value, recorded), kwargs, first)
         runs.append(recorder.ops)
         signature = tuple(tuple(op[:3]) for op in runs[0])

@@ -4,12 +4,11 @@ storage), and what rounding it and widening it back costs."""
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 
-from .planner import _storage_bytes
+from .planner import _device_clock, _storage_bytes
 
 _STORAGE = ("keep", "bf16", "fp16")
 
@@ -38,10 +37,10 @@ def _rounding_seconds(tensors: list[torch.Tensor], repeat: int) -> float:
     wide = [t.detach() for t in tensors if _rounds(t)]
     if not wide:
         return 0.0
-    samples = []
+    samples, clock = [], _device_clock(wide)
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         for t in wide:
             t.to(torch.bfloat16).to(t.dtype)
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)
     return statistics.median(samples)

@@ -90,6 +90,21 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
+def _device_clock(*values: Any) -> Callable[[], float]:
+    """time.perf_counter, read once the device's queued work is done where values hold tensors on an
+    accelerator (or are modules with parameters there): a kernel runs after the call that queues
+    it returns, and a plan weighs what ops cost the device, not what queuing them costs."""
+    tensors = [t for v in values for t in (_trainable_parameters(v) if isinstance(v, nn.Module) else _tensor_leaves(v))]
+    device = next((t.device for t in tensors if t.device.type != "cpu"), None)
+    if device is None:
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.accelerator.synchronize(device)
+        return time.perf_counter()
+    return clock
+
+
 def _storage_bytes(tensors: Iterable[torch.Tensor], exclude: set) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -157,10 +172,11 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
     x_leaves = _tensor_leaves(x)
     exclude = _storage_keys(params) | _storage_keys(x_leaves)
     packed: list[torch.Tensor] = []
+    clock = _device_clock(x, layer)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
-        start = time.perf_counter()
+        start = clock()
         out = _call(layer, x, kwargs, first)
-        forward_seconds = time.perf_counter() - start
+        forward_seconds = clock() - start
     out_leaves = [t for t in _tensor_leaves(out) if t.requires_grad]
     saved_bytes = _storage_bytes(packed + _tensor_leaves(out), exclude | _storage_keys(_tensor_leaves(kwargs)))
     packed.clear()
@@ -176,9 +192,9 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
             p.grad = torch.zeros_like(p)
         try:
             with memory.track(device) as tracked:
-                start = time.perf_counter()
+                start = clock()
                 torch.autograd.backward(out_leaves, grads_out, inputs=targets)
-                backward_seconds = time.perf_counter() - start
+                backward_seconds = clock() - start
         finally:
             for p, g in zip(params, kept_grads):
                 p.grad = g

@@ -347,9 +347,12 @@ def measure_plans(make: Callable[..., Any], traffic: Traffic, example_inputs: An
         def run(at: tuple) -> None:
             if at not in inputs:  # made on _fastest's warm-up call, outside the timed ones
                 flat = list(cache.script_object.example_inputs(list(at)))
-                inputs[at] = (flat, all(type(value) is torch.Tensor for value in flat))
-            flat, tensors = inputs[at]
+                device = next((v.device for v in flat if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+                inputs[at] = (flat, all(type(value) is torch.Tensor for value in flat), device)
+            flat, tensors, device = inputs[at]
             cache._infer_tensors(flat) if tensors else cache.script_object.infer(flat)
+            if device is not None:  # a GPU run returns once queued: time what it costs the device
+                torch.accelerator.synchronize(device)
         return run
 
     if not exported:
