@@ -109,13 +109,19 @@ void set_script_module(const py::object& script_object, const py::object& module
 template <class Run>
 py::object call_released(Run&& run, bool release_gil = true) {
   c10::IValue output;
-  try {
-    std::optional<py::gil_scoped_release> release;
-    if (release_gil) release.emplace();
-    output = run();
-  } catch (...) {  // as torch's own bindings raise them: ValueError, IndexError, ..., no C++ backtrace
-    torch::translate_exception_to_python(std::current_exception());
-    throw py::error_already_set();
+  {
+    // The call's C++ warnings (TORCH_WARN: a plan that runs without its CUDA graph, a TorchScript
+    // warnings.warn) reach Python's warnings module, as from torch's own bindings, not stderr.
+    torch::PyWarningHandler warnings;
+    try {
+      std::optional<py::gil_scoped_release> release;
+      if (release_gil) release.emplace();
+      output = run();
+    } catch (...) {  // as torch's own bindings raise them: ValueError, IndexError, ..., no C++ backtrace
+      warnings.set_in_exception();
+      torch::translate_exception_to_python(std::current_exception());
+      throw py::error_already_set();
+    }
   }
   return torch::jit::toPyObject(std::move(output));
 }

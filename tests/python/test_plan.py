@@ -1,5 +1,6 @@
 import random
 import threading
+import warnings
 
 import pytest
 import torch
@@ -357,6 +358,18 @@ def test_plans_are_clones_specialised_to_their_size_only_where_torchscript_fuses
 def test_exported_from_the_package():
     assert torch_ext.PlanCache is PlanCache
     assert "PlanCache" in torch_ext.__all__
+
+
+class Warns(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        warnings.warn("the plan warned")
+        return x * 2.0
+
+
+def test_a_plans_warnings_reach_pythons_warnings_module():
+    cache = PlanCache(scripted(Warns()), warmup_calls=1)
+    with pytest.warns(UserWarning, match="the plan warned"):  # built and run in this call
+        cache(torch.randn(4, 8))
 
 
 def test_cuda_graphs_are_ignored_on_cpu_inputs(rowwise):
