@@ -25,11 +25,12 @@ part then uses a GPT-2-small-width model and adds (c-offload) and (c-bf16)
 (CheckpointedSequential(every=1, storage=...)), the whole step's absolute peak and each variant's
 gradient difference from (a). Results: results/checkpoint{,_hf,_overhead}[_cuda][_quick].{md,json}.
 
-    python benchmarks/bench_checkpoint.py [--part gpt|hf|overhead|selective|compiled] [--quick] [--device cuda]
+    python benchmarks/bench_checkpoint.py [--part gpt|hf|overhead|selective|compiled] [--quick] [--device cuda] [--eager-only]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -78,6 +79,9 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu (default: results/checkpoint.{md,json}) or cuda (a GPU-sized model, offload "
                              "and bf16 storage too: results/checkpoint_cuda.{md,json}, _quick with --quick)")
+    parser.add_argument("--eager-only", action="store_true",
+                        help="part selective: its eager rows only (no torch.compile rows: their 20 Inductor "
+                             "compiles outlast a GPU lent for minutes)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
@@ -85,9 +89,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     options = ((f" --part {args.part}" if args.part != "all" else "") + (" --device cuda" if args.device == "cuda" else "")
-               + (" --quick" if args.quick else ""))
+               + (" --quick" if args.quick else "") + (" --eager-only" if args.eager_only else ""))
+    selective = functools.partial(checkpoint_selective.run, compiled=not args.eager_only)
     for part, run_part in (("gpt", run), ("hf", checkpoint_hf.run), ("overhead", checkpoint_overhead.run),
-                           ("selective", checkpoint_selective.run), ("compiled", checkpoint_compiled.run)):
+                           ("selective", selective), ("compiled", checkpoint_compiled.run)):
         if args.part in ("all", part):
             run_part(device, args.quick, "python benchmarks/bench_checkpoint.py" + options)
 

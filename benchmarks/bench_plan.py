@@ -10,6 +10,8 @@ Variants, each served the same stream of requests (batch sizes drawn uniformly f
 With --device cuda (models and inputs on the GPU, every request synchronised), two more:
   (f) PlanCache exact + CUDA graphs, after preload(1..64)
   (g) PlanCache pad + background builds + CUDA graphs, after preload of the buckets
+  (h) PlanCache.from_traffic + CUDA graphs: buckets learned from a recorded stream of the same
+      distribution (another seed), at most 8 plans, misses padded, one graph per learned bucket
 Each variant serves the whole stream in its own phase (a background build of (e) would otherwise
 slow the others' requests), in four passes over the variants: forward, reversed, rotated by half,
 and that reversed, so every variant's phases sit at the same mean position in time. A second
@@ -49,6 +51,7 @@ MAX_BATCH = 64
 # A padded request costs about what its bucket's size costs: buckets at most 1.5x apart keep that
 # under 1.5x its own size's latency (powers of two let it reach 2x).
 BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+LEARNED_PLANS = 8  # (h)'s plan budget
 
 
 class CNN(torch.nn.Module):
@@ -197,6 +200,16 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
 
         variants["(g) PlanCache pad + background builds + CUDA graphs"] = graphs_background_pad
 
+        recorded = random.Random(1)
+        recorded_stream = [recorded.randint(1, MAX_BATCH) for _ in range(len(stream))]
+
+        def graphs_from_traffic():
+            cache = PlanCache.from_traffic(scripted, recorded_stream, LEARNED_PLANS, (inputs[1],), miss_mode="pad",
+                                           cuda_graphs=True, progress=not quick)
+            return cache.infer, cache
+
+        variants[f"(h) PlanCache.from_traffic, {LEARNED_PLANS} plans + CUDA graphs"] = graphs_from_traffic
+
     # Each variant in its own phase: start-up (preloads), the whole stream, then one request at
     # every size for the peak memory. Phases keep one variant's builds (the cold cache's in its
     # requests, (e)'s on a background thread) and its memory churn out of the others' latencies.
@@ -273,14 +286,14 @@ def bench_model(name, make, make_input, stream, report, steps_report, lookup_row
     # Each pass on its own: how far this machine moves the ratios between passes.
     per_pass = {label: [min(results[k]["pass_totals"][p] for k in list(variants)[:2]) / total
                         for p, total in enumerate(r["pass_totals"])]
-                for label, r in results.items() if label[:3] in ("(d)", "(e)", "(f)", "(g)")}
+                for label, r in results.items() if label[:3] in ("(d)", "(e)", "(f)", "(g)", "(h)")}
     report.notes.append(f"\n{name}, throughput over the best of (a),(b) in each pass: " + "; ".join(
         f"{label[:3]} {', '.join(f'{ratio:.2f}x' for ratio in ratios)}" for label, ratios in per_pass.items()) + ".")
     report.data.setdefault("throughput_vs_best_ab_per_pass", {})[name] = per_pass
     for label, r in results.items():
         latencies, switches, peak, stats = r["latencies"], r["switches"], r["peak"], r["stats"]
         firsts = first_calls(latencies, stream)
-        after_startup = label[:3] in ("(d)", "(e)", "(f)", "(g)")
+        after_startup = label[:3] in ("(d)", "(e)", "(f)", "(g)", "(h)")
         spiked, worst = spike_indices(latencies, stream, skip_first_per_size=False)
         spike_count, causes = len(spiked), spike_causes(spiked, switches)
         later_count, later_worst = spikes(latencies, stream, skip_first_per_size=True)

@@ -1,6 +1,7 @@
 """Part "selective" of bench_checkpoint: selective activation checkpointing (torch's context_fn) on
 Hugging Face GPT-2 and Llama (12 layers, width 256, padded 4x128 batches, defaults on: dropout,
-use_cache), eager, CPU:
+use_cache), eager and compiled, on the CPU (or, with --device cuda, the GPU; --eager-only leaves the
+compiled rows out):
 
   (a) no checkpointing
   (b) Hugging Face's model.activation_checkpointing_enable() (torch.utils.checkpoint per layer)
@@ -60,17 +61,19 @@ _MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
 
 
 def torchtitan_context():
-    """torchtitan's selective policy: attention outputs saved, and every second matmul (counted
-    per checkpointed call's forward; the policy is called in the forward only)."""
-    matmuls = [0]
+    """torchtitan's selective policy: attention outputs saved, and every second matmul, counted per
+    checkpointed call and, as torchtitan counts them, apart in the forward and the recompute (torch
+    2.11 asks the policy again in the recompute, where one count over both would save other calls
+    than the forward did; torch 2.13 replays the forward's answers)."""
+    matmuls = {False: 0, True: 0}
 
     def policy(ctx, op, *args, **kwargs):
         packet = op.overloadpacket
         if packet.__name__.startswith("_scaled_dot_product"):
             return CheckpointPolicy.MUST_SAVE
         if packet in _MATMULS:
-            matmuls[0] += 1
-            if matmuls[0] % 2 == 0:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -88,7 +91,7 @@ def variants(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return built
 
 
-def planned(base: torch.nn.Module, batch: dict, device, built: dict) -> tuple[dict, dict, dict, list]:
+def planned(base: torch.nn.Module, batch: dict, device, built: dict, compiled_rows: bool) -> tuple[dict, dict, dict, list]:
     """Adds the op-level plans to built: (budgets, plans, the compiled rows' models, the layers'
     recorded inputs); the budgets are fractions of (a)'s layer activation memory
     (checkpoint_hf.layers_peak). The eager rows' plans are made for gradients added into .grad as
@@ -99,7 +102,8 @@ def planned(base: torch.nn.Module, batch: dict, device, built: dict) -> tuple[di
     _, recorded = hf._record_layer_inputs(base, hf.repeated_layers(base), batch)
     activation = layers_peak(built[NONE], recorded, device)
     budgets, plans, compiled = {}, {}, {}
-    for gradients, suffix, rows in (("accumulated", "", built), ("held", ", compiled", compiled)):
+    modes = (("accumulated", "", built), ("held", ", compiled", compiled))
+    for gradients, suffix, rows in modes if compiled_rows else modes[:1]:
         measured, models = None, {}
         for fraction, eager_name in sorted(PLANNED.items(), reverse=True):
             name = eager_name + suffix
@@ -155,18 +159,20 @@ def compiled_steps(base: torch.nn.Module, built: dict, planned_compiled: dict, b
     return rows
 
 
-def run_model(label: str, build, quick: bool, device, report: harness.Report, checks: list, points: dict) -> None:
+def run_model(label: str, build, quick: bool, device, report: harness.Report, checks: list, points: dict,
+              compiled_rows: bool) -> None:
     base = build().to(device)
     config = base.config
     batch = padded_batch(config.vocab_size, 2 if quick else 4, config.max_position_embeddings, device)
     built = variants(base)
-    budgets, plans, planned_compiled, recorded = planned(base, batch, device, built)
+    budgets, plans, planned_compiled, recorded = planned(base, batch, device, built, compiled_rows)
     for model in (*built.values(), *planned_compiled.values()):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
     rows = {name: (model, functools.partial(lambda m: m(**batch).loss.backward(), model))
             for name, model in built.items()}
-    rows.update(compiled_steps(base, built, planned_compiled, batch))
+    if compiled_rows:
+        rows.update(compiled_steps(base, built, planned_compiled, batch))
     steps, grad_diffs, peaks, reference = {}, {}, {}, None
     for name, (model, step) in rows.items():
         steps[name] = step
@@ -234,7 +240,7 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
                        f"{harness.format_seconds(predicted)} of recompute a step, "
                        f"{1 + predicted / pair[NONE].median_seconds:.3f}x", ratio <= 1.05))
     compiled_c = f"{TORCH_SAC}, compiled"
-    for ours, letter in ((OURS_SAC, "e"), (NATIVE, "g")):
+    for ours, letter in ((OURS_SAC, "e"), (NATIVE, "g")) if compiled_rows else ():
         compiled = f"{ours}, compiled"
         checks.append((f"{label}, compiled: ({letter}) at (c)'s step peak memory ({harness.format_bytes(peaks[compiled])} "
                        f"vs {harness.format_bytes(peaks[compiled_c])})", peaks[compiled] <= peaks[compiled_c] * 1.02))
@@ -337,7 +343,7 @@ def plot(points: dict) -> None:
     plt.close(fig)
 
 
-def run(device: torch.device, quick: bool, command: str) -> None:
+def run(device: torch.device, quick: bool, command: str, compiled: bool = True) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -345,20 +351,23 @@ def run(device: torch.device, quick: bool, command: str) -> None:
     torch._dynamo.config.recompile_limit = 64  # each variant compiles the shared layer code once more
     columns = ["model", "variant", "step peak memory", "vs (a) peak", "step time", "vs (a) time", "grad diff vs (a)"]
     where = f"CUDA, {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "CPU"
-    name = "checkpoint_selective" + ("_cuda" if device.type == "cuda" else "") + ("_quick" if quick else "")
-    title = f"Selective activation checkpointing of Hugging Face models, eager and compiled ({where})"
+    name = ("checkpoint_selective" + ("_cuda" if device.type == "cuda" else "") + ("" if compiled else "_eager")
+            + ("_quick" if quick else ""))
+    title = (f"Selective activation checkpointing of Hugging Face models, {'eager and compiled' if compiled else 'eager'} "
+             f"({where})")
     report = harness.Report(name, title, columns, command)
     checks, points = [], {}
     for label, build in models(quick).items():
-        run_model(label, build, quick, device, report, checks, points)
+        run_model(label, build, quick, device, report, checks, points, compiled)
     report.notes.append("")
     report.notes.append(f"transformers {transformers.__version__}; {torch.get_num_threads()} torch thread(s). "
                         f"Policy of (c) and (e): torchtitan's (attention saved, every second matmul of a layer's "
-                        f"forward saved); (g) the same choice through save='torchtitan'. (h) draws dropout with "
-                        f"Inductor's generator, so its gradients differ from (a)'s where the model has dropout. Compiled (f) "
-                        f"rows: plans made with gradients='held' (the compiled backward returns every weight "
-                        f"gradient before any is added into .grad); a budget below that minimum is refused. "
-                        f"Plot: docs/{PLOT.name}.")
+                        f"forward saved); (g) the same choice through save='torchtitan'." + (
+                            f" (h) draws dropout with Inductor's generator, so its gradients differ from (a)'s where "
+                            f"the model has dropout. Compiled (f) rows: plans made with gradients='held' (the "
+                            f"compiled backward returns every weight gradient before any is added into .grad); a "
+                            f"budget below that minimum is refused. Plot: docs/{PLOT.name}." if compiled else
+                            " No compiled rows (--eager-only)."))
     checks.append(scaling_check())
     report.notes.append(layer_planning_note())
     report.add_checks(checks)

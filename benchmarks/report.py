@@ -24,7 +24,7 @@ SECTIONS = [
      "padded batches (eager and compiled), selective checkpointing policies and op-level plans on them (eager and "
      "compiled), and the per-region overhead.",
      ["checkpoint", "checkpoint_hf", "checkpoint_selective", "checkpoint_compiled", "checkpoint_overhead",
-      "checkpoint_cuda", "checkpoint_hf_cuda", "checkpoint_overhead_cuda"]),
+      "checkpoint_cuda", "checkpoint_selective_cuda_eager", "checkpoint_hf_cuda", "checkpoint_overhead_cuda"]),
     ("Paging", "Weight paging of a GPT from a safetensors file at several budgets, against accelerate's offloads; "
      "Hugging Face GPT-2 loaded from its folder, generating, and training adapters over paged weights.",
      ["paging", "paging_threads2", "paging_cuda", "paging_header", "paging_copy_rss", "paging_hf", "paging_hf_bf16",

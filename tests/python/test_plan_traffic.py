@@ -1,6 +1,7 @@
 """Plans chosen from traffic: the PlanCache's traffic log, choose_buckets' search, plan_shapes='auto'
 timed at the logged sizes, and PlanCache.from_traffic over TorchScript and exported programs."""
 import collections
+import copy
 import itertools
 import random
 
@@ -12,7 +13,7 @@ from torch.export import Dim
 from torch_ext import Batcher, PlanCache
 from torch_ext.plan import DriftStats
 from torch_ext.plan.traffic import as_traffic, choose_buckets, predicted_seconds
-from test_plan import Net as MLP  # noqa: E402  (pytest puts this folder on sys.path)
+from test_plan import Net as MLP, reference  # noqa: E402  (pytest puts this folder on sys.path)
 
 FAST = {"aot_inductor.compile_wrapper_opt_level": "O0"}  # the wrapper at -O0: the kernels are unchanged
 
@@ -227,6 +228,24 @@ def test_from_traffic_on_torchscript_builds_the_chosen_plans_and_serves_the_traf
         PlanCache.from_traffic(scripted, traffic, 3, (x(2),), buckets=[[4]])
     with pytest.raises(ValueError, match="plan_budget must be a positive integer, got 0"):
         PlanCache.from_traffic(scripted, traffic, 0, (x(2),))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_from_traffic_on_cuda_times_the_device_and_runs_each_learned_bucket_as_a_cuda_graph(mlp, monkeypatch):
+    module = torch.jit.script(copy.deepcopy(mlp).cuda())
+    waits = []
+    synchronize = torch.accelerator.synchronize
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: waits.append(device) or synchronize(device))
+    traffic = stream(5)
+    cache = PlanCache.from_traffic(module, traffic, 3, (x(2).cuda(),), miss_mode="pad", cuda_graphs=True,
+                                   progress=False)
+    assert waits and all(torch.device(d).type == "cuda" for d in waits)  # each timed run waited for its kernels
+    for n in sorted(set(traffic)):
+        inputs = x(n).cuda()
+        torch.testing.assert_close(cache(inputs), reference(module, inputs), rtol=1e-5, atol=1e-5)
+    s = cache.stats()
+    assert s.plans == len(cache.bucket_choice.plans) and s.cuda_graphs == s.plans and s.graph_capture_failures == 0
+    assert sum(z.graph_replays for z in s.sizes) == len(set(traffic))  # every request replayed its bucket's graph
 
 
 def test_measuring_builds_a_plan_at_each_timed_size_whatever_the_caches_miss_mode(scripted):
