@@ -62,8 +62,13 @@ def gpt2_with_dropout():
     return transformers.GPT2LMHeadModel(config).to(CUDA).train()
 
 
-@pytest.mark.parametrize("options", [{}, {"save": "torchtitan"}], ids=["per layer", "native torchtitan"])
+@pytest.mark.parametrize("options", [{}, {"save": "torchtitan"}, {"context_fn": SAVE_ATTENTION}],
+                         ids=["per layer", "native torchtitan", "torch policy"])
 def test_cuda_dropout_replays_draw_the_forwards_numbers(options):
+    # torch's policy saves CUDA's attention, which draws its dropout inside: the replay does not run
+    # it, and the dropout after it draws the forward's numbers only because torch_ext sets the
+    # generator as the forward had it (replay_draws.py; torch's own selective checkpointing gives
+    # gradients 0.6-1.2x their size off here, measured on an H200 with torch 2.11).
     _, plain = cuda_step(gpt2_with_dropout())
     model = gpt2_with_dropout()
     hf.gradient_checkpointing_enable(model, **options)
@@ -71,17 +76,6 @@ def test_cuda_dropout_replays_draw_the_forwards_numbers(options):
     assert_close(grads, plain)
     _, other_seed = cuda_step(gpt2_with_dropout(), seed=4)
     assert not torch.allclose(other_seed[0], plain[0])  # the comparison sees the masks drawn
-
-
-def test_cuda_dropout_under_torchs_policy_gives_torchs_gradients():
-    # The policy saves CUDA's attention, which draws its dropout inside (a Philox offset): a replay
-    # that skips it leaves the generator behind, so the later dropouts draw other numbers than the
-    # forward did, in torch's selective checkpointing as in torch_ext's (docs/checkpoint.md).
-    _, torch_grads = cuda_step(with_torchs_policy(gpt2_with_dropout(), SAVE_ATTENTION))
-    model = gpt2_with_dropout()
-    hf.gradient_checkpointing_enable(model, context_fn=SAVE_ATTENTION)
-    _, grads = cuda_step(model)
-    assert_close(grads, torch_grads)
 
 
 def mlp_blocks(n_blocks, **options):

@@ -162,6 +162,70 @@ def test_random_ops_saved_or_recomputed_give_the_forwards_numbers(saved):
     assert counts[0] == counts[1] == (0 if saved == "rand_like" else 1)
 
 
+def two_draws(x):
+    y = x * torch.rand_like(x)
+    return (y.sin() * torch.rand_like(y)).sum()
+
+
+def first_draw_saved():
+    draws = [0]
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == aten.rand_like.default:
+            draws[0] += 1
+            return CheckpointPolicy.MUST_SAVE if draws[0] == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
+def test_a_saved_draw_before_a_recomputed_one_gives_the_unwrapped_models_numbers():
+    # The replay does not run the saved draw, so the generator would reach the second draw where the
+    # forward's first began (torch's own selective checkpointing then gives other gradients).
+    def step(call):
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        torch.manual_seed(1)
+        call(x).backward()
+        return x.grad, torch.rand(3)
+
+    plain_grad, plain_next = step(two_draws)
+    grad, following = step(lambda x: torch_ext.checkpoint_call(two_draws, x, use_reentrant=False,
+                                                               context_fn=first_draw_saved))
+    assert torch.equal(grad, plain_grad)
+    assert torch.equal(following, plain_next)  # the caller's generator goes on as without checkpointing
+
+
+class ServesFirstDraw(TorchDispatchMode):
+    """A recompute context that returns the forward's first draw instead of running it, as a policy's does."""
+
+    def __init__(self, first):
+        super().__init__()
+        self.first = first
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func == aten.rand_like.default and self.first is not None:
+            first, self.first = self.first, None
+            return first
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_policy_asked_before_its_op_runs_notes_the_generator_before_the_draw():
+    # torch 2.11 asks the policy before the op runs (its context has no op_output), 2.13 after.
+    from types import SimpleNamespace
+    from torch_ext.checkpointing.replay_draws import DrawLog
+
+    log = DrawLog(first_draw_saved()[0].policy_fn)
+    x = torch.ones(16)
+    torch.manual_seed(0)
+    forward = []
+    for _ in range(2):
+        log(SimpleNamespace(is_recompute=False), aten.rand_like.default, x)
+        forward.append(torch.rand_like(x))
+    torch.manual_seed(0)  # a replay starts from the forward's state
+    with ServesFirstDraw(forward[0]), log.replay("two draws"):
+        replayed = [torch.rand_like(x) for _ in range(2)]
+    assert torch.equal(replayed[1], forward[1])  # without the noted state: the first draw's numbers
+
+
 def test_an_in_place_change_of_a_saved_output_raises_as_torchs_unless_allowed():
     def mutating(x, w):
         y = torch.mm(x, w)

@@ -6,6 +6,7 @@ every saved tensor is recomputed). Under torch.compile the segment is traced ins
 torch.utils.checkpoint, as torch's own checkpoint is."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -16,8 +17,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils.checkpoint import _CachingTorchDispatchMode
 
 from .. import _C
+from .replay_draws import DrawLog
 from .selective import compiled_context_fn, save_items
 
 CheckpointError = _C.checkpoint.CheckpointError
@@ -176,7 +179,7 @@ class _UnderContexts:
     context_fn is called once per call, as torch calls it (a selective checkpointing policy's
     contexts share the storage of the outputs the policy saves in that call)."""
 
-    __slots__ = ("fn", "forward_context", "recompute_context", "name", "forward_done")
+    __slots__ = ("fn", "forward_context", "recompute_context", "name", "forward_done", "draw_log")
 
     def __init__(self, fn: Callable, context_fn: Callable, name: str) -> None:
         contexts = context_fn()
@@ -187,11 +190,16 @@ class _UnderContexts:
         self.forward_context, self.recompute_context = contexts
         self.name = name
         self.forward_done = False
+        # torch's policy contexts: the forward's random ops noted through its policy (replay_draws.py).
+        self.draw_log = None
+        if isinstance(self.forward_context, _CachingTorchDispatchMode):
+            self.draw_log = self.forward_context.policy_fn = DrawLog(self.forward_context.policy_fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.forward_done:
+            replay = self.draw_log.replay(self.name) if self.draw_log is not None else None
             try:
-                with self.recompute_context:
+                with self.recompute_context, replay or contextlib.nullcontext():
                     return self.fn(*args, **kwargs)
             except RuntimeError as error:  # torch's policy raises without naming the segment
                 error.add_note(f"torch_ext.checkpoint: in the replay of {self.name}, under context_fn's policy")

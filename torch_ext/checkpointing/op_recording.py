@@ -13,7 +13,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from .. import _C
 from .planner import _call, _detach_like, _device_clock, _tensor_leaves
-from .selective import dropout_p
+from .replay_draws import draws
 
 
 # The draws of dropout masks (bernoulli_ in place): the native policy keeps the mask as bool (one
@@ -65,20 +65,12 @@ class _OpRecorder(TorchDispatchMode):
             return out
         if outputs and not any(t.untyped_storage().data_ptr() in inputs for t in outputs):
             nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs}.values())
-        if nbytes > 0 and not _draws(func, args, kwargs):
+        if nbytes > 0 and not draws(func, args, kwargs):
             for t in outputs:
                 self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(len(self.records))
             self.records.append([name, index, int(nbytes), seconds])
             self.alive.append(outputs)
         return out
-
-
-def _draws(func, args: tuple, kwargs: dict) -> bool:
-    """Whether the call draws random numbers: a random op, unless its dropout_p is 0 (attention)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
-        return False
-    p = dropout_p(func, args, kwargs)
-    return p is None or p != 0.0
 
 
 def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool,

@@ -1,0 +1,104 @@
+"""Random draws in the replay of a segment under torch's selective checkpointing policy (context_fn).
+
+A replay starts from the forward's generator states and draws its random ops again in order, which
+gives the forward's numbers only while it runs every draw the forward ran. A random op the policy
+saves is not run again, so the generator is left behind, and a later random op that the replay runs
+draws other numbers than in the forward (a CUDA attention with dropout saved, then a dropout after
+it: torch's own selective checkpointing gives gradients that differ from the unwrapped model's by
+their magnitude). torch_ext notes each draw's generator state in the forward, through the policy (torch 2.13 asks it
+after the op ran, torch 2.11 before), and, where a saved draw comes before one the replay runs, sets
+the generator at each draw of the replay as the forward had it there.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .selective import dropout_p
+
+
+def draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the call draws random numbers: a random op, unless its dropout_p is 0 (attention)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    p = dropout_p(func, args, kwargs)
+    return p is None or p != 0.0
+
+
+def _generator(args: tuple, kwargs: dict) -> Optional[torch.Generator]:
+    """The generator a random op draws from: its generator argument, else its device's default
+    (None for a device without default generators)."""
+    if kwargs.get("generator") is not None:
+        return kwargs["generator"]
+    device = next((leaf.device for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)),
+                  None)
+    device = torch.device(kwargs.get("device") or "cpu") if device is None else device
+    if device.type == "cpu":
+        return torch.default_generator
+    generators = getattr(torch.get_device_module(device.type), "default_generators", None)
+    if not generators:
+        return None
+    return generators[device.index if device.index is not None else torch.get_device_module(device.type).current_device()]
+
+
+class DrawLog:
+    """A selective checkpointing policy, wrapped to note each random op of the forward: its
+    generator, the generator's state when the policy was asked, whether that was after the draw
+    (the context carries the op's output), and whether the policy saved it."""
+
+    __slots__ = ("policy", "draws")
+
+    def __init__(self, policy: Callable) -> None:
+        self.policy = policy
+        self.draws: list[tuple[Optional[torch.Generator], Optional[torch.Tensor], bool, bool]] = []
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        decision = self.policy(ctx, op, *args, **kwargs)
+        if draws(op, args, kwargs):
+            generator = _generator(args, kwargs)
+            saved = decision is True or decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+            state = None if generator is None else generator.get_state()
+            self.draws.append((generator, state, hasattr(ctx, "op_output"), saved))
+        return decision
+
+    def replay(self, name: str) -> Optional["ReplayDraws"]:
+        """The mode that gives the replay the forward's draws, where one is needed: a saved draw
+        before one the replay runs. Raises naming the segment where a generator cannot be set."""
+        saved = False
+        for *_, kept in self.draws:
+            saved = saved or kept
+            if saved and not kept:
+                if any(noted[0] is None for noted in self.draws):
+                    raise RuntimeError(f"torch_ext.checkpoint: {name}: the policy saves a random op before one its "
+                                       f"replay runs again, on a device without default generators to set")
+                return ReplayDraws(self.draws)
+        return None
+
+
+class ReplayDraws(TorchDispatchMode):
+    """In a replay (entered inside the policy's recompute context, so it sees every op first), sets
+    the generator at each random op to the state the forward noted there: before the op where the
+    state was noted before the draw, after it (a saved op is not run, so nothing else moves the
+    generator there) where it was noted after."""
+
+    def __init__(self, noted: list) -> None:
+        super().__init__()
+        self.noted = noted
+        self.next = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not draws(func, args, kwargs) or self.next >= len(self.noted):
+            return func(*args, **kwargs)
+        generator, state, after, _ = self.noted[self.next]
+        self.next += 1
+        if not after:
+            generator.set_state(state)
+        out = func(*args, **kwargs)
+        if after:
+            generator.set_state(state)
+        return out
