@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import torch_ext
-from torch_ext import memory
 from torch_ext.checkpointing import hf
 from test_checkpoint_native import MLP, compute_ops
+from test_checkpoint_op_plan import peak_and_grads
 from test_checkpoint_selective import SAVE_ATTENTION, OpCounter, qwen2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -111,30 +111,18 @@ def test_cuda_native_policy_does_not_run_saved_matmuls_again_and_gives_the_unwra
     assert_close(grads, plain)
 
 
-def chain_peak_and_grads(layers, x):
-    model = nn.Sequential(*layers)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # preallocated: gradients accumulate in place, only activations count
-    x = x.detach().requires_grad_()
-    torch.cuda.synchronize()
-    with memory.track(CUDA) as tracked:
-        model(x).sum().backward()
-        torch.cuda.synchronize()
-    return tracked.peak_delta_bytes, [p.grad for p in model.parameters()] + [x.grad]
-
-
 def test_cuda_op_plans_stay_within_their_budgets_monotonic_with_the_unwrapped_gradients():
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)).to(CUDA) for _ in range(16)]
     x = torch.randn(128, 128, device=CUDA)
     loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, gradients="accumulated")
     assert all(seconds > 0 for block in loose.ops for *_, seconds in block)
-    plain_peak, plain = chain_peak_and_grads(copy.deepcopy(layers), x)
+    plain_peak, plain = peak_and_grads(copy.deepcopy(layers), x)
     span = loose.no_checkpoint_peak_bytes - loose.min_budget_bytes
     peaks = []
     for fraction in (0.0, 0.5, 1.0):
         plan = loose.with_budget(int(loose.min_budget_bytes + fraction * span))
-        peak, grads = chain_peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
+        peak, grads = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
         assert peak <= plan.budget_bytes, (fraction, peak, plan.budget_bytes)
         assert_close(grads, plain)
         peaks.append(peak)

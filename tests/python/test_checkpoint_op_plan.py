@@ -31,7 +31,7 @@ def peak_and_grads(layers, x, grads_preallocated=True):
         # Preallocated, gradients accumulate in place: only activations count.
         p.grad = torch.zeros_like(p) if grads_preallocated else None
     x = x.detach().requires_grad_()
-    with memory.track() as tracked:
+    with memory.track(x.device) as tracked:
         model(x).sum().backward()
     return tracked.peak_delta_bytes, [p.grad for p in model.parameters()] + [x.grad]
 

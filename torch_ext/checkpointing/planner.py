@@ -172,7 +172,7 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
     x_leaves = _tensor_leaves(x)
     exclude = _storage_keys(params) | _storage_keys(x_leaves)
     packed: list[torch.Tensor] = []
-    clock = _device_clock(x, layer)
+    clock = _device_clock(x, params)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         start = clock()
         out = _call(layer, x, kwargs, first)
