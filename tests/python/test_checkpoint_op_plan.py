@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import math
+import time
 from collections import Counter
 
 import pytest
@@ -18,6 +19,7 @@ from torch_ext import memory
 from torch_ext.checkpointing.api import _CheckpointedForward
 from torch_ext.checkpointing.op_choice import _UNWRAP, _choose, _grads_held, _peak, _steps
 from torch_ext.checkpointing.op_planner import OpPlan
+from torch_ext.checkpointing.op_recording import _OpRecorder
 
 
 def mlp_chain(n=16, width=128):
@@ -66,9 +68,9 @@ def test_measures_every_op_of_every_block(chain):
     layers, x, loose = chain
     assert len(loose.ops) == 16
     for block in loose.ops:
+        # The second Linear is the block's tail, which replays skip (the next test).
         assert [(name, index, nbytes) for name, index, nbytes, _ in block] == [
-            ("aten.addmm.default", 0, 128 * 256 * 4), ("aten.gelu.default", 0, 128 * 256 * 4),
-            ("aten.addmm.default", 1, 128 * 128 * 4)]
+            ("aten.addmm.default", 0, 128 * 256 * 4), ("aten.gelu.default", 0, 128 * 256 * 4)]
         assert all(seconds > 0 for *_, seconds in block)
     # Room for everything: no block is checkpointed, nothing is recomputed.
     assert loose.checkpointed == [False] * 16 and loose.saved == [[]] * 16
@@ -86,9 +88,8 @@ def test_alike_blocks_share_their_timings_and_other_blocks_keep_their_own():
     assert all(block == alike[0] for block in alike)
     assert len(set(plan.block_replay_seconds[:4])) == 1
     assert [op[:3] for op in plan.ops[5]] == [["aten.addmm.default", 0, 128 * 128 * 4],
-                                              ["aten.gelu.default", 0, 128 * 128 * 4],
-                                              ["aten.addmm.default", 1, 128 * 64 * 4]]
-    assert plan.ops[5] != alike[0] and plan.ops[4] != alike[0]
+                                              ["aten.gelu.default", 0, 128 * 128 * 4]]
+    assert plan.ops[5] != alike[0] and plan.ops[4] == []  # a lone Linear is all tail
 
 
 class CountedForwards(nn.Module):
@@ -170,6 +171,21 @@ def test_saved_ops_do_not_run_again_in_backward(chain):
     assert backward_counts(gelu, layers, x)["aten.gelu.default"] == 8
     unwrapped_odd = dataclasses.replace(nothing, checkpointed=[k % 2 == 0 for k in range(16)])
     assert backward_counts(unwrapped_odd, layers, x)["aten.gelu.default"] == 8  # unwrapped blocks replay nothing
+
+
+def test_a_blocks_tail_is_no_candidate_as_its_replays_stop_before_it(chain):
+    """The second Linear of Linear, GELU, Linear saves its input (GELU's output) before it runs: the
+    last tensor the block saves, so early stop ends every replay before that Linear. Saving its
+    output would hold memory for nothing; the planner neither offers it nor counts it as recompute."""
+    layers, x, loose = chain
+    nothing = dataclasses.replace(loose, saved=[[] for _ in range(16)], checkpointed=[True] * 16)
+    assert backward_counts(nothing, layers, x)["aten.addmm.default"] == 16  # each block's first Linear only
+    assert all(("aten.addmm.default", 1) not in [tuple(op[:2]) for op in block] for block in loose.ops)
+    recorder = _OpRecorder(time.perf_counter)
+    with torch.enable_grad(), recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        layers[0](x.detach().requires_grad_())
+    assert [record[:2] for record in recorder.records][-1] == ["aten.addmm.default", 1]
+    assert recorder.tail_start == len(recorder.seconds) - 1 and recorder.tail_seconds == recorder.seconds[-1] > 0
 
 
 def test_under_torch_compile_a_plan_keeps_for_backward_what_it_keeps_in_eager():

@@ -291,7 +291,8 @@ def _measure_blocks(layers: list, repeat: int, progress: Optional[Callable], sto
                 if rounding:
                     m["rounded"].append(_rounded_bytes(boundary))
                     m["rounding"].append(_rounding_seconds(boundary, repeat))
-                ops, native, runs = _record_ops(layer, value, kwargs, first, repeat, recorded is not None, measured)
+                ops, native, runs, tail = _record_ops(layer, value, kwargs, first, repeat, recorded is not None,
+                                                      measured)
                 # Only ops the native policy can save as measured are candidates: every block of a
                 # plan then saves natively (no Python dispatch mode per op).
                 m["ops"].append([op for op in ops if op[0] in native])
@@ -300,7 +301,8 @@ def _measure_blocks(layers: list, repeat: int, progress: Optional[Callable], sto
                            for _ in range(runs)]
                 m["seconds"].append(statistics.median(s[0] + s[1] for s in samples))
                 forward = statistics.median(s[0] for s in samples)
-                m["replay"].append(max(0.0, forward - sum(op[3] for op in m["ops"][-1])))
+                # The replay runs the block's forward but its candidates (counted apart) and its tail.
+                m["replay"].append(max(0.0, forward - sum(op[3] for op in m["ops"][-1]) - tail))
                 m["activations"].append(samples[-1][2])
                 m["workspace"].append(samples[-1][3])
                 out = _tensor_leaves(samples[-1][4])

@@ -3,6 +3,7 @@ selective checkpointing sees it, with the bytes of its outputs and its time, and
 native policy counts alike (a forward without a Python dispatch mode can call other ops)."""
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from typing import Any, Callable
@@ -29,12 +30,20 @@ class _OpRecorder(TorchDispatchMode):
     or whose outputs a later op of the forward mutates are not candidates, nor are random ops other
     than mask draws: a replay restores the forward's RNG state and draws the random ops again in
     order, which gives the forward's numbers only if the generator passes where it passed before
-    (a kept draw puts it there)."""
+    (a kept draw puts it there). Nor are the ops of the tail, from the op whose saved tensor autograd
+    packed last on (pack() is the forward's saved-tensor hook): torch_ext's early stop ends a replay
+    there (an input is packed before its op runs, an output after), so saving a tail op buys
+    nothing, and tail_seconds (the tail's time, every op) is not recompute. A tail too small for
+    the Frame to stop before (under 65,536 elementwise elements of work, frame.h) is replayed:
+    that little is not counted."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         super().__init__()
         self.clock = clock
         self.records: list[list] = []
+        self.positions: list[int] = []  # of each record, in the forward's ops
+        self.seconds: list[float] = []  # of every op of the forward
+        self.tail_start = math.inf  # no tensor saved: a block never replayed has no tail
         self.mutated: set[int] = set()
         self.by_storage: dict[int, list[int]] = {}
         self.seen: Counter = Counter()
@@ -42,7 +51,16 @@ class _OpRecorder(TorchDispatchMode):
 
     @property
     def ops(self) -> list[list]:
-        return [record for i, record in enumerate(self.records) if i not in self.mutated]
+        return [record for i, record in enumerate(self.records)
+                if i not in self.mutated and self.positions[i] < self.tail_start]
+
+    @property
+    def tail_seconds(self) -> float:
+        return sum(self.seconds[self.tail_start:]) if self.tail_start < len(self.seconds) else 0.0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.tail_start = len(self.seconds)
+        return tensor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -51,6 +69,7 @@ class _OpRecorder(TorchDispatchMode):
         start = self.clock()
         out = func(*args, **kwargs)
         seconds = self.clock() - start
+        self.seconds.append(seconds)
         name = str(func)
         index = self.seen[name]
         self.seen[name] += 1
@@ -61,31 +80,39 @@ class _OpRecorder(TorchDispatchMode):
         outputs, nbytes = _tensor_leaves(out), 0
         if name in _KEPT_DRAWS:  # kept as a bool copy: later changes to the mask do not reach it
             if args[0].device.type == "cpu" and kwargs.get("generator") is None:
-                self.records.append([name, index, args[0].numel(), seconds])
+                self._record([name, index, args[0].numel(), seconds])
             return out
         if outputs and not any(t.untyped_storage().data_ptr() in inputs for t in outputs):
             nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs}.values())
         if nbytes > 0 and not draws(func, args, kwargs):
             for t in outputs:
                 self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(len(self.records))
-            self.records.append([name, index, int(nbytes), seconds])
+            self._record([name, index, int(nbytes), seconds])
             self.alive.append(outputs)
         return out
 
+    def _record(self, record: list) -> None:
+        self.records.append(record)
+        self.positions.append(len(self.seconds) - 1)
+
 
 def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool,
-                measured: Counter) -> tuple[list[list], list[str], int]:
+                measured: Counter) -> tuple[list[list], list[str], int, float]:
     """The candidate ops of one forward of layer (with grad, as in training), the names the native
-    policy counts alike, and how many times the block is to be measured: seconds are the median of
+    policy counts alike, how many times the block is to be measured, and the seconds of its tail
+    (which a replay does not run, _OpRecorder): seconds are the median of
     `repeat` forwards, or of one when `repeat` earlier blocks ran the same ops with the same bytes
     (counted in measured): their timings are pooled with this block's (_pool_alike_blocks), so a
     deep model of identical layers is not timed `repeat` times over."""
     runs: list = []
+    tails: list[float] = []
     clock = _device_clock(value, layer)
     while len(runs) < repeat:
-        with torch.enable_grad(), _OpRecorder(clock) as recorder:
+        recorder = _OpRecorder(clock)
+        with torch.enable_grad(), recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpacked):
             _call(layer, _detach_like(value, recorded), kwargs, first)
         runs.append(recorder.ops)
+        tails.append(recorder.tail_seconds)
         signature = tuple(tuple(op[:3]) for op in runs[0])
         if len(runs) == 1 and measured[signature] >= repeat:
             break
@@ -95,7 +122,12 @@ def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: 
     if len(runs) == repeat:
         measured[signature] += 1
     ops = [op[:3] + [statistics.median(run[i][3] for run in runs)] for i, op in enumerate(runs[0])]
-    return ops, _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen), len(runs)
+    return (ops, _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen), len(runs),
+            statistics.median(tails))
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, recorded: bool, ops: list,
