@@ -362,7 +362,10 @@ def run(device: torch.device, quick: bool, command: str, compiled: bool = True) 
     report.notes.append("")
     report.notes.append(f"transformers {transformers.__version__}; {torch.get_num_threads()} torch thread(s). "
                         f"Policy of (c) and (e): torchtitan's (attention saved, every second matmul of a layer's "
-                        f"forward saved); (g) the same choice through save='torchtitan'." + (
+                        f"forward saved); (g) the same choice through save='torchtitan', except where the model changes a "
+                        f"matmul's output in place when no dispatch mode runs (torch's math attention adds its mask "
+                        f"into the scores): the native policy recomputes that one, where torch's policy, under its "
+                        f"dispatch mode, sees an out-of-place add and keeps it." + (
                             f" (h) draws dropout with Inductor's generator, so its gradients differ from (a)'s where "
                             f"the model has dropout. Compiled (f) rows: plans made with gradients='held' (the "
                             f"compiled backward returns every weight gradient before any is added into .grad); a "
