@@ -122,6 +122,10 @@ def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: 
     if len(runs) == repeat:
         measured[signature] += 1
     ops = [op[:3] + [statistics.median(run[i][3] for run in runs)] for i, op in enumerate(runs[0])]
+    # The recording's outputs go before the probe and the block's timed forward run: kept, they
+    # made both allocate fresh pages, which the timed forward of a GPT-2 layer paid for with up to
+    # 10 ms more (its replay estimate, forward time less the ops', went from 2 to 12 ms at random).
+    recorder.alive.clear()
     return (ops, _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen), len(runs),
             statistics.median(tails))
 
