@@ -16,10 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_ext
 from torch_ext import memory
+from torch_ext.checkpointing import op_recording
 from torch_ext.checkpointing.api import _CheckpointedForward
 from torch_ext.checkpointing.op_choice import _UNWRAP, _choose, _grads_held, _peak, _steps
 from torch_ext.checkpointing.op_planner import OpPlan
-from torch_ext.checkpointing import op_recording
 from torch_ext.checkpointing.op_recording import _OpRecorder
 
 
