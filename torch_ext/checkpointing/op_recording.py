@@ -49,6 +49,14 @@ class _OpRecorder(TorchDispatchMode):
         self.seen: Counter = Counter()
         self.alive: list = []  # the candidates' outputs, so that no storage address is reused in the forward
 
+    def __exit__(self, *exc: Any) -> None:
+        # The outputs go with the forward: kept, they made what runs next (the probe, the block's
+        # timed forward) allocate fresh pages, which the timed forward of a GPT-2 layer paid for
+        # with up to 10 ms more (its replay estimate, forward time less the ops', went from 2 to
+        # 12 ms at random).
+        self.alive.clear()
+        return super().__exit__(*exc)
+
     @property
     def ops(self) -> list[list]:
         return [record for i, record in enumerate(self.records)
@@ -122,10 +130,6 @@ def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: 
     if len(runs) == repeat:
         measured[signature] += 1
     ops = [op[:3] + [statistics.median(run[i][3] for run in runs)] for i, op in enumerate(runs[0])]
-    # The recording's outputs go before the probe and the block's timed forward run: kept, they
-    # made both allocate fresh pages, which the timed forward of a GPT-2 layer paid for with up to
-    # 10 ms more (its replay estimate, forward time less the ops', went from 2 to 12 ms at random).
-    recorder.alive.clear()
     return (ops, _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen), len(runs),
             statistics.median(tails))
 
