@@ -131,6 +131,16 @@ def test_minimum_is_below_40_percent_of_the_plain_peak_with_equal_gradients(chai
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
 
 
+def test_gradients_added_as_made_are_not_counted_twice(chain):
+    """With .grad allocated, a block's backward holds one parameter gradient at a time, which its
+    measured workspace already counts: the minimum's prediction lies within less than one block's
+    parameter bytes of the measured peak (adding them all again overestimated it by that much)."""
+    layers, x, loose = chain
+    plan = loose.with_budget(loose.min_budget_bytes)
+    peak, _ = peak_and_grads(plan.apply(copy.deepcopy(layers)), x)
+    assert peak <= plan.predicted_peak_bytes < peak + min(plan.block_parameter_bytes)
+
+
 def test_lower_budget_never_gives_a_higher_measured_peak(chain):
     layers, x, loose = chain
     _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)

@@ -23,8 +23,9 @@ def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequenc
     """Predicted peak with block i keeping kept_per_block[i] bytes for backward (a checkpointed
     block: the outputs it saves; an unwrapped one: its activations): while block k runs backward,
     the blocks before it hold their inputs and what they keep, block k its input, its activations
-    (recomputed or kept), its backward workspace, the gradient of its output and its parameters'
-    gradients. After the last block, what consumes the chain's output (a model's head, the loss)
+    (recomputed or kept), its backward workspace, the gradient of its output and params[k], the
+    gradients of its own parameters it holds beyond the workspace (all of them with gradients held;
+    none when each is added into .grad as it is made, the workspace counting the one in flight). After the last block, what consumes the chain's output (a model's head, the loss)
     runs while every block holds its input and what it keeps; the plan does not see it and counts
     it as needing what the last block's backward needs. rounded: every block checkpointed with its
     input stored rounded to 16 bits, rounded[k] bytes, held until its backward ends (which also

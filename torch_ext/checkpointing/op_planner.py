@@ -352,8 +352,11 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
              gradients: str = "accumulated", other_gradient_bytes: int = 0) -> OpPlan:
     """The plan for budget_bytes: exact storage where "keep" is allowed and a plan with it fits,
     else every checkpointed block's input stored rounded (the first lossy option allowed)."""
-    shape = (m["inputs"], m["outputs"], m["activations"], m["workspace"], m["params"])
     n = len(m["ops"])
+    # Gradients added into .grad as they are made: a block's backward holds one parameter gradient
+    # at a time before it is added, which its workspace (measured with .grad allocated) counts.
+    own_grads = m["params"] if gradients == "held" else [0] * n
+    shape = (m["inputs"], m["outputs"], m["activations"], m["workspace"], own_grads)
     grads = _grads_held(m["params"], gradients, other_gradient_bytes)
     rounded = m.get("rounded") or []
     lossy = next((option for option in storage_options if option != "keep"), None) if len(rounded) == n else None
