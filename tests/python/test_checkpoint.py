@@ -654,6 +654,21 @@ def test_planner_meets_its_budget_and_prefers_no_recompute_when_memory_allows():
     assert auto.plan is not None and auto.plan.predicted_peak_bytes <= budget
 
 
+def test_planner_does_not_count_gradients_added_as_made_twice():
+    """With .grad allocated, a segment's backward (its replay too, on the Python front doors)
+    holds one parameter gradient at a time, which the measured workspace counts: the minimum's
+    prediction lies within one layer's parameter bytes of the measured peak (counting a
+    checkpointed segment's gradients again overestimated it by more)."""
+    layers = wide_chain()
+    x = torch.randn(256, 256, requires_grad=True)
+    loose = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1, gradients="accumulated")
+    plan = torch_ext.plan_checkpoints(layers, x, budget_bytes=loose.min_budget_bytes, repeat=1,
+                                      gradients="accumulated")
+    peak = measured_peak(torch_ext.CheckpointedSequential(copy.deepcopy(layers), boundaries=plan), x)
+    layer_params = sum(p.nbytes for p in layers[0].parameters())
+    assert peak <= plan.predicted_peak_bytes < peak + layer_params
+
+
 def test_planner_states_the_minimum_budget():
     layers = wide_chain(n=4)
     x = torch.randn(64, 256, requires_grad=True)

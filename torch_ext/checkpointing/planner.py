@@ -29,7 +29,7 @@ class CheckpointPlan:
     input and replays in backward, the others keep their activations. boundaries: the first layer
     of each checkpointed segment. Bytes are activation bytes (boundaries, saved activations and
     the largest backward workspace; parameters excluded) and parameter gradients as `gradients`
-    says: "accumulated", those a checkpointed segment's replay hands back together; "held", every
+    says: "accumulated", only the one in flight in a backward's workspace; "held", every
     layer's from its backward to the step's end, with other_gradient_bytes (parameters outside
     the chain) held throughout (plan_checkpoints' option). layer_input_bytes[k]: the boundary a
     segment starting at layer k keeps (in a chain, layer k - 1's output)."""
@@ -209,11 +209,11 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     """Dynamic programming over the chain. Each segment [p, q) is either checkpointed (holds its
     input; replays in backward at the cost of its forward time) or stored (holds its input and
     its activations). While segment j runs backward, memory is what segments before it hold plus
-    its input, its activations, its largest backward workspace and the gradient of its output, plus,
-    for a checkpointed segment, its parameters' gradients (the replay hands them back together); the
-    peak is the maximum of that over j. held (gradients "held"; _grads_held): per layer, the
+    its input, its activations, its largest backward workspace (measured with .grad allocated, so
+    it counts the parameter gradient in flight before it is added) and the gradient of its output;
+    the peak is the maximum of that over j. held (gradients "held"; _grads_held): per layer, the
     gradient bytes its backward holds besides its own; every segment, stored or checkpointed, then
-    holds its own parameters' gradients and held[q - 1] (each a constant of the segment, so the
+    also holds its own parameters' gradients and held[q - 1] (each a constant of the segment, so the
     search is the same). input_bytes[k]: what a segment starting at layer k holds as its input (in
     a chain, layer k - 1's output; a model's layers may take other inputs, an encoder-decoder's
     decoder its own embeddings).
@@ -251,15 +251,15 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
             if kept[0] + input_bytes[p] + activations > limit:
                 break  # no state fits a segment this long, nor a longer one (activations only grow)
             work = max(work, workspace[q - 1])
-            stored_grads, replay_grads = _segment_grads(prefix_params[q] - prefix_params[p], held, q)
-            base = input_bytes[p] + activations + work + out_bytes[q - 1]
+            base = (input_bytes[p] + activations + work + out_bytes[q - 1]
+                    + _segment_grads(prefix_params[q] - prefix_params[p], held, q))
             # Fronts are sorted by held bytes, so the states that fit are a prefix of the front.
-            for grads, checkpointed in (((replay_grads, True),) if checkpointing else ()) + ((stored_grads, False),):
-                fits = int(np.searchsorted(kept, limit - base - grads, "right"))
+            for checkpointed in ((True,) if checkpointing else ()) + (False,):
+                fits = int(np.searchsorted(kept, limit - base, "right"))
                 if not fits:
                     continue
                 chunk = _undominated((kept[:fits] + input_bytes[p] + (0 if checkpointed else activations),
-                                      np.maximum(peak[:fits], kept[:fits] + (base + grads)),
+                                      np.maximum(peak[:fits], kept[:fits] + base),
                                       cost[:fits] + (prefix_seconds[q] - prefix_seconds[p] if checkpointed else 0.0),
                                       np.full(fits, p, dtype=np.int64), np.arange(fits, dtype=np.int64),
                                       np.full(fits, checkpointed)), fronts[q], by_cost)
@@ -334,12 +334,12 @@ def _front(chunks: list[tuple], by_cost: bool) -> tuple:
     return tuple(column[chosen] for column in columns)
 
 
-def _segment_grads(own: int, held: Optional[Sequence[int]], q: int) -> tuple[int, int]:
-    """The gradient bytes segment [p, q)'s backward holds (own: its parameters'), stored and
-    checkpointed; held as _solve's."""
-    if held is None:
-        return 0, own
-    return own + held[q - 1], own + held[q - 1]
+def _segment_grads(own: int, held: Optional[Sequence[int]], q: int) -> int:
+    """The gradient bytes segment [p, q)'s backward holds beyond its workspace (own: its
+    parameters'), held as _solve's. Added into .grad as they are made (held None), none: the
+    workspace counts the one in flight, and a checkpointed segment's replay (the Python front
+    doors' Frame) makes them one at a time too."""
+    return 0 if held is None else own + held[q - 1]
 
 
 def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, storage: Optional[str] = None,
@@ -472,8 +472,7 @@ def _evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes, h
     kept, peak = 0, 0
     for p, q, checkpointed in segments:
         activations = sum(saved[p:q])
-        stored_grads, replay_grads = _segment_grads(sum(param_bytes[p:q]), held, q)
-        grads = replay_grads if checkpointed else stored_grads
-        peak = max(peak, kept + input_bytes[p] + activations + max(workspace[p:q]) + out_bytes[q - 1] + grads)
+        peak = max(peak, kept + input_bytes[p] + activations + max(workspace[p:q]) + out_bytes[q - 1]
+                   + _segment_grads(sum(param_bytes[p:q]), held, q))
         kept += input_bytes[p] + (0 if checkpointed else activations)
     return peak
