@@ -25,9 +25,10 @@ def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequenc
     the blocks before it hold their inputs and what they keep, block k its input, its activations
     (recomputed or kept), its backward workspace, the gradient of its output and params[k], the
     gradients of its own parameters it holds beyond the workspace (all of them with gradients held;
-    none when each is added into .grad as it is made, the workspace counting the one in flight). After the last block, what consumes the chain's output (a model's head, the loss)
-    runs while every block holds its input and what it keeps; the plan does not see it and counts
-    it as needing what the last block's backward needs. rounded: every block checkpointed with its
+    none when each is added into .grad as it is made, the workspace counting the one in flight).
+    After the last block, what consumes the chain's output (a model's head, the loss) runs while
+    every block holds its input and what it keeps; the plan does not see it and counts it as
+    needing what the last block's backward needs. rounded: every block checkpointed with its
     input stored rounded to 16 bits, rounded[k] bytes, held until its backward ends (which also
     holds the input widened back). grads_held[k]: gradient bytes block k's backward holds besides its
     own parameters' (_grads_held). O(number of blocks)."""
