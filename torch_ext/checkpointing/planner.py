@@ -253,11 +253,12 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
             work = max(work, workspace[q - 1])
             base = (input_bytes[p] + activations + work + out_bytes[q - 1]
                     + _segment_grads(prefix_params[q] - prefix_params[p], held, q))
-            # Fronts are sorted by held bytes, so the states that fit are a prefix of the front.
+            # Fronts are sorted by held bytes, so the states that fit are a prefix of the front
+            # (the same for a stored and a checkpointed segment: both hold `base` in backward).
+            fits = int(np.searchsorted(kept, limit - base, "right"))
+            if not fits:
+                continue
             for checkpointed in ((True,) if checkpointing else ()) + (False,):
-                fits = int(np.searchsorted(kept, limit - base, "right"))
-                if not fits:
-                    continue
                 chunk = _undominated((kept[:fits] + input_bytes[p] + (0 if checkpointed else activations),
                                       np.maximum(peak[:fits], kept[:fits] + base),
                                       cost[:fits] + (prefix_seconds[q] - prefix_seconds[p] if checkpointed else 0.0),
