@@ -555,18 +555,20 @@ def test_fused_attention_without_dropout_is_a_candidate_and_a_plan_that_keeps_it
 
 
 class MaskedAttention(nn.Module):
-    """Attention with a float mask and dropout: torch's math path adds the mask in place, unless a
-    dispatch mode (the planner's recorder) is active, when it adds it out of place."""
+    """Attention with a float mask and dropout: torch's math path adds the mask in place into its
+    first bmm's output, unless a dispatch mode (the planner's recorder) is active, when it adds it
+    out of place. An output projection follows, so that the second bmm is not in the tail."""
 
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
         self.register_buffer("mask", torch.randn(1, 1, 8, 8, generator=torch.Generator().manual_seed(1)))
 
     def forward(self, x):
         q = self.proj(x).view(2, 8, 2, 8).transpose(1, 2)
         attention = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=self.mask, dropout_p=0.2)
-        return attention.transpose(1, 2).reshape(2, 8, 16) + x
+        return self.out(attention.transpose(1, 2).reshape(2, 8, 16)) + x
 
 
 def test_ops_a_dispatch_mode_changes_are_not_candidates_and_plans_stay_exact():
@@ -576,6 +578,8 @@ def test_ops_a_dispatch_mode_changes_are_not_candidates_and_plans_stay_exact():
     loose = torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1)
     names = {name for block in loose.ops for name, *_ in block}
     assert "aten.addmm.default" in names and "aten.add.Tensor" not in names
+    # Only the first bmm's output is changed in place without a mode: the second stays a candidate.
+    assert all([index for name, index, *_ in block if name == "aten.bmm.default"] == [1] for block in loose.ops)
     assert all("aten.add.Tensor" not in native for native in loose.native_ops)
     torch.manual_seed(3)
     _, plain_grads = peak_and_grads(copy.deepcopy(layers), x)

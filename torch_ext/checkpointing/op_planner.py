@@ -293,9 +293,7 @@ def _measure_blocks(layers: list, repeat: int, progress: Optional[Callable], sto
                     m["rounding"].append(_rounding_seconds(boundary, repeat))
                 ops, native, runs, tail = _record_ops(layer, value, kwargs, first, repeat, recorded is not None,
                                                       measured)
-                # Only ops the native policy can save as measured are candidates: every block of a
-                # plan then saves natively (no Python dispatch mode per op).
-                m["ops"].append([op for op in ops if op[0] in native])
+                m["ops"].append(ops)
                 m["native"].append(native)
                 samples = [_measure_once(layer, value, kwargs, first, device, recorded is not None)
                            for _ in range(runs)]

@@ -106,8 +106,9 @@ class _OpRecorder(TorchDispatchMode):
 
 def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: int, recorded: bool,
                 measured: Counter) -> tuple[list[list], list[str], int, float]:
-    """The candidate ops of one forward of layer (with grad, as in training), the names the native
-    policy counts alike, how many times the block is to be measured, and the seconds of its tail
+    """The candidate ops of one forward of layer (with grad, as in training): those the native
+    policy can save as measured, so that every block of a plan saves natively (no Python dispatch
+    mode per op); the names the native policy counts alike, how many times the block is to be measured, and the seconds of its tail
     (which a replay does not run, _OpRecorder): seconds are the median of
     `repeat` forwards, or of one when `repeat` earlier blocks ran the same ops with the same bytes
     (counted in measured): their timings are pooled with this block's (_pool_alike_blocks), so a
@@ -130,8 +131,8 @@ def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: 
     if len(runs) == repeat:
         measured[signature] += 1
     ops = [op[:3] + [statistics.median(run[i][3] for run in runs)] for i, op in enumerate(runs[0])]
-    return (ops, _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen), len(runs),
-            statistics.median(tails))
+    native, savable = _native_names(layer, value, kwargs, first, recorded, ops, recorder.seen)
+    return [op for op in ops if tuple(op[:2]) in savable], native, len(runs), statistics.median(tails)
 
 
 def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
@@ -139,10 +140,12 @@ def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, recorded: bool, ops: list,
-                  calls: Counter) -> list[str]:
-    """The candidate op names whose calls the native policy counts as the recorder did: a forward
-    without a Python dispatch mode may call other ops (torch's math attention adds its mask in
-    place unless a mode is active), and an occurrence must name the same call in both."""
+                  calls: Counter) -> tuple[list[str], set[tuple[str, int]]]:
+    """The candidate op names whose calls the native policy counts as the recorder did, and of
+    their calls the ones it can save as measured: a forward without a Python dispatch mode may
+    call other ops (torch's math attention adds its mask in place unless a mode is active, so its
+    first bmm's output changes after it is made), and an occurrence must name the same call in
+    both, with the same bytes."""
     def probe(items: list[str]) -> list:
         with torch.enable_grad():
             return _C.checkpoint.probe(lambda: _call(layer, _detach_like(value, recorded), kwargs, first), items)
@@ -159,8 +162,7 @@ def _native_names(layer: Callable, value: Any, kwargs: dict, first: bool, record
                 pass
     native_calls = Counter(op.replace("::", ".", 1) for op, _, _ in probed)  # named as str(OpOverload) names them
     native_bytes = {(op.replace("::", ".", 1), k): n for op, k, n in probed}
-    consistent = {name for name in names if native_calls[name] == calls[name]}
-    for name, index, nbytes, _ in ops:
-        if native_bytes.get((name, index)) != nbytes:
-            consistent.discard(name)
-    return sorted(consistent)
+    consistent = [name for name in names if native_calls[name] == calls[name]]
+    savable = {(name, index) for name, index, nbytes, _ in ops
+               if name in consistent and native_bytes.get((name, index)) == nbytes}
+    return consistent, savable
