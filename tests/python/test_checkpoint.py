@@ -682,7 +682,7 @@ def test_planner_states_the_minimum_budget():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("gradients", ["accumulated", "held"])
 def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed):
-    from torch_ext.checkpointing.op_choice import _grads_held
+    from torch_ext.checkpointing.op_choice import _gradient_bytes
     from torch_ext.checkpointing.planner import _evaluate, _solve
 
     torch.manual_seed(seed)
@@ -693,9 +693,9 @@ def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed)
     out_bytes = torch.randint(1, 20, (n,)).tolist()
     workspace = torch.randint(0, 30, (n,)).tolist()
     params = torch.randint(0, 40, (n,)).tolist()
-    held = _grads_held(params, "held", other_bytes=7) if gradients == "held" else None
+    grads = _gradient_bytes(params, gradients, other_bytes=7)
     inputs = torch.randint(1, 20, (n,)).tolist()  # each layer's own: a model's layers need not chain
-    shape = (saved, out_bytes, workspace, params, inputs)
+    shape = (saved, out_bytes, workspace, grads, inputs)
     plans = []
     for cuts in itertools.product([False, True], repeat=n - 1):
         starts = [0] + [i + 1 for i, c in enumerate(cuts) if c]
@@ -703,14 +703,14 @@ def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed)
         for modes in itertools.product([False, True], repeat=len(starts)):
             segs = list(zip(starts, ends, modes))
             cost = sum(sum(seconds[p:q]) for p, q, m in segs if m)
-            plans.append((_evaluate(segs, *shape, held), cost, max(q - p for p, q, _ in segs), any(modes)))
+            plans.append((_evaluate(segs, *shape), cost, max(q - p for p, q, _ in segs), any(modes)))
 
     def check(result, segments_allowed):
         # the segments returned are a plan of the peak and recompute the search states
         _, peak, cost, segs = result
         assert [p for p, _, _ in segs] == [0] + [q for _, q, _ in segs[:-1]] and segs[-1][1] == n
         assert segments_allowed(segs)
-        assert _evaluate(list(segs), *shape, held) == peak
+        assert _evaluate(list(segs), *shape) == peak
         assert sum(sum(seconds[p:q]) for p, q, m in segs if m) == pytest.approx(cost)
         return peak, cost
 
@@ -721,16 +721,16 @@ def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed)
 
         fitting = [plan for plan in plans if max_segment is None or plan[2] <= max_segment]
         min_peak = min(p for p, *_ in fitting)
-        if held:  # the first segment's backward holds every gradient, whatever the plan
+        if gradients == "held":  # the first segment's backward holds every gradient, whatever the plan
             assert min_peak > sum(params) + 7
-        assert check(_solve(n, seconds, *shape, None, max_segment, held), allowed)[0] == min_peak
-        stored = _solve(n, seconds, *shape, None, max_segment, held, checkpointing=False)
+        assert check(_solve(n, seconds, *shape, None, max_segment), allowed)[0] == min_peak
+        stored = _solve(n, seconds, *shape, None, max_segment, checkpointing=False)
         assert check(stored, lambda segs: allowed(segs, True))[0] == min(p for p, _, _, m in fitting if not m)
         peaks = sorted({p for p, *_ in fitting})
-        assert _solve(n, seconds, *shape, peaks[0] - 1, max_segment, held) is None
+        assert _solve(n, seconds, *shape, peaks[0] - 1, max_segment) is None
         for budget in peaks[::max(1, len(peaks) // 40)] + peaks[-1:]:
             best = min(c for p, c, *_ in fitting if p <= budget)
-            peak, cost = check(_solve(n, seconds, *shape, budget, max_segment, held), allowed)
+            peak, cost = check(_solve(n, seconds, *shape, budget, max_segment), allowed)
             assert peak <= budget and cost == pytest.approx(best)
 
 

@@ -18,7 +18,7 @@ import torch_ext
 from torch_ext import memory
 from torch_ext.checkpointing import op_recording
 from torch_ext.checkpointing.api import _CheckpointedForward
-from torch_ext.checkpointing.op_choice import _UNWRAP, _choose, _grads_held, _peak, _steps
+from torch_ext.checkpointing.op_choice import _UNWRAP, _choose, _gradient_bytes, _peak, _steps
 from torch_ext.checkpointing.op_planner import OpPlan
 from torch_ext.checkpointing.op_recording import _OpRecorder
 
@@ -250,10 +250,10 @@ def test_under_torch_compile_a_plan_keeps_for_backward_what_it_keeps_in_eager():
     assert compiled == eager and unwrapped / 4 < eager < unwrapped  # the addmm outputs, not gelu's
 
 
-def test_held_gradients_count_every_later_blocks_gradients_in_each_blocks_backward():
+def test_held_gradients_count_own_and_every_later_blocks_gradients_in_each_blocks_backward():
     params = [10, 20, 30, 40]
-    assert _grads_held(params, "accumulated") == [0, 0, 0, 0]
-    assert _grads_held(params, "held", other_bytes=5) == [95, 75, 45, 5]
+    assert _gradient_bytes(params, "accumulated") == [0, 0, 0, 0]
+    assert _gradient_bytes(params, "held", other_bytes=5) == [105, 95, 75, 45]
     with pytest.raises(ValueError, match="gradients must be one of 'accumulated', 'held', got 'kept'"):
         torch_ext.plan_ops(mlp_chain(n=2), torch.randn(4, 128), budget_bytes=1 << 30, gradients="kept")
 
@@ -384,10 +384,10 @@ def test_choice_takes_n_log_n_steps_and_fills_the_budget_in_order_of_seconds_per
     seconds = torch.rand(blocks, per_block).tolist()
     replay = torch.rand(blocks).tolist()
     ops = [[["op", i, nbytes[k][i], seconds[k][i]] for i in range(per_block)] for k in range(blocks)]
-    inputs = outputs = workspace = params = [10] * blocks
+    inputs = outputs = workspace = grads = [10] * blocks
     activations = [sum(row) for row in nbytes]
-    low = _peak([0] * blocks, inputs, outputs, activations, workspace, params)
-    high = _peak(activations, inputs, outputs, activations, workspace, params)
+    low = _peak([0] * blocks, inputs, outputs, activations, workspace, grads)
+    high = _peak(activations, inputs, outputs, activations, workspace, grads)
     steps = [_steps(block, activations[k], replay[k]) for k, block in enumerate(ops)]
     # Each block's steps are in falling order of seconds per byte and end by unwrapping it; with
     # the op steps unwrapping replaces, they cover every op and the block's whole recompute.
@@ -401,7 +401,7 @@ def test_choice_takes_n_log_n_steps_and_fills_the_budget_in_order_of_seconds_per
     previous_peak, unwrapped_seen = 0, False
     for fraction in (0.0, 0.1, 0.5, 0.9, 1.0):
         budget = low + fraction * (high - low)
-        saved, checkpointed, peak, count = _choose(ops, replay, inputs, outputs, activations, workspace, params, budget)
+        saved, checkpointed, peak, count = _choose(ops, replay, inputs, outputs, activations, workspace, grads, budget)
         assert count <= 4 * n * math.log2(n)
         # A checkpointed block saves a prefix of its ops by seconds per byte, an unwrapped one keeps
         # its activations, and the peak is _peak's of what the blocks keep.
@@ -411,13 +411,13 @@ def test_choice_takes_n_log_n_steps_and_fills_the_budget_in_order_of_seconds_per
             assert checkpointed[k] or not chosen
             assert chosen == sorted(by_rate[k][:len(chosen)])
             kept.append(sum(nbytes[k][i] for i in chosen) if checkpointed[k] else activations[k])
-        assert _peak(kept, inputs, outputs, activations, workspace, params) == peak <= budget
+        assert _peak(kept, inputs, outputs, activations, workspace, grads) == peak <= budget
         # Nothing more fits: no checkpointed block's next op.
         for k in range(blocks):
             if checkpointed[k] and len(saved[k]) < per_block:
                 more = list(kept)
                 more[k] += nbytes[k][by_rate[k][len(saved[k])]]
-                assert _peak(more, inputs, outputs, activations, workspace, params) > budget
+                assert _peak(more, inputs, outputs, activations, workspace, grads) > budget
         assert peak >= previous_peak  # monotonic in the budget
         previous_peak = peak
         unwrapped_seen = unwrapped_seen or not all(checkpointed)
@@ -432,7 +432,7 @@ def test_a_block_is_left_unwrapped_when_that_saves_more_time_per_byte_than_its_o
     ops = [[["a", 0, 4, 1.0], ["b", 0, 6, 1.0]], [["a", 0, 4, 1.0], ["b", 0, 6, 1.0]], []]
     assert _steps(ops[0], 10, 0.0) == ([(0, 4, 1.0), (_UNWRAP, 6, 1.0)], [(1, 6, 1.0)])
     assert _steps(ops[1], 10, 8.0) == ([(_UNWRAP, 10, 10.0)], [(0, 4, 1.0), (1, 6, 1.0)])
-    shape = ([0] * 3, [0] * 3, [10] * 3, [0] * 3, [0] * 3)  # inputs, outputs, activations, workspace, params
+    shape = ([0] * 3, [0] * 3, [10] * 3, [0] * 3, [0] * 3)  # inputs, outputs, activations, workspace, grads
     a = [["a", 0]]
     # Block k's backward peaks at what the blocks before it keep plus its own 10 bytes; what
     # follows the chain at what all three keep plus 10.

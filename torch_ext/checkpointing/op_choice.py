@@ -18,48 +18,45 @@ from typing import Optional, Sequence
 
 
 def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], activations: Sequence[int],
-          workspace: Sequence[int], params: Sequence[int], rounded: Optional[Sequence[int]] = None,
-          grads_held: Optional[Sequence[int]] = None) -> int:
+          workspace: Sequence[int], grads: Sequence[int], rounded: Optional[Sequence[int]] = None) -> int:
     """Predicted peak with block i keeping kept_per_block[i] bytes for backward (a checkpointed
     block: the outputs it saves; an unwrapped one: its activations): while block k runs backward,
     the blocks before it hold their inputs and what they keep, block k its input, its activations
-    (recomputed or kept), its backward workspace, the gradient of its output and params[k], the
-    gradients of its own parameters it holds beyond the workspace (all of them with gradients held;
-    none when each is added into .grad as it is made, the workspace counting the one in flight).
+    (recomputed or kept), its backward workspace, the gradient of its output and grads[k], the
+    parameter gradients held beyond the workspace (_gradient_bytes).
     After the last block, what consumes the chain's output (a model's head, the loss) runs while
     every block holds its input and what it keeps; the plan does not see it and counts it as
     needing what the last block's backward needs. rounded: every block checkpointed with its
     input stored rounded to 16 bits, rounded[k] bytes, held until its backward ends (which also
-    holds the input widened back). grads_held[k]: gradient bytes block k's backward holds besides its
-    own parameters' (_grads_held). O(number of blocks)."""
+    holds the input widened back). O(number of blocks)."""
     held, peak = 0, 0
     for k in range(len(inputs)):
         stored = rounded[k] if rounded is not None else 0
-        peak = max(peak, held + inputs[k] + stored + activations[k] + workspace[k] + outputs[k] + params[k]
-                   + (grads_held[k] if grads_held is not None else 0))
+        peak = max(peak, held + inputs[k] + stored + activations[k] + workspace[k] + outputs[k] + grads[k])
         held += (stored if rounded is not None else inputs[k]) + kept_per_block[k]
-    return max(peak, held + _after_chain(outputs, activations, workspace, params)) if inputs else peak
+    return max(peak, held + _after_chain(outputs, activations, workspace, grads)) if inputs else peak
 
 
-def _grads_held(params: Sequence[int], gradients: str, other_bytes: int = 0) -> list[int]:
-    """Per block, the gradient bytes held while its backward runs besides its own parameters'.
-    "accumulated": none (each block's parameter gradients are added into .grad, allocated before
-    the step, as its backward makes them). "held": the gradients of every block after it (their
-    backward ran first) and other_bytes (parameters outside the chain whose gradients are made
-    before the chain's backward: a model's head), kept until the whole backward ends: .grad None
-    when the step starts (optimizer.zero_grad()'s default), or the whole model compiled as one
-    graph, whose backward returns every gradient together."""
+def _gradient_bytes(params: Sequence[int], gradients: str, other_bytes: int = 0) -> list[int]:
+    """Per block, the parameter-gradient bytes held by the end of its backward beyond its
+    workspace. "accumulated": none (each gradient is added into .grad, allocated before the step,
+    as the backward makes it; the workspace, measured with .grad allocated, counts the one in
+    flight). "held": its own, every later block's (their backward ran first) and other_bytes
+    (parameters outside the chain whose gradients are made before the chain's backward: a model's
+    head), kept until the whole backward ends: .grad None when the step starts
+    (optimizer.zero_grad()'s default), or the whole model compiled as one graph, whose backward
+    returns every gradient together. A segment of blocks p..q holds grads[p]."""
     if gradients == "accumulated":
         return [0] * len(params)
-    later, after = [], other_bytes
+    held, after = [], other_bytes
     for nbytes in reversed(params):
-        later.append(after)
         after += nbytes
-    return later[::-1]
+        held.append(after)
+    return held[::-1]
 
 
-def _after_chain(outputs, activations, workspace, params) -> int:
-    return activations[-1] + workspace[-1] + outputs[-1] + params[-1]
+def _after_chain(outputs, activations, workspace, grads) -> int:
+    return activations[-1] + workspace[-1] + outputs[-1] + grads[-1]
 
 
 class _Counted:
@@ -158,8 +155,8 @@ def _steps(block: Sequence[list], activations: int, replay: float) -> tuple[list
     return [(b[2], b[0] - a[0], a[1] - b[1]) for a, b in zip(points, points[1:])], replaced
 
 
-def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations, workspace, params, budget: float,
-            rounded: Optional[Sequence[int]] = None, grads_held: Optional[Sequence[int]] = None):
+def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations, workspace, grads, budget: float,
+            rounded: Optional[Sequence[int]] = None):
     """Every block's steps (_steps), in order of recompute seconds saved per byte kept (highest
     first), each taken when the predicted peak (_peak's) with it fits budget. A block whose step
     does not fit takes none of its later steps (they build on it), except that a block that cannot be
@@ -169,7 +166,7 @@ def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations,
     nodes, O(N log N). A higher budget never predicts a lower peak: at the first step the two
     budgets take differently, the higher one takes a step the lower one could not fit. rounded:
     checkpointed blocks store their inputs rounded (_peak's), and unwrapping a block also keeps
-    its input whole again. grads_held: _peak's."""
+    its input whole again."""
     count = [0]
     blocks = len(ops)
 
@@ -186,11 +183,10 @@ def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations,
         replaced.append([entry(k, len(steps) + j, step) for j, step in enumerate(rest)])
     heapq.heapify(heap)
     held, own = 0, []
-    grads = grads_held if grads_held is not None else [0] * blocks
     for k in range(blocks):
-        own.append(held + inputs[k] + stored[k] + activations[k] + workspace[k] + outputs[k] + params[k] + grads[k])
+        own.append(held + inputs[k] + stored[k] + activations[k] + workspace[k] + outputs[k] + grads[k])
         held += held_input[k]
-    peaks = _Peaks(own + [held + _after_chain(outputs, activations, workspace, params)], count)
+    peaks = _Peaks(own + [held + _after_chain(outputs, activations, workspace, grads)], count)
     saved: list[list[int]] = [[] for _ in range(blocks)]
     wrapped, closed = [True] * blocks, [False] * blocks
     while heap:

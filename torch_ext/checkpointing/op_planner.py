@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .api import _CheckpointedForward, checkpoint
-from .op_choice import _choose, _grads_held, _peak
+from .op_choice import _choose, _gradient_bytes, _peak
 from .op_recording import _KEPT_DRAWS, _record_ops
 from .op_storage import _check_storage, _rounded_bytes, _rounding_seconds
 from .planner import (_check_gradients, _evaluate, _held_note, _measure_once, _storage_bytes, _tensor_leaves,
@@ -351,14 +351,11 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
     """The plan for budget_bytes: exact storage where "keep" is allowed and a plan with it fits,
     else every checkpointed block's input stored rounded (the first lossy option allowed)."""
     n = len(m["ops"])
-    # Gradients added into .grad as they are made: a block's backward holds one parameter gradient
-    # at a time before it is added, which its workspace (measured with .grad allocated) counts.
-    own_grads = m["params"] if gradients == "held" else [0] * n
-    shape = (m["inputs"], m["outputs"], m["activations"], m["workspace"], own_grads)
-    grads = _grads_held(m["params"], gradients, other_gradient_bytes)
+    grads = _gradient_bytes(m["params"], gradients, other_gradient_bytes)
+    shape = (m["inputs"], m["outputs"], m["activations"], m["workspace"], grads)
     rounded = m.get("rounded") or []
     lossy = next((option for option in storage_options if option != "keep"), None) if len(rounded) == n else None
-    minimum = {option: _peak([0] * n, *shape, rounded=None if option == "keep" else rounded, grads_held=grads)
+    minimum = {option: _peak([0] * n, *shape, rounded=None if option == "keep" else rounded)
                for option in storage_options if option in ("keep", lossy)}
     min_budget = min(minimum.values())
     if budget_bytes < min_budget:
@@ -366,21 +363,20 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
                          f"minimum any op-level plan of these {n} blocks can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB, every block checkpointed, nothing saved"
                          f"{', inputs stored in ' + lossy if lossy else ''}; storage={list(storage_options)}"
-                         f"{_held_note(grads, m['params'], 'block')})")
+                         f"{_held_note(grads, 'block')})")
     # Exact storage first: a lower budget then never predicts a higher peak (a rounded plan's peak
     # is below the exact minimum, which every exact plan's peak reaches).
     chosen = "keep" if budget_bytes >= minimum.get("keep", math.inf) else lossy
     rounds = chosen != "keep"
     saved, checkpointed, peak, _ = _choose(m["ops"], m["replay"], *shape, float(budget_bytes),
-                                           rounded=rounded if rounds else None, grads_held=grads)
+                                           rounded=rounded if rounds else None)
     kept = [{tuple(op) for op in block} for block in saved]
     rounding = m.get("rounding") or [0.0] * n
     recompute = sum(m["replay"][k] + (rounding[k] if rounds else 0.0)
                     + sum(op[3] for op in block if tuple(op[:2]) not in kept[k])
                     for k, block in enumerate(m["ops"]) if checkpointed[k])
-    no_checkpoint = (_evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], m["params"],
-                               m["inputs"]) if gradients == "accumulated"
-                     else _peak(m["activations"], *shape, grads_held=grads))
+    no_checkpoint = (_evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], grads, m["inputs"])
+                     if gradients == "accumulated" else _peak(m["activations"], *shape))
     return OpPlan(saved=saved, budget_bytes=int(budget_bytes), predicted_peak_bytes=int(peak),
                   min_budget_bytes=int(min_budget), no_checkpoint_peak_bytes=int(no_checkpoint),
                   predicted_recompute_seconds=recompute, step_seconds=sum(m["seconds"]), ops=m["ops"],

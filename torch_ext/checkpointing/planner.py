@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from .. import memory
 from .api import checkpoint_options
-from .op_choice import _grads_held
+from .op_choice import _gradient_bytes
 
 _GRADIENTS = ("accumulated", "held")
 
@@ -204,16 +204,15 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
 
 
 def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int], workspace: list[int],
-           param_bytes: list[int], input_bytes: Sequence[int], budget: Optional[float], max_segment: Optional[int] = None,
-           held: Optional[Sequence[int]] = None, checkpointing: bool = True):
+           grads: Sequence[int], input_bytes: Sequence[int], budget: Optional[float], max_segment: Optional[int] = None,
+           checkpointing: bool = True):
     """Dynamic programming over the chain. Each segment [p, q) is either checkpointed (holds its
     input; replays in backward at the cost of its forward time) or stored (holds its input and
     its activations). While segment j runs backward, memory is what segments before it hold plus
     its input, its activations, its largest backward workspace (measured with .grad allocated, so
     it counts the parameter gradient in flight before it is added) and the gradient of its output;
-    the peak is the maximum of that over j. held (gradients "held"; _grads_held): per layer, the
-    gradient bytes its backward holds besides its own; every segment, stored or checkpointed, then
-    also holds its own parameters' gradients and held[q - 1] (each a constant of the segment, so the
+    the peak is the maximum of that over j, and a segment [p, q), stored or checkpointed, holds
+    grads[p] of parameter gradients besides (_gradient_bytes: a constant of the segment, so the
     search is the same). input_bytes[k]: what a segment starting at layer k holds as its input (in
     a chain, layer k - 1's output; a model's layers may take other inputs, an encoder-decoder's
     decoder its own embeddings).
@@ -221,11 +220,10 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     peak fits the budget (None if none does). Segments span at most max_segment layers (None: any);
     checkpointing=False: stored segments only.
     States on the frontier are Pareto-optimal in (held bytes, peak or cost)."""
-    prefix_seconds, prefix_saved, prefix_params = (list(accumulate(values, initial=0))
-                                                   for values in (seconds, saved, param_bytes))
+    prefix_seconds, prefix_saved = (list(accumulate(values, initial=0)) for values in (seconds, saved))
     by_cost = budget is not None
-    limit = budget if by_cost else _least_peak_bound(n, saved, out_bytes, workspace, param_bytes, input_bytes,
-                                                     max_segment, held, checkpointing)
+    limit = budget if by_cost else _least_peak_bound(n, saved, out_bytes, workspace, grads, input_bytes,
+                                                     max_segment, checkpointing)
     # frontier[q]: the states reaching boundary q, as chunks of columns (held, peak, cost, the
     # state at p it extends: p, its index there, checkpointed), vectorised over the states. A
     # boundary's chunks are pruned to their Pareto front before it is extended (its front is then
@@ -251,8 +249,7 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
             if kept[0] + input_bytes[p] + activations > limit:
                 break  # no state fits a segment this long, nor a longer one (activations only grow)
             work = max(work, workspace[q - 1])
-            base = (input_bytes[p] + activations + work + out_bytes[q - 1]
-                    + _segment_grads(prefix_params[q] - prefix_params[p], held, q))
+            base = input_bytes[p] + activations + work + out_bytes[q - 1] + grads[p]
             # Fronts are sorted by held bytes, so the states that fit are a prefix of the front
             # (the same for a stored and a checkpointed segment: both hold `base` in backward).
             fits = int(np.searchsorted(kept, limit - base, "right"))
@@ -281,14 +278,14 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     return result + (tuple(reversed(segments)),)
 
 
-def _least_peak_bound(n: int, saved, out_bytes, workspace, param_bytes, input_bytes, max_segment, held,
+def _least_peak_bound(n: int, saved, out_bytes, workspace, grads, input_bytes, max_segment,
                       checkpointing: bool) -> float:
     """A peak some plan meets, which the search for the least peak may drop states above: the least
     of segments of 1, 2, 4, ... layers, checkpointed (stored where checkpointing is False)."""
     peaks, length = [], 1
     while length <= (n if max_segment is None else min(n, max_segment)):
         segments = [(p, min(n, p + length), checkpointing) for p in range(0, n, length)]
-        peaks.append(_evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes, held))
+        peaks.append(_evaluate(segments, saved, out_bytes, workspace, grads, input_bytes))
         length *= 2
     return min(peaks)
 
@@ -333,14 +330,6 @@ def _front(chunks: list[tuple], by_cost: bool) -> tuple:
     keep[1:] = ranked[1:] < np.minimum.accumulate(ranked)[:-1]
     chosen = order[firsts[keep]]
     return tuple(column[chosen] for column in columns)
-
-
-def _segment_grads(own: int, held: Optional[Sequence[int]], q: int) -> int:
-    """The gradient bytes segment [p, q)'s backward holds beyond its workspace (own: its
-    parameters'), held as _solve's. Added into .grad as they are made (held None), none: the
-    workspace counts the one in flight, and a checkpointed segment's replay (the Python front
-    doors' Frame) makes them one at a time too."""
-    return 0 if held is None else own + held[q - 1]
 
 
 def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, storage: Optional[str] = None,
@@ -392,11 +381,11 @@ def _planning_gradients(gradients: Optional[str], budget_bytes: Any, owner: str)
     return gradients
 
 
-def _held_note(held: Sequence[int], params: Sequence[int], unit: str) -> str:
-    """A budget error's word on held gradients: what they add to the first block's backward."""
-    if not any(held):
+def _held_note(grads: Sequence[int], unit: str) -> str:
+    """A budget error's word on held gradients (_gradient_bytes): what they add to the first block's backward."""
+    if not any(grads):
         return ""
-    return (f"; gradients='held': {unit} 0's backward holds {(held[0] + params[0]) / 2**20:.2f} MiB of parameter "
+    return (f"; gradients='held': {unit} 0's backward holds {grads[0] / 2**20:.2f} MiB of parameter "
             f"gradients, those of every {unit} and of the parameters outside the chain")
 
 
@@ -442,23 +431,22 @@ def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optio
     n = len(layers)
     param_bytes = [sum(p.nbytes for p in _trainable_parameters(layer)) if isinstance(layer, nn.Module) else 0
                    for layer in layers]
-    held = _grads_held(param_bytes, gradients, other_gradient_bytes) if gradients == "held" else None
-    shape = (saved, out_bytes, workspace, param_bytes, input_bytes)
-    least = _solve(n, fwd, *shape, None, max_segment, held)
+    shape = (saved, out_bytes, workspace, _gradient_bytes(param_bytes, gradients, other_gradient_bytes), input_bytes)
+    least = _solve(n, fwd, *shape, None, max_segment)
     min_budget = least[1]
     # The least peak of stored segments only (one stored segment over the whole chain would count
     # every activation beside every held gradient, which no backward holds at once).
-    unwrapped = _solve(n, fwd, *shape, None, max_segment, held, checkpointing=False)
+    unwrapped = _solve(n, fwd, *shape, None, max_segment, checkpointing=False)
     no_checkpoint = unwrapped[1]
     if budget_bytes < min_budget:
         raise ValueError(f"{owner}: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below "
                          f"the minimum any plan of these {n} layers can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB); without checkpointing the peak is {no_checkpoint} bytes"
-                         f"{_held_note(held or [0], param_bytes, 'layer')}")
+                         f"{_held_note(shape[3], 'layer')}")
     if no_checkpoint <= budget_bytes:  # no recompute needed: the stored-only plan of least peak
         _, peak, cost, segments = unwrapped
     else:
-        _, peak, cost, segments = _solve(n, fwd, *shape, float(budget_bytes), max_segment, held)
+        _, peak, cost, segments = _solve(n, fwd, *shape, float(budget_bytes), max_segment)
     return CheckpointPlan(segments=[tuple(s) for s in segments], budget_bytes=int(budget_bytes),
                           predicted_peak_bytes=int(peak), min_budget_bytes=int(min_budget),
                           no_checkpoint_peak_bytes=int(no_checkpoint), predicted_recompute_seconds=cost,
@@ -468,12 +456,12 @@ def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optio
                           other_gradient_bytes=int(other_gradient_bytes))
 
 
-def _evaluate(segments, saved, out_bytes, workspace, param_bytes, input_bytes, held=None) -> int:
+def _evaluate(segments, saved, out_bytes, workspace, grads, input_bytes) -> int:
     """The peak _solve predicts for these segments."""
     kept, peak = 0, 0
     for p, q, checkpointed in segments:
         activations = sum(saved[p:q])
         peak = max(peak, kept + input_bytes[p] + activations + max(workspace[p:q]) + out_bytes[q - 1]
-                   + _segment_grads(sum(param_bytes[p:q]), held, q))
+                   + grads[p])
         kept += input_bytes[p] + (0 if checkpointed else activations)
     return peak
