@@ -253,7 +253,13 @@ def test_under_torch_compile_a_plan_keeps_for_backward_what_it_keeps_in_eager():
 def test_held_gradients_count_own_and_every_later_blocks_gradients_in_each_blocks_backward():
     params = [10, 20, 30, 40]
     assert _gradient_bytes(params, "accumulated") == [0, 0, 0, 0]
-    assert _gradient_bytes(params, "held", other_bytes=5) == [105, 95, 75, 45]
+    grads = _gradient_bytes(params, "held", other_bytes=5)
+    assert grads == [105, 95, 75, 45]
+    # What follows the chain (the stand-in for a model's head) needs what the last block's backward
+    # needs, its held gradients included: here it is the peak (block 0's backward, holding every
+    # gradient, needs 1 + 9 + 2 + 1 + 105 = 118), as the last block keeps 60 bytes.
+    inputs, outputs, activations, workspace = [1] * 4, [1] * 4, [9] * 4, [2] * 4
+    assert _peak([0, 0, 0, 60], inputs, outputs, activations, workspace, grads) == 4 + 60 + 9 + 2 + 1 + 45
     with pytest.raises(ValueError, match="gradients must be one of 'accumulated', 'held', got 'kept'"):
         torch_ext.plan_ops(mlp_chain(n=2), torch.randn(4, 128), budget_bytes=1 << 30, gradients="kept")
 

@@ -108,9 +108,9 @@ def _record_ops(layer: Callable, value: Any, kwargs: dict, first: bool, repeat: 
                 measured: Counter) -> tuple[list[list], list[str], int, float]:
     """The candidate ops of one forward of layer (with grad, as in training): those the native
     policy can save as measured, so that every block of a plan saves natively (no Python dispatch
-    mode per op); the names the native policy counts alike, how many times the block is to be measured, and the seconds of its tail
-    (which a replay does not run, _OpRecorder): seconds are the median of
-    `repeat` forwards, or of one when `repeat` earlier blocks ran the same ops with the same bytes
+    mode per op); the names the native policy counts alike, how many times the block is to be
+    measured, and the seconds of its tail (which a replay does not run, _OpRecorder): seconds are
+    the median of `repeat` forwards, or of one when `repeat` earlier blocks ran the same ops with the same bytes
     (counted in measured): their timings are pooled with this block's (_pool_alike_blocks), so a
     deep model of identical layers is not timed `repeat` times over."""
     runs: list = []
