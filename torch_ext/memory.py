@@ -44,8 +44,20 @@ def stats(device: DeviceLike = None) -> MemoryStats:
 
 
 def reset_peak(device: DeviceLike = None) -> None:
-    """Set the peak to the current figure on device (default CPU)."""
+    """Set the peak to the current figure on device (default CPU). Open track() blocks keep the
+    peak they have seen so far."""
     device = _device(device)
+    with _open_tracks_lock:
+        _reset_peak_keeping_open_tracks(device)
+
+
+def _reset_peak_keeping_open_tracks(device: torch.device) -> None:
+    """reset_peak's work, with _open_tracks_lock held: the open blocks on device first carry the
+    peak so far, which the reset would forget."""
+    peak_so_far = stats(device).peak_bytes
+    for outer in _open_tracks:
+        if outer.device == device:
+            outer._carried_peak = max(outer._carried_peak, peak_so_far)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
@@ -86,12 +98,7 @@ def track(device: DeviceLike = None) -> Iterator[TrackResult]:
     device = _device(device)
     result = TrackResult(device=device)
     with _open_tracks_lock:
-        # Resetting the peak below would forget what the open blocks have seen so far.
-        peak_so_far = stats(device).peak_bytes
-        for outer in _open_tracks:
-            if outer.device == device:
-                outer._carried_peak = max(outer._carried_peak, peak_so_far)
-        reset_peak(device)
+        _reset_peak_keeping_open_tracks(device)
         result.start_bytes = stats(device).current_bytes
         _open_tracks.append(result)
 

@@ -90,6 +90,16 @@ def test_track_reports_block_peak_and_nests():
     assert outer.saved_bytes == 0
 
 
+def test_reset_peak_inside_a_track_leaves_its_peak_alone():
+    with memory.track() as tracked:
+        first = torch.empty(4 * MiB, dtype=torch.uint8)
+        del first
+        memory.reset_peak()  # the peak from here on is its caller's; the block keeps what it saw
+        second = torch.empty(MiB, dtype=torch.uint8)
+        del second
+    assert tracked.peak_delta_bytes == 4 * MiB
+
+
 def test_nothing_saved_under_no_grad():
     x = torch.randn(100, requires_grad=True)
     with torch.no_grad(), memory.track() as tracked:
