@@ -508,6 +508,36 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
                                  gradients="kept")
 
 
+@pytest.mark.parametrize("gradients", ["accumulated", "held"])
+def test_a_hugging_face_plan_holds_its_budget_in_a_step_whose_head_needs_more_than_a_layer(gradients):
+    # A head with a wide vocabulary (logits, their log-softmax and their gradients, 1 MiB each)
+    # needs far more than a layer of width 32: counted as a layer's needs, the plan at its
+    # minimum budget ran over it in a real step; hf.checkpoint_layers measures the head instead.
+    transformers = pytest.importorskip("transformers")
+    from torch_ext.checkpointing import hf
+
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=4096, n_positions=32)
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 4096, (2, 32))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    loose = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, ops=True, repeat=1,
+                                 gradients=gradients)
+    assert loose.head_bytes > 2 * (2 * 32 * 4096 * 4)  # at least the log-softmax and a gradient of the logits
+    model = copy.deepcopy(reference)
+    plan = hf.checkpoint_layers(model, budget_bytes=loose.min_budget_bytes, inputs=inputs, ops=True, repeat=1,
+                                gradients=gradients)
+    assert plan.head_bytes == loose.head_bytes and all(p.grad is None for p in model.parameters())
+    for _ in range(2):  # the second step is measured (the first allocates what steps keep)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if gradients == "accumulated" else None
+        with memory.track() as tracked:
+            model(**inputs).loss.backward()
+    assert tracked.peak_delta_bytes <= plan.budget_bytes
+    # The prediction is the step's, not far above it either.
+    assert plan.predicted_peak_bytes - tracked.peak_delta_bytes < 0.25 * plan.budget_bytes
+
+
 def test_plans_keep_dropout_masks_or_draw_them_again_and_gradients_stay_exact():
     # A kept mask draw (bernoulli_) leaves the generator where the forward's was after it, so the
     # draws a plan recomputes still get the forward's numbers whatever it keeps.

@@ -20,11 +20,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from .. import memory
 from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options
 from .chains import _PLANNED_POLICY
 from .op_planner import OpPlan, plan_recorded_ops
-from .planner import CheckpointPlan, _planning_gradients, _trainable_parameters, plan_recorded_layers
+from .planner import (CheckpointPlan, _planning_gradients, _storage_bytes, _tensor_leaves, _trainable_parameters,
+                      plan_recorded_layers)
 
 __all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "repeated_layers"]
 
@@ -95,8 +98,9 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     of least recompute within B bytes of layer activations chooses, the layers taken in the order
     that forward runs them; returns the CheckpointPlan.
     budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured on what
-    each layer receives): the layers the plan checkpoints save the ops it chooses (through the
-    native policy, save=), the others are left unwrapped; returns the OpPlan. gradients (with
+    each layer receives, and what the model's head and loss need after the layers measured on
+    inputs too: OpPlan.head_bytes): the layers the plan checkpoints save the ops it chooses
+    (through the native policy, save=), the others are left unwrapped; returns the OpPlan. gradients (with
     budget_bytes): the planners' option, "held" by default (the step starts with .grad None, as
     after optimizer.zero_grad() or Trainer's, or the whole model is compiled); the gradients of the
     model's parameters outside the layers (its embeddings and head) then count as held through
@@ -134,7 +138,7 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     layers, recorded = _record_layer_inputs(model, layers, inputs)
     if ops:
         op_plan = plan_recorded_ops(layers, recorded, budget_bytes, repeat, progress, gradients=gradients,
-                                    other_gradient_bytes=other)
+                                    other_gradient_bytes=other, head_bytes=_head_bytes(model, layers, inputs, gradients))
         op_plan.apply(layers)
         return op_plan
     storage = resolved.script.storage
@@ -174,3 +178,71 @@ def _record_layer_inputs(model: nn.Module, layers: Sequence[nn.Module],
     if missing:
         raise ValueError(f"checkpoint_layers: layers {missing} did not run in model(**inputs)")
     return [layers[i] for i in order], [recorded[i] for i in order]
+
+
+def _head_bytes(model: nn.Module, layers: Sequence[nn.Module], inputs: dict, gradients: str) -> Optional[int]:
+    """What a step of the model holds besides its layers' boundaries and what they keep while its
+    head runs: the peak from the moment the last layer's output is made until backward has brought
+    its gradient back (its final norm, head and loss, forward and backward, parameter gradients held
+    as `gradients` says: .grad allocated beforehand, or None), above the figure before the step,
+    less the layers' boundaries (the plan counts them apart). So it includes what the code around
+    the layers keeps (masks, rotary tables, the embeddings' dropout masks). One call of
+    model(**inputs) (no cache: a checkpointed layer runs without one) with the layers run without
+    grad and the code around them with it, each layer's arguments held to the end as a step's graph
+    holds them; backward from its loss where it computes one (labels given), else from the sum of
+    its first floating-point output, the outputs dropped first, as in
+    `model(**inputs).loss.backward()`. None where that
+    cannot be told: the last layer runs again after its first call (a layer shared across
+    depths), or nothing after it needs a gradient. The model's .grad, buffers and random state
+    are as they were."""
+    device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
+    arguments: list = []
+    marked: list = []  # the leaves standing for the last layer's output (kept until backward ends)
+
+    def before(module, args, kwargs):
+        arguments.append((args, kwargs))
+        torch.set_grad_enabled(False)  # the layer's own work is not held (enable_grad below restores the mode)
+
+    def after(module, args, kwargs, output):
+        torch.set_grad_enabled(True)
+        leaves: list[torch.Tensor] = []
+        output = pytree.tree_map(lambda t: leaves.append(t.detach().requires_grad_()) or leaves[-1]
+                                 if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+        if module is layers[-1]:
+            if marked:  # the last layer again: its first call did not end the layers
+                marked.append(None)
+            memory.reset_peak(device)
+            marked.append(leaves)
+        return output
+
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs = {**inputs, "use_cache": False}
+    params = list(model.parameters())
+    kept_grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    handles = [hook for layer in layers for hook in (layer.register_forward_pre_hook(before, with_kwargs=True),
+                                                     layer.register_forward_hook(after, with_kwargs=True))]
+    devices = sorted({t.device.index or 0 for t in _tensor_leaves(inputs) if t.device.type == "cuda"})
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p) if gradients == "accumulated" and p.requires_grad else None
+        begin = memory.stats(device).current_bytes
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            out = model(**inputs)
+            loss = getattr(out, "loss", None)
+            if loss is None:
+                loss = next((t.sum() for t in _tensor_leaves(out) if t.is_floating_point()), None)
+            del out
+            if len(marked) != 1 or loss is None or not loss.requires_grad:
+                return None
+            loss.backward()
+        boundaries = _storage_bytes([_tensor_leaves(args)[0] for args, _ in arguments if _tensor_leaves(args)], set())
+        return max(0, memory.stats(device).peak_bytes - begin - boundaries)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p, g in zip(params, kept_grads):
+            p.grad = g
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
