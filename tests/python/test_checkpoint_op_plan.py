@@ -524,6 +524,9 @@ def test_a_hugging_face_plan_holds_its_budget_in_a_step_whose_head_needs_more_th
     loose = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, ops=True, repeat=1,
                                  gradients=gradients)
     assert loose.head_bytes > 2 * (2 * 32 * 4096 * 4)  # at least the log-softmax and a gradient of the logits
+    # The head's gradient of the tied embeddings waits in autograd for the embedding's own, through
+    # every layer's backward.
+    assert loose.around_bytes >= reference.transformer.wte.weight.nbytes
     model = copy.deepcopy(reference)
     plan = hf.checkpoint_layers(model, budget_bytes=loose.min_budget_bytes, inputs=inputs, ops=True, repeat=1,
                                 gradients=gradients)

@@ -137,8 +137,9 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
                          f"and measures with keep storage), got {sorted(options)}")
     layers, recorded = _record_layer_inputs(model, layers, inputs)
     if ops:
+        around, head = _around_and_head(model, layers, inputs, gradients) or (0, None)
         op_plan = plan_recorded_ops(layers, recorded, budget_bytes, repeat, progress, gradients=gradients,
-                                    other_gradient_bytes=other, head_bytes=_head_bytes(model, layers, inputs, gradients))
+                                    other_gradient_bytes=other, head_bytes=head, around_bytes=around)
         op_plan.apply(layers)
         return op_plan
     storage = resolved.script.storage
@@ -180,52 +181,37 @@ def _record_layer_inputs(model: nn.Module, layers: Sequence[nn.Module],
     return [layers[i] for i in order], [recorded[i] for i in order]
 
 
-def _head_bytes(model: nn.Module, layers: Sequence[nn.Module], inputs: dict, gradients: str) -> Optional[int]:
-    """What a step of the model holds besides its layers' boundaries and what they keep while its
-    head runs: the peak from the moment the last layer's output is made until backward has brought
-    its gradient back (its final norm, head and loss, forward and backward, parameter gradients held
-    as `gradients` says: .grad allocated beforehand, or None), above the figure before the step,
-    less the layers' boundaries (the plan counts them apart). So it includes what the code around
-    the layers keeps (masks, rotary tables, the embeddings' dropout masks). One call of
-    model(**inputs) (no cache: a checkpointed layer runs without one) with the layers run without
-    grad and the code around them with it, each layer's arguments held to the end as a step's graph
-    holds them; backward from its loss where it computes one (labels given), else from the sum of
-    its first floating-point output, the outputs dropped first, as in
-    `model(**inputs).loss.backward()`. None where that
-    cannot be told: the last layer runs again after its first call (a layer shared across
-    depths), or nothing after it needs a gradient. The model's .grad, buffers and random state
-    are as they were."""
+def _around_and_head(model: nn.Module, layers: Sequence[nn.Module], inputs: dict,
+                     gradients: str) -> Optional[tuple[int, int]]:
+    """What a step of the model holds besides its layers' boundaries and what they keep (the plan
+    counts those), as (around, head). around: what stays through the layers' backward, the code
+    around them keeps (masks, rotary tables, the embeddings' saved tensors: the figure when the
+    last layer's output is made, above the one before the step, less the layers' boundaries and
+    that output) and the head's gradients of parameters used before it too (tied embeddings:
+    autograd holds one until the parameter's other gradients arrive). head: the peak from the
+    moment that output is made until backward has brought its gradient back (the final norm, head
+    and loss, forward and backward, parameter gradients held as `gradients` says: .grad allocated
+    beforehand, or None), above the figure before the step less the boundaries.
+
+    One call of model(**inputs) (no cache: a checkpointed layer runs without one) with the layers
+    run without grad and the code around them with it, each layer's arguments held to the end as a
+    step's graph holds them; backward from its loss where it computes one (labels given), else
+    from the sum of its first floating-point output, the outputs dropped first, as in
+    `model(**inputs).loss.backward()`. None where that cannot be told: the last layer runs again
+    after its first call (a layer shared across depths), or nothing after it needs a gradient. The
+    model's .grad, buffers and random state are as they were."""
     device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
-    arguments: list = []
-    marked: list = []  # the leaves standing for the last layer's output (kept until backward ends)
-
-    def before(module, args, kwargs):
-        arguments.append((args, kwargs))
-        torch.set_grad_enabled(False)  # the layer's own work is not held (enable_grad below restores the mode)
-
-    def after(module, args, kwargs, output):
-        torch.set_grad_enabled(True)
-        leaves: list[torch.Tensor] = []
-        output = pytree.tree_map(lambda t: leaves.append(t.detach().requires_grad_()) or leaves[-1]
-                                 if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
-        if module is layers[-1]:
-            if marked:  # the last layer again: its first call did not end the layers
-                marked.append(None)
-            memory.reset_peak(device)
-            marked.append(leaves)
-        return output
-
+    probe = _HeadProbe(layers, device)
     if "use_cache" in inspect.signature(model.forward).parameters:
         inputs = {**inputs, "use_cache": False}
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     kept_grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    handles = [hook for layer in layers for hook in (layer.register_forward_pre_hook(before, with_kwargs=True),
-                                                     layer.register_forward_hook(after, with_kwargs=True))]
+    handles = probe.install(model, params)
     devices = sorted({t.device.index or 0 for t in _tensor_leaves(inputs) if t.device.type == "cuda"})
     try:
         for p in params:
-            p.grad = torch.zeros_like(p) if gradients == "accumulated" and p.requires_grad else None
+            p.grad = torch.zeros_like(p) if gradients == "accumulated" else None
         begin = memory.stats(device).current_bytes
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             out = model(**inputs)
@@ -233,11 +219,10 @@ def _head_bytes(model: nn.Module, layers: Sequence[nn.Module], inputs: dict, gra
             if loss is None:
                 loss = next((t.sum() for t in _tensor_leaves(out) if t.is_floating_point()), None)
             del out
-            if len(marked) != 1 or loss is None or not loss.requires_grad:
+            if len(probe.marked) != 2 or loss is None or not loss.requires_grad:
                 return None
             loss.backward()
-        boundaries = _storage_bytes([_tensor_leaves(args)[0] for args, _ in arguments if _tensor_leaves(args)], set())
-        return max(0, memory.stats(device).peak_bytes - begin - boundaries)
+        return probe.figures(begin, params)
     finally:
         for handle in handles:
             handle.remove()
@@ -246,3 +231,57 @@ def _head_bytes(model: nn.Module, layers: Sequence[nn.Module], inputs: dict, gra
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
+
+
+class _HeadProbe:
+    """_around_and_head's hooks: each layer runs without grad (the code around it with grad), its
+    arguments held; the last layer's output is replaced by leaves that stand for it, where the
+    peak is reset; which modules ran before that, and which parameters the head's backward gave a
+    gradient."""
+
+    def __init__(self, layers: Sequence[nn.Module], device: torch.device) -> None:
+        self.layers, self.device = layers, device
+        self.arguments: list = []
+        self.marked: list = []  # the leaves standing for the last layer's output, the figure then
+        self.ran: dict = {}  # the modules that ran before the mark, by id
+        self.graded: set = set()  # ids of the parameters the head's backward gave a gradient
+
+    def install(self, model: nn.Module, params: list) -> list:
+        layer_ids = {id(layer) for layer in self.layers}
+        handles = [layer.register_forward_pre_hook(self.before, with_kwargs=True) for layer in self.layers]
+        handles += [layer.register_forward_hook(self.after, with_kwargs=True) for layer in self.layers]
+        handles += [module.register_forward_pre_hook(self.seen) for module in model.modules()
+                    if id(module) not in layer_ids]
+        handles += [p.register_post_accumulate_grad_hook(lambda p: self.graded.add(id(p))) for p in params]
+        return handles
+
+    def seen(self, module, args) -> None:
+        if not self.marked:
+            self.ran[id(module)] = module
+
+    def before(self, module, args, kwargs) -> None:
+        self.arguments.append((args, kwargs))
+        self.ran[id(module)] = module
+        torch.set_grad_enabled(False)  # nothing of the layer's own is held (enable_grad restores the mode)
+
+    def after(self, module, args, kwargs, output):
+        torch.set_grad_enabled(True)
+        leaves: list[torch.Tensor] = []
+        output = pytree.tree_map(lambda t: leaves.append(t.detach().requires_grad_()) or leaves[-1]
+                                 if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+        if module is self.layers[-1]:
+            if self.marked:  # the last layer again: its first call did not end the layers
+                self.marked.append(None)
+            memory.reset_peak(self.device)
+            self.marked.extend([leaves, memory.stats(self.device).current_bytes])
+        return output
+
+    def figures(self, begin: int, params: list) -> tuple[int, int]:
+        leaves, mark = self.marked
+        output = _storage_bytes(leaves, set())
+        boundaries = _storage_bytes([_tensor_leaves(args)[0] for args, _ in self.arguments if _tensor_leaves(args)],
+                                    set())
+        used_before = {id(p) for module in self.ran.values() for p in module.parameters(recurse=False)}
+        tied = sum(p.nbytes for p in params if id(p) in self.graded and id(p) in used_before)
+        head = memory.stats(self.device).peak_bytes - begin - boundaries
+        return max(0, mark - begin - boundaries - output) + tied, max(0, head)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequence[int], activations: Sequence[int],
           workspace: Sequence[int], grads: Sequence[int], rounded: Optional[Sequence[int]] = None,
-          head: Optional[int] = None) -> int:
+          head: Optional[int] = None, around: int = 0) -> int:
     """Predicted peak with block i keeping kept_per_block[i] bytes for backward (a checkpointed
     block: the outputs it saves; an unwrapped one: its activations): while block k runs backward,
     the blocks before it hold their inputs and what they keep, block k its input, its activations
@@ -27,15 +27,18 @@ def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequenc
     parameter gradients held beyond the workspace (_gradient_bytes).
     After the last block, what consumes the chain's output (a model's head, the loss) runs while
     every block holds its input and what it keeps, needing `head` bytes above them (measured by
-    hf.checkpoint_layers) or, where None, what the last block's backward needs. rounded: every block checkpointed with its
-    input stored rounded to 16 bits, rounded[k] bytes, held until its backward ends (which also
-    holds the input widened back). O(number of blocks)."""
+    hf.checkpoint_layers, what is around the blocks then included) or, where None, what the last
+    block's backward needs. around: bytes a model holds around its blocks through their backward
+    (hf.checkpoint_layers: masks, rotary tables, the embeddings' saved tensors, tied weights'
+    gradients from the head), added to every block's figure. rounded: every block
+    checkpointed with its input stored rounded to 16 bits, rounded[k] bytes, held until its
+    backward ends (which also holds the input widened back). O(number of blocks)."""
     held, peak = 0, 0
     for k in range(len(inputs)):
         stored = rounded[k] if rounded is not None else 0
-        peak = max(peak, held + inputs[k] + stored + activations[k] + workspace[k] + outputs[k] + grads[k])
+        peak = max(peak, around + held + inputs[k] + stored + activations[k] + workspace[k] + outputs[k] + grads[k])
         held += (stored if rounded is not None else inputs[k]) + kept_per_block[k]
-    return max(peak, held + _after_chain(outputs, activations, workspace, grads, head)) if inputs else peak
+    return max(peak, held + _after_chain(outputs, activations, workspace, grads, head, around)) if inputs else peak
 
 
 def _gradient_bytes(params: Sequence[int], gradients: str, other_bytes: int = 0) -> list[int]:
@@ -56,8 +59,8 @@ def _gradient_bytes(params: Sequence[int], gradients: str, other_bytes: int = 0)
     return held[::-1]
 
 
-def _after_chain(outputs, activations, workspace, grads, head: Optional[int]) -> int:
-    return activations[-1] + workspace[-1] + outputs[-1] + grads[-1] if head is None else head
+def _after_chain(outputs, activations, workspace, grads, head: Optional[int], around: int) -> int:
+    return around + activations[-1] + workspace[-1] + outputs[-1] + grads[-1] if head is None else head
 
 
 class _Counted:
@@ -157,7 +160,7 @@ def _steps(block: Sequence[list], activations: int, replay: float) -> tuple[list
 
 
 def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations, workspace, grads, budget: float,
-            rounded: Optional[Sequence[int]] = None, head: Optional[int] = None):
+            rounded: Optional[Sequence[int]] = None, head: Optional[int] = None, around: int = 0):
     """Every block's steps (_steps), in order of recompute seconds saved per byte kept (highest
     first), each taken when the predicted peak (_peak's) with it fits budget. A block whose step
     does not fit takes none of its later steps (they build on it), except that a block that cannot be
@@ -167,7 +170,7 @@ def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations,
     nodes, O(N log N). A higher budget never predicts a lower peak: at the first step the two
     budgets take differently, the higher one takes a step the lower one could not fit. rounded:
     checkpointed blocks store their inputs rounded (_peak's), and unwrapping a block also keeps
-    its input whole again. head: _peak's."""
+    its input whole again. head, around: _peak's."""
     count = [0]
     blocks = len(ops)
 
@@ -185,9 +188,9 @@ def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations,
     heapq.heapify(heap)
     held, own = 0, []
     for k in range(blocks):
-        own.append(held + inputs[k] + stored[k] + activations[k] + workspace[k] + outputs[k] + grads[k])
+        own.append(around + held + inputs[k] + stored[k] + activations[k] + workspace[k] + outputs[k] + grads[k])
         held += held_input[k]
-    peaks = _Peaks(own + [held + _after_chain(outputs, activations, workspace, grads, head)], count)
+    peaks = _Peaks(own + [held + _after_chain(outputs, activations, workspace, grads, head, around)], count)
     saved: list[list[int]] = [[] for _ in range(blocks)]
     wrapped, closed = [True] * blocks, [False] * blocks
     while heap:

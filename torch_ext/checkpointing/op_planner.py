@@ -46,8 +46,11 @@ class OpPlan:
     "held"); other_gradient_bytes: with "held", the gradients of parameters outside the chain
     counted as held through every block's backward. head_bytes: what follows the chain (a model's
     head and loss, forward and backward) needs above the blocks' keeps, as hf.checkpoint_layers
-    measures it; None: counted as what the last block's backward needs. Bytes are activation
-    bytes as plan_checkpoints counts them (parameters excluded; their gradients only as `gradients` says).
+    measures it, what is around the blocks then included; None: counted as what the last block's
+    backward needs. around_bytes: what a model holds around the blocks through their backward
+    (masks, rotary tables, the embeddings' saved tensors, the head's gradients of tied weights;
+    hf.checkpoint_layers measures it), counted in every block's figure. Bytes
+    are activation bytes as plan_checkpoints counts them (parameters excluded; their gradients only as `gradients` says).
     Thread safety: a plan is not changed by its methods (with_budget returns a new one), and
     context_fn gives each checkpointed call a policy of its own, so planned layers may run in
     several threads."""
@@ -75,6 +78,7 @@ class OpPlan:
     gradients: str = "accumulated"
     other_gradient_bytes: int = 0
     head_bytes: Optional[int] = None
+    around_bytes: int = 0
 
     def is_checkpointed(self, block: int) -> bool:
         """Whether apply() checkpoints block (else it leaves it unwrapped)."""
@@ -139,7 +143,7 @@ class OpPlan:
                          "replay": self.block_replay_seconds or [0.0] * len(self.ops),
                          "seconds": [self.step_seconds], "rounded": self.block_input_rounded_bytes,
                          "rounding": self.block_rounding_seconds}, budget_bytes, self.storage_options,
-                        self.gradients, self.other_gradient_bytes, self.head_bytes)
+                        self.gradients, self.other_gradient_bytes, self.head_bytes, self.around_bytes)
 
     def apply(self, layers: Iterable[nn.Module]) -> list[nn.Module]:
         """Checkpoint each layer the plan checkpoints in place with torch_ext.checkpoint(layer,
@@ -340,18 +344,20 @@ def _pool_alike_blocks(m: dict) -> None:
 def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tuple, dict]], budget_bytes: int,
                       repeat: int, progress: Optional[Callable] = None, storage: Sequence[str] = ("keep",),
                       gradients: str = "accumulated", other_gradient_bytes: int = 0,
-                      head_bytes: Optional[int] = None) -> OpPlan:
+                      head_bytes: Optional[int] = None, around_bytes: int = 0) -> OpPlan:
     """plan_ops over layers that a model calls one by one, each measured on the (args, kwargs)
     it received in a real forward (hf.checkpoint_layers(..., ops=True)). other_gradient_bytes:
-    with gradients "held", those of the model's parameters outside the layers; head_bytes: OpPlan's."""
+    with gradients "held", those of the model's parameters outside the layers; head_bytes,
+    around_bytes: OpPlan's."""
     _check_budget(budget_bytes)
     options = _check_storage(storage)
     return _op_plan(_measure_blocks(list(layers), repeat, progress, options, recorded=recorded), budget_bytes, options,
-                    gradients, other_gradient_bytes, head_bytes)
+                    gradients, other_gradient_bytes, head_bytes, around_bytes)
 
 
 def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("keep",),
-             gradients: str = "accumulated", other_gradient_bytes: int = 0, head_bytes: Optional[int] = None) -> OpPlan:
+             gradients: str = "accumulated", other_gradient_bytes: int = 0, head_bytes: Optional[int] = None,
+             around_bytes: int = 0) -> OpPlan:
     """The plan for budget_bytes: exact storage where "keep" is allowed and a plan with it fits,
     else every checkpointed block's input stored rounded (the first lossy option allowed)."""
     n = len(m["ops"])
@@ -359,7 +365,8 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
     shape = (m["inputs"], m["outputs"], m["activations"], m["workspace"], grads)
     rounded = m.get("rounded") or []
     lossy = next((option for option in storage_options if option != "keep"), None) if len(rounded) == n else None
-    minimum = {option: _peak([0] * n, *shape, rounded=None if option == "keep" else rounded, head=head_bytes)
+    seen = {"head": head_bytes, "around": around_bytes}  # what follows and surrounds the chain
+    minimum = {option: _peak([0] * n, *shape, rounded=None if option == "keep" else rounded, **seen)
                for option in storage_options if option in ("keep", lossy)}
     min_budget = min(minimum.values())
     if budget_bytes < min_budget:
@@ -373,14 +380,14 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
     chosen = "keep" if budget_bytes >= minimum.get("keep", math.inf) else lossy
     rounds = chosen != "keep"
     saved, checkpointed, peak, _ = _choose(m["ops"], m["replay"], *shape, float(budget_bytes),
-                                           rounded=rounded if rounds else None, head=head_bytes)
+                                           rounded=rounded if rounds else None, **seen)
     kept = [{tuple(op) for op in block} for block in saved]
     rounding = m.get("rounding") or [0.0] * n
     recompute = sum(m["replay"][k] + (rounding[k] if rounds else 0.0)
                     + sum(op[3] for op in block if tuple(op[:2]) not in kept[k])
                     for k, block in enumerate(m["ops"]) if checkpointed[k])
     no_checkpoint = (_evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], grads, m["inputs"])
-                     if gradients == "accumulated" else _peak(m["activations"], *shape, head=head_bytes))
+                     + around_bytes if gradients == "accumulated" else _peak(m["activations"], *shape, **seen))
     return OpPlan(saved=saved, budget_bytes=int(budget_bytes), predicted_peak_bytes=int(peak),
                   min_budget_bytes=int(min_budget), no_checkpoint_peak_bytes=int(no_checkpoint),
                   predicted_recompute_seconds=recompute, step_seconds=sum(m["seconds"]), ops=m["ops"],
@@ -392,4 +399,4 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
                   storage_options=list(storage_options), block_input_rounded_bytes=list(rounded),
                   block_rounding_seconds=list(rounding), gradients=gradients,
                   other_gradient_bytes=int(other_gradient_bytes),
-                  head_bytes=None if head_bytes is None else int(head_bytes))
+                  head_bytes=None if head_bytes is None else int(head_bytes), around_bytes=int(around_bytes))
