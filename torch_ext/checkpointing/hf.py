@@ -187,8 +187,9 @@ def _around_and_head(model: nn.Module, layers: Sequence[nn.Module], inputs: dict
     counts those), as (around, head). around: what stays through the layers' backward, the code
     around them keeps (masks, rotary tables, the embeddings' saved tensors: the figure when the
     last layer's output is made, above the one before the step, less the layers' boundaries and
-    that output) and the head's gradients of parameters used before it too (tied embeddings:
-    autograd holds one until the parameter's other gradients arrive). head: the peak from the
+    that output) and, with gradients "accumulated", the head's gradients of parameters used before
+    it too (tied embeddings: autograd holds one until the parameter's other gradients arrive; with
+    "held" the plan counts every gradient outside the layers as held already). head: the peak from the
     moment that output is made until backward has brought its gradient back (the final norm, head
     and loss, forward and backward, parameter gradients held as `gradients` says: .grad allocated
     beforehand, or None), above the figure before the step less the boundaries.
@@ -222,7 +223,7 @@ def _around_and_head(model: nn.Module, layers: Sequence[nn.Module], inputs: dict
             if len(probe.marked) != 2 or loss is None or not loss.requires_grad:
                 return None
             loss.backward()
-        return probe.figures(begin, params)
+        return probe.figures(begin, params if gradients == "accumulated" else [])
     finally:
         for handle in handles:
             handle.remove()
@@ -277,6 +278,7 @@ class _HeadProbe:
         return output
 
     def figures(self, begin: int, params: list) -> tuple[int, int]:
+        """(around, head) as _around_and_head says, the tied gradients among params counted."""
         leaves, mark = self.marked
         output = _storage_bytes(leaves, set())
         boundaries = _storage_bytes([_tensor_leaves(args)[0] for args, _ in self.arguments if _tensor_leaves(args)],

@@ -49,8 +49,9 @@ class OpPlan:
     measures it, what is around the blocks then included; None: counted as what the last block's
     backward needs. around_bytes: what a model holds around the blocks through their backward
     (masks, rotary tables, the embeddings' saved tensors, the head's gradients of tied weights;
-    hf.checkpoint_layers measures it), counted in every block's figure. Bytes
-    are activation bytes as plan_checkpoints counts them (parameters excluded; their gradients only as `gradients` says).
+    hf.checkpoint_layers measures it), counted in every block's figure. Bytes are activation
+    bytes as plan_checkpoints counts them (parameters excluded; their gradients only as
+    `gradients` says).
     Thread safety: a plan is not changed by its methods (with_budget returns a new one), and
     context_fn gives each checkpointed call a policy of its own, so planned layers may run in
     several threads."""
