@@ -679,9 +679,11 @@ def test_planner_states_the_minimum_budget():
         torch_ext.plan_checkpoints(layers, x, budget_bytes=0)
 
 
+@pytest.mark.parametrize("surroundings", [{}, {"head": 150, "around": 9}], ids=["chain", "model"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("gradients", ["accumulated", "held"])
-def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed):
+def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed, surroundings):
+    # "model": a head that needs more than any layer after the chain, and bytes held around it.
     from torch_ext.checkpointing.op_choice import _gradient_bytes
     from torch_ext.checkpointing.planner import _evaluate, _solve
 
@@ -703,14 +705,14 @@ def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed)
         for modes in itertools.product([False, True], repeat=len(starts)):
             segs = list(zip(starts, ends, modes))
             cost = sum(sum(seconds[p:q]) for p, q, m in segs if m)
-            plans.append((_evaluate(segs, *shape), cost, max(q - p for p, q, _ in segs), any(modes)))
+            plans.append((_evaluate(segs, *shape, **surroundings), cost, max(q - p for p, q, _ in segs), any(modes)))
 
     def check(result, segments_allowed):
         # the segments returned are a plan of the peak and recompute the search states
         _, peak, cost, segs = result
         assert [p for p, _, _ in segs] == [0] + [q for _, q, _ in segs[:-1]] and segs[-1][1] == n
         assert segments_allowed(segs)
-        assert _evaluate(list(segs), *shape) == peak
+        assert _evaluate(list(segs), *shape, **surroundings) == peak
         assert sum(sum(seconds[p:q]) for p, q, m in segs if m) == pytest.approx(cost)
         return peak, cost
 
@@ -723,14 +725,14 @@ def test_planner_dynamic_program_is_optimal_against_brute_force(gradients, seed)
         min_peak = min(p for p, *_ in fitting)
         if gradients == "held":  # the first segment's backward holds every gradient, whatever the plan
             assert min_peak > sum(params) + 7
-        assert check(_solve(n, seconds, *shape, None, max_segment), allowed)[0] == min_peak
-        stored = _solve(n, seconds, *shape, None, max_segment, checkpointing=False)
+        assert check(_solve(n, seconds, *shape, None, max_segment, **surroundings), allowed)[0] == min_peak
+        stored = _solve(n, seconds, *shape, None, max_segment, checkpointing=False, **surroundings)
         assert check(stored, lambda segs: allowed(segs, True))[0] == min(p for p, _, _, m in fitting if not m)
         peaks = sorted({p for p, *_ in fitting})
-        assert _solve(n, seconds, *shape, peaks[0] - 1, max_segment) is None
+        assert _solve(n, seconds, *shape, peaks[0] - 1, max_segment, **surroundings) is None
         for budget in peaks[::max(1, len(peaks) // 40)] + peaks[-1:]:
             best = min(c for p, c, *_ in fitting if p <= budget)
-            peak, cost = check(_solve(n, seconds, *shape, budget, max_segment), allowed)
+            peak, cost = check(_solve(n, seconds, *shape, budget, max_segment, **surroundings), allowed)
             assert peak <= budget and cost == pytest.approx(best)
 
 

@@ -508,11 +508,13 @@ def test_hugging_face_layers_planned_op_by_op_on_what_the_model_gives_them():
                                  gradients="kept")
 
 
+@pytest.mark.parametrize("ops", [True, False], ids=["op_plan", "layer_plan"])
 @pytest.mark.parametrize("gradients", ["accumulated", "held"])
-def test_a_hugging_face_plan_holds_its_budget_in_a_step_whose_head_needs_more_than_a_layer(gradients):
+def test_a_hugging_face_plan_holds_its_budget_in_a_step_whose_head_needs_more_than_a_layer(gradients, ops):
     # A head with a wide vocabulary (logits, their log-softmax and their gradients, 1 MiB each)
-    # needs far more than a layer of width 32: counted as a layer's needs, the plan at its
-    # minimum budget ran over it in a real step; hf.checkpoint_layers measures the head instead.
+    # needs far more than a layer of width 32: counted as a layer's needs (the op planner) or not
+    # at all (the layer planner), the plan at its minimum budget ran over it in a real step (the
+    # layer plan 9x over); hf.checkpoint_layers measures the head instead.
     transformers = pytest.importorskip("transformers")
     from torch_ext.checkpointing import hf
 
@@ -521,7 +523,7 @@ def test_a_hugging_face_plan_holds_its_budget_in_a_step_whose_head_needs_more_th
     reference = transformers.GPT2LMHeadModel(config).train()
     ids = torch.randint(0, 4096, (2, 32))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    loose = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, ops=True, repeat=1,
+    loose = hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=1 << 40, inputs=inputs, ops=ops, repeat=1,
                                  gradients=gradients)
     assert loose.head_bytes > 2 * (2 * 32 * 4096 * 4)  # at least the log-softmax and a gradient of the logits
     # The head's gradient of the tied embeddings waits in autograd for the embedding's own, through
@@ -529,7 +531,7 @@ def test_a_hugging_face_plan_holds_its_budget_in_a_step_whose_head_needs_more_th
     tied = reference.transformer.wte.weight.nbytes
     assert (loose.around_bytes >= tied) if gradients == "accumulated" else (loose.other_gradient_bytes >= tied)
     model = copy.deepcopy(reference)
-    plan = hf.checkpoint_layers(model, budget_bytes=loose.min_budget_bytes, inputs=inputs, ops=True, repeat=1,
+    plan = hf.checkpoint_layers(model, budget_bytes=loose.min_budget_bytes, inputs=inputs, ops=ops, repeat=1,
                                 gradients=gradients)
     assert plan.head_bytes == loose.head_bytes and all(p.grad is None for p in model.parameters())
     for _ in range(2):  # the second step is measured (the first allocates what steps keep)

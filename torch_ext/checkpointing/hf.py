@@ -94,12 +94,13 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
 
     every=k: layers 0, k, 2k, ... of repeated_layers(model); returns their indices. budget_bytes=B:
     runs model(**inputs) once (in the model's current mode, without grad) recording what each layer
-    receives, measures each layer's forward and backward on it, and checkpoints the layers a plan
-    of least recompute within B bytes of layer activations chooses, the layers taken in the order
-    that forward runs them; returns the CheckpointPlan.
-    budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured on what
-    each layer receives, and what the model's head and loss need after the layers measured on
-    inputs too: OpPlan.head_bytes): the layers the plan checkpoints save the ops it chooses
+    receives, measures each layer's forward and backward on it, and what the model's head and loss
+    need after the layers and what the code around them holds (one more call with the layers run
+    without grad: CheckpointPlan.head_bytes and around_bytes), and checkpoints the layers a plan of
+    least recompute chooses so that the step's peak above what is in use before it (parameters,
+    .grad) stays within B bytes, the layers taken in the order that forward runs them; returns the CheckpointPlan.
+    budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured the same
+    way): the layers the plan checkpoints save the ops it chooses
     (through the native policy, save=), the others are left unwrapped; returns the OpPlan. gradients (with
     budget_bytes): the planners' option, "held" by default (the step starts with .grad None, as
     after optimizer.zero_grad() or Trainer's, or the whole model is compiled); the gradients of the
@@ -136,14 +137,15 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
         raise ValueError(f"checkpoint_layers: ops=True takes no options (the plan sets each layer's save "
                          f"and measures with keep storage), got {sorted(options)}")
     layers, recorded = _record_layer_inputs(model, layers, inputs)
+    around, head = _around_and_head(model, layers, inputs, gradients) or (0, None)
     if ops:
-        around, head = _around_and_head(model, layers, inputs, gradients) or (0, None)
         op_plan = plan_recorded_ops(layers, recorded, budget_bytes, repeat, progress, gradients=gradients,
                                     other_gradient_bytes=other, head_bytes=head, around_bytes=around)
         op_plan.apply(layers)
         return op_plan
     storage = resolved.script.storage
-    plan = plan_recorded_layers(layers, recorded, budget_bytes, storage, repeat, progress, gradients, other)
+    plan = plan_recorded_layers(layers, recorded, budget_bytes, storage, repeat, progress, gradients, other, head,
+                                around)
     for start, _, checkpointed in plan.segments:
         if checkpointed:
             checkpoint(layers[start], **options)

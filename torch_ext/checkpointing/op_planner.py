@@ -387,8 +387,8 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
     recompute = sum(m["replay"][k] + (rounding[k] if rounds else 0.0)
                     + sum(op[3] for op in block if tuple(op[:2]) not in kept[k])
                     for k, block in enumerate(m["ops"]) if checkpointed[k])
-    no_checkpoint = (_evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], grads, m["inputs"])
-                     + around_bytes if gradients == "accumulated" else _peak(m["activations"], *shape, **seen))
+    no_checkpoint = (_evaluate([(0, n, False)], m["activations"], m["outputs"], m["workspace"], grads, m["inputs"],
+                               **seen) if gradients == "accumulated" else _peak(m["activations"], *shape, **seen))
     return OpPlan(saved=saved, budget_bytes=int(budget_bytes), predicted_peak_bytes=int(peak),
                   min_budget_bytes=int(min_budget), no_checkpoint_peak_bytes=int(no_checkpoint),
                   predicted_recompute_seconds=recompute, step_seconds=sum(m["seconds"]), ops=m["ops"],

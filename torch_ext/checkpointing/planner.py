@@ -32,7 +32,12 @@ class CheckpointPlan:
     says: "accumulated", only the one in flight in a backward's workspace; "held", every
     layer's from its backward to the step's end, with other_gradient_bytes (parameters outside
     the chain) held throughout (plan_checkpoints' option). layer_input_bytes[k]: the boundary a
-    segment starting at layer k keeps (in a chain, layer k - 1's output)."""
+    segment starting at layer k keeps (in a chain, layer k - 1's output). head_bytes: what follows
+    the layers (a model's head and loss, forward and backward) needs above what they hold, as
+    hf.checkpoint_layers measures it (None: not measured, nothing counted beyond the last
+    segment's backward); around_bytes: what the model holds around the layers through their
+    backward (masks, rotary tables, the embeddings' saved tensors), counted in every segment's
+    backward. Both as OpPlan's."""
 
     segments: list[tuple[int, int, bool]]
     budget_bytes: int
@@ -50,6 +55,8 @@ class CheckpointPlan:
     layer_input_bytes: list[int] = field(default_factory=list)
     gradients: str = "accumulated"
     other_gradient_bytes: int = 0
+    head_bytes: Optional[int] = None
+    around_bytes: int = 0
 
     @property
     def boundaries(self) -> list[int]:
@@ -205,7 +212,7 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
 
 def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int], workspace: list[int],
            grads: Sequence[int], input_bytes: Sequence[int], budget: Optional[float], max_segment: Optional[int] = None,
-           checkpointing: bool = True):
+           checkpointing: bool = True, head: Optional[int] = None, around: int = 0):
     """Dynamic programming over the chain. Each segment [p, q) is either checkpointed (holds its
     input; replays in backward at the cost of its forward time) or stored (holds its input and
     its activations). While segment j runs backward, memory is what segments before it hold plus
@@ -215,7 +222,10 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     grads[p] of parameter gradients besides (_gradient_bytes: a constant of the segment, so the
     search is the same). input_bytes[k]: what a segment starting at layer k holds as its input (in
     a chain, layer k - 1's output; a model's layers may take other inputs, an encoder-decoder's
-    decoder its own embeddings).
+    decoder its own embeddings). around: bytes a model holds around the chain through every
+    segment's backward (added to each); head: what follows the chain (a model's head and loss)
+    needs above what the segments hold once the chain has run (None: nothing beyond the last
+    segment's backward). Both as OpPlan's head_bytes and around_bytes.
     With budget=None, returns the plan of least peak; otherwise the least recompute time whose
     peak fits the budget (None if none does). Segments span at most max_segment layers (None: any);
     checkpointing=False: stored segments only.
@@ -223,7 +233,7 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
     prefix_seconds, prefix_saved = (list(accumulate(values, initial=0)) for values in (seconds, saved))
     by_cost = budget is not None
     limit = budget if by_cost else _least_peak_bound(n, saved, out_bytes, workspace, grads, input_bytes,
-                                                     max_segment, checkpointing)
+                                                     max_segment, checkpointing, head, around)
     # frontier[q]: the states reaching boundary q, as chunks of columns (held, peak, cost, the
     # state at p it extends: p, its index there, checkpointed), vectorised over the states. A
     # boundary's chunks are pruned to their Pareto front before it is extended (its front is then
@@ -246,10 +256,10 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
         work = 0
         for q in range(p + 1, (n if max_segment is None else min(n, p + max_segment)) + 1):
             activations = prefix_saved[q] - prefix_saved[p]
-            if kept[0] + input_bytes[p] + activations > limit:
+            if around + kept[0] + input_bytes[p] + activations > limit:
                 break  # no state fits a segment this long, nor a longer one (activations only grow)
             work = max(work, workspace[q - 1])
-            base = input_bytes[p] + activations + work + out_bytes[q - 1] + grads[p]
+            base = around + input_bytes[p] + activations + work + out_bytes[q - 1] + grads[p]
             # Fronts are sorted by held bytes, so the states that fit are a prefix of the front
             # (the same for a stored and a checkpointed segment: both hold `base` in backward).
             fits = int(np.searchsorted(kept, limit - base, "right"))
@@ -266,9 +276,13 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
             if sizes[q] > 4 * (len(fronts[q][0]) if fronts[q] else 0) + 64:
                 prune(q)
     kept, peak, cost = prune(n)[:3]
-    if not len(kept):
+    if head is not None:  # the head runs after the chain, beside everything the segments hold
+        peak = np.maximum(peak, kept + head)
+    fits = np.flatnonzero(peak <= limit)
+    if not len(fits):
         return None
-    index = int(np.lexsort((cost, peak))[0] if budget is None else np.lexsort((peak, cost))[0])
+    index = int(fits[np.lexsort((cost[fits], peak[fits]))[0] if budget is None
+                     else np.lexsort((peak[fits], cost[fits]))[0]])
     result = (int(kept[index]), int(peak[index]), float(cost[index]))
     segments, q = [], n
     while q > 0:  # back along the links: each front is final once its boundary was extended
@@ -279,13 +293,13 @@ def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int],
 
 
 def _least_peak_bound(n: int, saved, out_bytes, workspace, grads, input_bytes, max_segment,
-                      checkpointing: bool) -> float:
+                      checkpointing: bool, head: Optional[int] = None, around: int = 0) -> float:
     """A peak some plan meets, which the search for the least peak may drop states above: the least
     of segments of 1, 2, 4, ... layers, checkpointed (stored where checkpointing is False)."""
     peaks, length = [], 1
     while length <= (n if max_segment is None else min(n, max_segment)):
         segments = [(p, min(n, p + length), checkpointing) for p in range(0, n, length)]
-        peaks.append(_evaluate(segments, saved, out_bytes, workspace, grads, input_bytes))
+        peaks.append(_evaluate(segments, saved, out_bytes, workspace, grads, input_bytes, head, around))
         length *= 2
     return min(peaks)
 
@@ -391,14 +405,16 @@ def _held_note(grads: Sequence[int], unit: str) -> str:
 
 def plan_recorded_layers(layers: Sequence[nn.Module], recorded: Sequence[tuple[tuple, dict]], budget_bytes: int,
                          storage: str, repeat: int, progress: Optional[Callable] = None, gradients: str = "accumulated",
-                         other_gradient_bytes: int = 0) -> CheckpointPlan:
+                         other_gradient_bytes: int = 0, head_bytes: Optional[int] = None,
+                         around_bytes: int = 0) -> CheckpointPlan:
     """A plan over layers that a model calls one by one (a Hugging Face decoder stack): each layer
     is measured on the (args, kwargs) it received in a real forward (recorded), and every
     segment is one layer, checkpointed or not. The boundary a checkpointed layer keeps is its own
     first argument as recorded (an encoder-decoder's first decoder layer takes the decoder's
     embeddings, not the last encoder layer's output); arguments shared by all layers (masks, rotary
     embeddings, the encoder's output) are counted once.
-    other_gradient_bytes: with gradients "held", those of the model's parameters outside the layers."""
+    other_gradient_bytes: with gradients "held", those of the model's parameters outside the layers;
+    head_bytes, around_bytes: CheckpointPlan's."""
     progress = progress or (lambda iterable, desc: iterable)
     device = next((t.device for t in _tensor_leaves(recorded[0])), torch.device("cpu"))
     fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
@@ -422,21 +438,23 @@ def plan_recorded_layers(layers: Sequence[nn.Module], recorded: Sequence[tuple[t
     input_bytes = [int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(args)[:1], storage))
                    for args, _ in recorded]
     return _plan(list(layers), (fwd, bwd, saved, out_bytes, workspace, input_bytes), budget_bytes, 1,
-                 "checkpoint_layers", gradients, other_gradient_bytes)
+                 "checkpoint_layers", gradients, other_gradient_bytes, head_bytes, around_bytes)
 
 
 def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optional[int], owner: str,
-          gradients: str = "accumulated", other_gradient_bytes: int = 0) -> CheckpointPlan:
+          gradients: str = "accumulated", other_gradient_bytes: int = 0, head_bytes: Optional[int] = None,
+          around_bytes: int = 0) -> CheckpointPlan:
     fwd, bwd, saved, out_bytes, workspace, input_bytes = measured
     n = len(layers)
     param_bytes = [sum(p.nbytes for p in _trainable_parameters(layer)) if isinstance(layer, nn.Module) else 0
                    for layer in layers]
     shape = (saved, out_bytes, workspace, _gradient_bytes(param_bytes, gradients, other_gradient_bytes), input_bytes)
-    least = _solve(n, fwd, *shape, None, max_segment)
+    seen = {"head": head_bytes, "around": around_bytes}  # what follows and surrounds the chain
+    least = _solve(n, fwd, *shape, None, max_segment, **seen)
     min_budget = least[1]
     # The least peak of stored segments only (one stored segment over the whole chain would count
     # every activation beside every held gradient, which no backward holds at once).
-    unwrapped = _solve(n, fwd, *shape, None, max_segment, checkpointing=False)
+    unwrapped = _solve(n, fwd, *shape, None, max_segment, checkpointing=False, **seen)
     no_checkpoint = unwrapped[1]
     if budget_bytes < min_budget:
         raise ValueError(f"{owner}: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below "
@@ -446,22 +464,24 @@ def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optio
     if no_checkpoint <= budget_bytes:  # no recompute needed: the stored-only plan of least peak
         _, peak, cost, segments = unwrapped
     else:
-        _, peak, cost, segments = _solve(n, fwd, *shape, float(budget_bytes), max_segment)
+        _, peak, cost, segments = _solve(n, fwd, *shape, float(budget_bytes), max_segment, **seen)
     return CheckpointPlan(segments=[tuple(s) for s in segments], budget_bytes=int(budget_bytes),
                           predicted_peak_bytes=int(peak), min_budget_bytes=int(min_budget),
                           no_checkpoint_peak_bytes=int(no_checkpoint), predicted_recompute_seconds=cost,
                           step_seconds=sum(fwd) + sum(bwd), layer_forward_seconds=fwd, layer_backward_seconds=bwd,
                           layer_saved_bytes=saved, layer_output_bytes=out_bytes, layer_workspace_bytes=workspace,
                           layer_parameter_bytes=param_bytes, layer_input_bytes=input_bytes, gradients=gradients,
-                          other_gradient_bytes=int(other_gradient_bytes))
+                          other_gradient_bytes=int(other_gradient_bytes),
+                          head_bytes=None if head_bytes is None else int(head_bytes), around_bytes=int(around_bytes))
 
 
-def _evaluate(segments, saved, out_bytes, workspace, grads, input_bytes) -> int:
+def _evaluate(segments, saved, out_bytes, workspace, grads, input_bytes, head: Optional[int] = None,
+              around: int = 0) -> int:
     """The peak _solve predicts for these segments."""
     kept, peak = 0, 0
     for p, q, checkpointed in segments:
         activations = sum(saved[p:q])
-        peak = max(peak, kept + input_bytes[p] + activations + max(workspace[p:q]) + out_bytes[q - 1]
+        peak = max(peak, around + kept + input_bytes[p] + activations + max(workspace[p:q]) + out_bytes[q - 1]
                    + grads[p])
         kept += input_bytes[p] + (0 if checkpointed else activations)
-    return peak
+    return peak if head is None else max(peak, kept + head)
