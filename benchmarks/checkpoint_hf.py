@@ -13,9 +13,9 @@ with a padded batch, with their defaults (dropout, use_cache), eager and under t
 Step: model(input_ids, attention_mask, labels).loss.backward(), gradients preallocated. Step peak:
 the highest live memory above the step's start (torch_ext.memory): what the planner budgets (the
 layers, the head and what is around them). Layers peak: the decoder layers alone, forward and
-backward on the inputs they receive in the model. Grad diff: max |g - g_(a) eager| / max |g_(a) eager| after one step from the same seed;
-compiled rows run with torch._inductor.config.fallback_random, so their dropout draws the masks
-eager draws. Compiled: torch.compile(model), compiled once before timing. Step time: rounds of
+backward on the inputs they receive in the model. Grad diff: max |g - g_(a) eager| / max |g_(a)
+eager| after one step from the same seed; compiled rows run with
+torch._inductor.config.fallback_random, so their dropout draws the masks eager draws. Compiled: torch.compile(model), compiled once before timing. Step time: rounds of
 every variant of a model (harness.measure_interleaved), then (d) against (b) in rounds of their
 own, alternating which runs first, judged by a 95% sign-test interval on the per-round difference.
 """

@@ -542,6 +542,10 @@ def test_a_hugging_face_plan_holds_its_budget_in_a_step_whose_head_needs_more_th
     assert tracked.peak_delta_bytes <= plan.budget_bytes
     # The prediction is the step's, not far above it either.
     assert plan.predicted_peak_bytes - tracked.peak_delta_bytes < 0.25 * plan.budget_bytes
+    # A budget below the minimum is refused saying what the head adds.
+    with pytest.raises(ValueError, match=r"below the minimum .*the model's head and loss need \d+\.\d\d MiB after them"):
+        hf.checkpoint_layers(copy.deepcopy(reference), budget_bytes=loose.min_budget_bytes // 2, inputs=inputs, ops=ops,
+                             repeat=1, gradients=gradients)
 
 
 def test_plans_keep_dropout_masks_or_draw_them_again_and_gradients_stay_exact():

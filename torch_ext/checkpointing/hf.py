@@ -98,7 +98,8 @@ def checkpoint_layers(model: nn.Module, *, every: Optional[int] = None, budget_b
     need after the layers and what the code around them holds (one more call with the layers run
     without grad: CheckpointPlan.head_bytes and around_bytes), and checkpoints the layers a plan of
     least recompute chooses so that the step's peak above what is in use before it (parameters,
-    .grad) stays within B bytes, the layers taken in the order that forward runs them; returns the CheckpointPlan.
+    .grad) stays within B bytes, the layers taken in the order that forward runs them; returns the
+    CheckpointPlan.
     budget_bytes=B with ops=True: an op-level plan instead (torch_ext.plan_ops, measured the same
     way): the layers the plan checkpoints save the ops it chooses
     (through the native policy, save=), the others are left unwrapped; returns the OpPlan. gradients (with

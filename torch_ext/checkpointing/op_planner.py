@@ -23,8 +23,8 @@ from .api import _CheckpointedForward, checkpoint
 from .op_choice import _choose, _gradient_bytes, _peak
 from .op_recording import _KEPT_DRAWS, _record_ops
 from .op_storage import _check_storage, _rounded_bytes, _rounding_seconds
-from .planner import (_check_gradients, _evaluate, _held_note, _measure_once, _storage_bytes, _tensor_leaves,
-                      _trainable_parameters)
+from .planner import (_check_gradients, _evaluate, _held_note, _measure_once, _storage_bytes, _surroundings_note,
+                      _tensor_leaves, _trainable_parameters)
 
 
 @dataclass
@@ -375,7 +375,7 @@ def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("ke
                          f"minimum any op-level plan of these {n} blocks can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB, every block checkpointed, nothing saved"
                          f"{', inputs stored in ' + lossy if lossy else ''}; storage={list(storage_options)}"
-                         f"{_held_note(grads, 'block')})")
+                         f"{_surroundings_note(head_bytes, around_bytes)}{_held_note(grads, 'block')})")
     # Exact storage first: a lower budget then never predicts a higher peak (a rounded plan's peak
     # is below the exact minimum, which every exact plan's peak reaches).
     chosen = "keep" if budget_bytes >= minimum.get("keep", math.inf) else lossy

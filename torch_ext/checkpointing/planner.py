@@ -395,6 +395,14 @@ def _planning_gradients(gradients: Optional[str], budget_bytes: Any, owner: str)
     return gradients
 
 
+def _surroundings_note(head: Optional[int], around: int) -> str:
+    """A budget error's word on what a model needs beyond its layers (hf.checkpoint_layers measures it)."""
+    if head is None and not around:
+        return ""
+    return (f"; counted with the layers: the model's head and loss need {(head or 0) / 2**20:.2f} MiB after them, "
+            f"and {around / 2**20:.2f} MiB is held around them through their backward")
+
+
 def _held_note(grads: Sequence[int], unit: str) -> str:
     """A budget error's word on held gradients (_gradient_bytes): what they add to the first block's backward."""
     if not any(grads):
@@ -460,7 +468,7 @@ def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optio
         raise ValueError(f"{owner}: budget_bytes={int(budget_bytes)} ({budget_bytes / 2**20:.2f} MiB) is below "
                          f"the minimum any plan of these {n} layers can meet: {min_budget} bytes "
                          f"({min_budget / 2**20:.2f} MiB); without checkpointing the peak is {no_checkpoint} bytes"
-                         f"{_held_note(shape[3], 'layer')}")
+                         f"{_surroundings_note(head_bytes, around_bytes)}{_held_note(shape[3], 'layer')}")
     if no_checkpoint <= budget_bytes:  # no recompute needed: the stored-only plan of least peak
         _, peak, cost, segments = unwrapped
     else:
