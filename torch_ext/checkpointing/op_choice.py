@@ -33,12 +33,21 @@ def _peak(kept_per_block: Sequence[int], inputs: Sequence[int], outputs: Sequenc
     gradients from the head), added to every block's figure. rounded: every block
     checkpointed with its input stored rounded to 16 bits, rounded[k] bytes, held until its
     backward ends (which also holds the input widened back). O(number of blocks)."""
-    held, peak = 0, 0
+    return max(_figures(kept_per_block, inputs, outputs, activations, workspace, grads, rounded, head, around),
+               default=0)
+
+
+def _figures(kept_per_block, inputs, outputs, activations, workspace, grads, rounded, head, around) -> list[int]:
+    """_peak's figures: one per block (while its backward runs), then the one after the chain."""
+    held, figures = 0, []
     for k in range(len(inputs)):
         stored = rounded[k] if rounded is not None else 0
-        peak = max(peak, around + held + inputs[k] + stored + activations[k] + workspace[k] + outputs[k] + grads[k])
+        figures.append(around + held + inputs[k] + stored + activations[k] + workspace[k] + outputs[k] + grads[k])
         held += (stored if rounded is not None else inputs[k]) + kept_per_block[k]
-    return max(peak, held + _after_chain(outputs, activations, workspace, grads, head, around)) if inputs else peak
+    if inputs:
+        figures.append(held + (around + activations[-1] + workspace[-1] + outputs[-1] + grads[-1]
+                               if head is None else head))
+    return figures
 
 
 def _gradient_bytes(params: Sequence[int], gradients: str, other_bytes: int = 0) -> list[int]:
@@ -57,10 +66,6 @@ def _gradient_bytes(params: Sequence[int], gradients: str, other_bytes: int = 0)
         after += nbytes
         held.append(after)
     return held[::-1]
-
-
-def _after_chain(outputs, activations, workspace, grads, head: Optional[int], around: int) -> int:
-    return around + activations[-1] + workspace[-1] + outputs[-1] + grads[-1] if head is None else head
 
 
 class _Counted:
@@ -179,18 +184,13 @@ def _choose(ops: Sequence[Sequence[list]], replay, inputs, outputs, activations,
         return (_Counted((-seconds / nbytes if nbytes > 0 else -math.inf, k, j), count), k, step)
 
     heap, replaced = [], []
-    stored = rounded if rounded is not None else [0] * blocks
     held_input = rounded if rounded is not None else inputs
     for k in range(blocks):
         steps, rest = _steps(ops[k], activations[k] + inputs[k] - held_input[k], replay[k])
         heap += [entry(k, j, step) for j, step in enumerate(steps)]
         replaced.append([entry(k, len(steps) + j, step) for j, step in enumerate(rest)])
     heapq.heapify(heap)
-    held, own = 0, []
-    for k in range(blocks):
-        own.append(around + held + inputs[k] + stored[k] + activations[k] + workspace[k] + outputs[k] + grads[k])
-        held += held_input[k]
-    peaks = _Peaks(own + [held + _after_chain(outputs, activations, workspace, grads, head, around)], count)
+    peaks = _Peaks(_figures([0] * blocks, inputs, outputs, activations, workspace, grads, rounded, head, around), count)
     saved: list[list[int]] = [[] for _ in range(blocks)]
     wrapped, closed = [True] * blocks, [False] * blocks
     while heap:
