@@ -23,8 +23,8 @@ from .api import _CheckpointedForward, checkpoint
 from .op_choice import _choose, _gradient_bytes, _peak
 from .op_recording import _KEPT_DRAWS, _record_ops
 from .op_storage import _check_storage, _rounded_bytes, _rounding_seconds
-from .planner import (_check_gradients, _evaluate, _held_note, _measure_once, _storage_bytes, _surroundings_note,
-                      _tensor_leaves, _trainable_parameters)
+from .planner import (_check_gradients, _evaluate, _held_note, _measure_once, _state_restored, _storage_bytes,
+                      _surroundings_note, _tensor_leaves, _trainable_parameters)
 
 
 @dataclass
@@ -282,44 +282,37 @@ def _measure_blocks(layers: list, repeat: int, progress: Optional[Callable], sto
     rounding = storage_options != ["keep"]
     leaves = _tensor_leaves(recorded[0] if recorded is not None else inputs)
     device = leaves[0].device if leaves else torch.device("cpu")
-    devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
     m: dict = {key: [] for key in ("ops", "native", "inputs", "outputs", "activations", "workspace", "params",
                                    "replay", "seconds", "rounded", "rounding")}
-    buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
     value: Any = inputs
     measured: Counter = Counter()
-    with torch.random.fork_rng(devices=devices):
-        try:
-            for index in progress(range(len(layers)), desc="measuring ops"):
-                first, layer = recorded is not None or index == 0, layers[index]
-                if recorded is not None:
-                    value, kwargs = recorded[index]
-                boundary = _tensor_leaves(value)[:1] if recorded is not None else _tensor_leaves(value)
-                m["inputs"].append(_storage_bytes(boundary, set()))
-                if rounding:
-                    m["rounded"].append(_rounded_bytes(boundary))
-                    m["rounding"].append(_rounding_seconds(boundary, repeat))
-                ops, native, runs, tail = _record_ops(layer, value, kwargs, first, repeat, recorded is not None,
-                                                      measured)
-                m["ops"].append(ops)
-                m["native"].append(native)
-                samples = [_measure_once(layer, value, kwargs, first, device, recorded is not None)
-                           for _ in range(runs)]
-                m["seconds"].append(statistics.median(s[0] + s[1] for s in samples))
-                forward = statistics.median(s[0] for s in samples)
-                # The replay runs the block's forward but its candidates (counted apart) and its tail.
-                m["replay"].append(max(0.0, forward - sum(op[3] for op in m["ops"][-1]) - tail))
-                m["activations"].append(samples[-1][2])
-                m["workspace"].append(samples[-1][3])
-                out = _tensor_leaves(samples[-1][4])
-                m["outputs"].append(_storage_bytes(out[:1] if recorded is not None else out, set()))
-                m["params"].append(sum(p.nbytes for p in _trainable_parameters(layer))
-                                   if isinstance(layer, nn.Module) else 0)
-                value = samples[-1][4]
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+    with _state_restored(layers, leaves):
+        for index in progress(range(len(layers)), desc="measuring ops"):
+            first, layer = recorded is not None or index == 0, layers[index]
+            if recorded is not None:
+                value, kwargs = recorded[index]
+            boundary = _tensor_leaves(value)[:1] if recorded is not None else _tensor_leaves(value)
+            m["inputs"].append(_storage_bytes(boundary, set()))
+            if rounding:
+                m["rounded"].append(_rounded_bytes(boundary))
+                m["rounding"].append(_rounding_seconds(boundary, repeat))
+            ops, native, runs, tail = _record_ops(layer, value, kwargs, first, repeat, recorded is not None,
+                                                  measured)
+            m["ops"].append(ops)
+            m["native"].append(native)
+            samples = [_measure_once(layer, value, kwargs, first, device, recorded is not None)
+                       for _ in range(runs)]
+            m["seconds"].append(statistics.median(s[0] + s[1] for s in samples))
+            forward = statistics.median(s[0] for s in samples)
+            # The replay runs the block's forward but its candidates (counted apart) and its tail.
+            m["replay"].append(max(0.0, forward - sum(op[3] for op in m["ops"][-1]) - tail))
+            m["activations"].append(samples[-1][2])
+            m["workspace"].append(samples[-1][3])
+            out = _tensor_leaves(samples[-1][4])
+            m["outputs"].append(_storage_bytes(out[:1] if recorded is not None else out, set()))
+            m["params"].append(sum(p.nbytes for p in _trainable_parameters(layer))
+                               if isinstance(layer, nn.Module) else 0)
+            value = samples[-1][4]
     _pool_alike_blocks(m)
     return m
 

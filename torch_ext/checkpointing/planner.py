@@ -2,12 +2,13 @@
 byte budget at the least recompute (dynamic programming over the chain)."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -142,31 +143,40 @@ def _detach_like(value: Any, recorded: bool = False) -> Any:
     return pytree.tree_map(detach, value)
 
 
-def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, repeat: int, storage: str, progress):
-    """Per layer: forward and backward seconds (median of `repeat`), bytes saved for backward
-    (excluding parameters and the layer's input), output bytes, and backward workspace bytes.
-    The RNG state and the layers' buffers are restored afterwards."""
-    devices = sorted({t.device.index for t in _tensor_leaves(inputs) if t.device.type == "cuda"})
-    device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
-    fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
-    buffers = [(b, b.detach().clone()) for layer in layers if isinstance(layer, nn.Module) for b in layer.buffers()]
-    first_input = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(inputs), storage))
-    value: Any = inputs
+@contextlib.contextmanager
+def _state_restored(modules: Iterable[Any], tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Measuring runs forwards that a step would not: afterwards the modules' buffers (running
+    statistics) and the random state of the CPU and of the CUDA devices of `tensors` are as they
+    were before."""
+    buffers = [(b, b.detach().clone()) for m in modules if isinstance(m, nn.Module) for b in m.buffers()]
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         try:
-            for index in progress(range(len(layers)), desc="measuring layers"):
-                samples = [_measure_once(layers[index], value, kwargs, index == 0, device) for _ in range(repeat)]
-                fwd.append(statistics.median(s[0] for s in samples))
-                bwd.append(statistics.median(s[1] for s in samples))
-                saved.append(samples[-1][2])
-                workspace.append(samples[-1][3])
-                value = samples[-1][4]
-                out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(value), storage)))
-                del samples
+            yield
         finally:
             with torch.no_grad():
                 for buffer, copy in buffers:
                     buffer.copy_(copy)
+
+
+def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, repeat: int, storage: str, progress):
+    """Per layer: forward and backward seconds (median of `repeat`), bytes saved for backward
+    (excluding parameters and the layer's input), output bytes, and backward workspace bytes.
+    The RNG state and the layers' buffers are restored afterwards."""
+    device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
+    fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
+    first_input = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(inputs), storage))
+    value: Any = inputs
+    with _state_restored(layers, _tensor_leaves(inputs)):
+        for index in progress(range(len(layers)), desc="measuring layers"):
+            samples = [_measure_once(layers[index], value, kwargs, index == 0, device) for _ in range(repeat)]
+            fwd.append(statistics.median(s[0] for s in samples))
+            bwd.append(statistics.median(s[1] for s in samples))
+            saved.append(samples[-1][2])
+            workspace.append(samples[-1][3])
+            value = samples[-1][4]
+            out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(value), storage)))
+            del samples
     return fwd, bwd, saved, out_bytes, workspace, [first_input] + out_bytes[:-1]  # a chain: each input the output before
 
 
@@ -426,23 +436,17 @@ def plan_recorded_layers(layers: Sequence[nn.Module], recorded: Sequence[tuple[t
     progress = progress or (lambda iterable, desc: iterable)
     device = next((t.device for t in _tensor_leaves(recorded[0])), torch.device("cpu"))
     fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
-    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
-    with torch.random.fork_rng(devices=sorted({device.index or 0} if device.type == "cuda" else set())):
-        try:
-            for index in progress(range(len(layers)), desc="measuring layers"):
-                args, kwargs = recorded[index]
-                samples = [_measure_once(layers[index], args, kwargs, True, device, recorded=True) for _ in range(repeat)]
-                fwd.append(statistics.median(s[0] for s in samples))
-                bwd.append(statistics.median(s[1] for s in samples))
-                saved.append(samples[-1][2])
-                workspace.append(samples[-1][3])
-                out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(
-                    _tensor_leaves(samples[-1][4])[:1], storage)))
-                del samples
-        finally:
-            with torch.no_grad():
-                for buffer, copy in buffers:
-                    buffer.copy_(copy)
+    with _state_restored(layers, _tensor_leaves(recorded[0])):
+        for index in progress(range(len(layers)), desc="measuring layers"):
+            args, kwargs = recorded[index]
+            samples = [_measure_once(layers[index], args, kwargs, True, device, recorded=True) for _ in range(repeat)]
+            fwd.append(statistics.median(s[0] for s in samples))
+            bwd.append(statistics.median(s[1] for s in samples))
+            saved.append(samples[-1][2])
+            workspace.append(samples[-1][3])
+            out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(
+                _tensor_leaves(samples[-1][4])[:1], storage)))
+            del samples
     input_bytes = [int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(args)[:1], storage))
                    for args, _ in recorded]
     return _plan(list(layers), (fwd, bwd, saved, out_bytes, workspace, input_bytes), budget_bytes, 1,
