@@ -548,6 +548,72 @@ def test_a_hugging_face_plan_holds_its_budget_in_a_step_whose_head_needs_more_th
                              repeat=1, gradients=gradients)
 
 
+def _chain_with_a_wide_head():
+    """4 blocks of width 32, then a 4096-way classifier and its loss: the head needs far more
+    than a block (logits, their log-softmax and their gradients, 1 MiB each)."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 32)) for _ in range(4)]
+    classifier = nn.Linear(32, 4096)
+    target = torch.randint(0, 4096, (64,))
+    return layers, classifier, lambda y: nn.functional.cross_entropy(classifier(y), target), torch.randn(64, 32)
+
+
+@pytest.mark.parametrize("ops", [True, False], ids=["plan_ops", "CheckpointedSequential"])
+@pytest.mark.parametrize("gradients", ["accumulated", "held"])
+def test_a_chain_plan_given_its_head_holds_its_budget_over_the_whole_step(gradients, ops):
+    layers, classifier, head, x = _chain_with_a_wide_head()
+
+    def planned_step(budget, with_head):
+        """(plan, the second step's peak): the chain planned for budget, then classifier and loss."""
+        model = copy.deepcopy(layers)
+        given = head if with_head else None
+        if ops:
+            plan = torch_ext.plan_ops(model, x, budget_bytes=budget, repeat=1, gradients=gradients, head=given)
+            plan.apply(model)
+            chain = nn.Sequential(*model)
+        else:
+            chain = torch_ext.CheckpointedSequential(model, budget_bytes=budget, gradients=gradients, head=given)
+        params = list(chain.parameters()) + list(classifier.parameters())
+        for _ in range(2):  # the second step is measured (the first plans, and allocates what steps keep)
+            for p in params:
+                p.grad = torch.zeros_like(p) if gradients == "accumulated" else None
+            with memory.track() as tracked:
+                head(chain(x)).backward()
+        return (plan if ops else chain.plan), tracked.peak_delta_bytes
+
+    planner = torch_ext.plan_ops if ops else torch_ext.plan_checkpoints
+    loose = planner(layers, x, budget_bytes=1 << 40, repeat=1, gradients=gradients, head=head)
+    assert loose.head_bytes > 3 * (64 * 4096 * 4)  # the logits, their log-softmax and a gradient at least
+    held = sum(p.nbytes for p in classifier.parameters())
+    assert loose.other_gradient_bytes == (held if gradients == "held" else 0)
+    assert classifier.weight.grad is None  # planning leaves the head's gradients as they were
+    plan, peak = planned_step(loose.min_budget_bytes, with_head=True)
+    assert plan.head_bytes == loose.head_bytes
+    assert peak <= plan.budget_bytes
+    assert plan.predicted_peak_bytes - peak < 0.25 * plan.budget_bytes
+    # Planned for the chain alone, the same step runs over that plan's budget.
+    blind = planner(layers, x, budget_bytes=1 << 40, repeat=1, gradients=gradients)
+    blind_plan, blind_peak = planned_step(blind.min_budget_bytes, with_head=False)
+    assert blind_plan.head_bytes is None and blind_peak > blind_plan.budget_bytes
+
+
+def test_a_chain_head_is_checked_and_measuring_it_changes_nothing():
+    layers, classifier, head, x = _chain_with_a_wide_head()
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    plan = torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1, head=head)
+    assert torch.equal(torch.get_rng_state(), state) and plan.head_bytes > 0
+    with pytest.raises(TypeError, match="plan_ops: head must be a callable .*got int"):
+        torch_ext.plan_ops(layers, x, budget_bytes=1 << 40, repeat=1, head=3)
+    with pytest.raises(ValueError, match=r"plan_checkpoints: head must return the loss, a one-element tensor .*"
+                                         r"got Tensor\(64, 4096\)"):
+        torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1, head=classifier)
+    with pytest.raises(ValueError, match="head is an option of planning under a budget; give budget_bytes"):
+        torch_ext.CheckpointedSequential(layers, every=2, head=head)
+    chain = torch_ext.CheckpointedSequential(copy.deepcopy(layers), budget_bytes=1 << 40, head=classifier)
+    assert list(chain.state_dict()) == list(nn.Sequential(*layers).state_dict())  # the head is not a layer
+
+
 def test_plans_keep_dropout_masks_or_draw_them_again_and_gradients_stay_exact():
     # A kept mask draw (bernoulli_) leaves the generator where the forward's was after it, so the
     # draws a plan recomputes still get the forward's numbers whatever it keeps.

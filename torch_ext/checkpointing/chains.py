@@ -5,14 +5,15 @@ from __future__ import annotations
 import math
 import weakref
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from .api import _run, checkpoint_options, option_names
-from .planner import CheckpointPlan, _call, _planning_gradients, _storage_bytes, _tensor_leaves, plan_checkpoints
+from .measuring import _call, _storage_bytes, _tensor_leaves
+from .planner import CheckpointPlan, _planning_gradients, plan_checkpoints
 
 def _segments_from_boundaries(n: int, boundaries: Sequence[int], owner: str) -> list[tuple[int, int, bool]]:
     bounds = list(boundaries)
@@ -37,8 +38,8 @@ class CheckpointedSequential(nn.Sequential):
     Exactly one of: every=k (a checkpoint every k layers, from layer 0), boundaries=[...] (the
     layers whose inputs are kept; layers before the first run without checkpointing), or
     budget_bytes=B (planned by plan_checkpoints on the first forward with grad, with its
-    `gradients` option; see .plan). A CheckpointPlan may be given as boundaries. The state_dict
-    keys are nn.Sequential's.
+    `gradients` and `head` options; see .plan). A CheckpointPlan may be given as boundaries. The
+    state_dict keys are nn.Sequential's (a head is not one of the layers).
 
     After a forward with grad the chain keeps weak references to each segment's input, for
     recompute(), and the bytes of the stored boundaries, for the accounting methods: it never keeps
@@ -49,7 +50,8 @@ class CheckpointedSequential(nn.Sequential):
     """
 
     def __init__(self, layers: Any, *, every: Optional[int] = None, boundaries: Any = None,
-                 budget_bytes: Optional[int] = None, gradients: Optional[str] = None, **options: Any) -> None:
+                 budget_bytes: Optional[int] = None, gradients: Optional[str] = None, head: Optional[Callable] = None,
+                 **options: Any) -> None:
         if isinstance(layers, (dict, OrderedDict)):
             super().__init__(OrderedDict(layers))
         elif isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
@@ -68,6 +70,10 @@ class CheckpointedSequential(nn.Sequential):
             raise ValueError(f"CheckpointedSequential: {_PLANNED_POLICY}")
         self.budget_bytes = budget_bytes
         self.gradients = _planning_gradients(gradients, budget_bytes, "CheckpointedSequential")
+        if head is not None and budget_bytes is None:
+            raise ValueError("CheckpointedSequential: head is an option of planning under a budget; give budget_bytes")
+        # Kept out of the module tree: the head is the caller's, not one of the chain's layers.
+        self.__dict__["_head"] = head
         self.plan: Optional[CheckpointPlan] = None
         if budget_bytes is not None:
             if not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
@@ -159,7 +165,8 @@ class CheckpointedSequential(nn.Sequential):
             if not grad:
                 return self._plain(inputs, kwargs)
             self.plan = plan_checkpoints(list(self), *inputs, budget_bytes=self.budget_bytes,
-                                         storage=self.options.script.storage, gradients=self.gradients, **kwargs)
+                                         storage=self.options.script.storage, gradients=self.gradients,
+                                         head=self._head, **kwargs)
             self._segments = list(self.plan.segments)
         value: Any = None
         for start, end, checkpointed in self._segments:

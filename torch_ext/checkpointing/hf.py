@@ -25,9 +25,9 @@ from torch.utils import _pytree as pytree
 from .. import memory
 from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options
 from .chains import _PLANNED_POLICY
+from .measuring import _storage_bytes, _tensor_leaves, _trainable_parameters
 from .op_planner import OpPlan, plan_recorded_ops
-from .planner import (CheckpointPlan, _planning_gradients, _storage_bytes, _tensor_leaves, _trainable_parameters,
-                      plan_recorded_layers)
+from .planner import CheckpointPlan, _planning_gradients, plan_recorded_layers
 
 __all__ = ["gradient_checkpointing_enable", "checkpoint_layers", "repeated_layers"]
 

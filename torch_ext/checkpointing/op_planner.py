@@ -20,11 +20,12 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .api import _CheckpointedForward, checkpoint
+from .measuring import (_measure_head, _measure_once, _state_restored, _storage_bytes, _tensor_leaves,
+                        _trainable_parameters)
 from .op_choice import _choose, _gradient_bytes, _peak
 from .op_recording import _KEPT_DRAWS, _record_ops
 from .op_storage import _check_storage, _rounded_bytes, _rounding_seconds
-from .planner import (_check_gradients, _evaluate, _held_note, _measure_once, _state_restored, _storage_bytes,
-                      _surroundings_note, _tensor_leaves, _trainable_parameters)
+from .planner import _check_gradients, _evaluate, _held_note, _surroundings_note
 
 
 @dataclass
@@ -46,7 +47,7 @@ class OpPlan:
     "held"); other_gradient_bytes: with "held", the gradients of parameters outside the chain
     counted as held through every block's backward. head_bytes: what follows the chain (a model's
     head and loss, forward and backward) needs above the blocks' keeps, as hf.checkpoint_layers
-    measures it, what is around the blocks then included; None: counted as what the last block's
+    and plan_ops(..., head=) measure it, what is around the blocks then included; None: counted as what the last block's
     backward needs. around_bytes: what a model holds around the blocks through their backward
     (masks, rotary tables, the embeddings' saved tensors, the head's gradients of tied weights;
     hf.checkpoint_layers measures it), counted in every block's figure. Bytes are activation
@@ -226,7 +227,7 @@ def _plan_contexts(saved: frozenset) -> tuple:
 
 def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, repeat: int = 3,
              progress: Optional[Callable] = None, storage: Sequence[str] = ("keep",),
-             gradients: str = "held", **kwargs: Any) -> OpPlan:
+             gradients: str = "held", head: Optional[Callable] = None, **kwargs: Any) -> OpPlan:
     """Measure a chain of blocks on sample inputs, op by op, and choose which blocks to checkpoint
     and the ops each checkpointed block saves so that the predicted peak activation memory stays
     within budget_bytes, keeping first what saves the most recompute seconds per byte. Each block
@@ -247,6 +248,9 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
     each block's gradients are added into it as its backward makes them, eager or with each block
     compiled on its own; its minimum is lower, and a step that starts with .grad None runs over it
     by up to the gradients' bytes.
+    head: what the step runs on the chain's output, a callable returning the loss, as
+    plan_checkpoints' option: measured, the budget holds over the whole step (head_bytes); without
+    it, what follows the chain is counted as needing what the last block's backward needs.
     Raises ValueError, stating the minimum, when no plan fits.
     Apply the plan with plan.apply(layers); plan.with_budget(B) plans another budget from the same
     measurements (plans of one measurement are monotonic in the budget; a new measurement may
@@ -261,8 +265,9 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
         raise ValueError(f"plan_ops: repeat must be an int >= 1, got {repeat!r}")
     options = _check_storage(storage)
     _check_gradients(gradients, "plan_ops")
+    head_bytes, head_gradient_bytes = _measure_head(head, layers, sample_inputs, kwargs, gradients, "plan_ops")
     return _op_plan(_measure_blocks(layers, repeat, progress, options, sample_inputs, kwargs), budget_bytes, options,
-                    gradients)
+                    gradients, head_gradient_bytes, head_bytes)
 
 
 def _check_budget(budget_bytes: Any) -> None:

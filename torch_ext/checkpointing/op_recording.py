@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from .. import _C
-from .planner import _call, _detach_like, _device_clock, _tensor_leaves
+from .measuring import _call, _detach_like, _device_clock, _tensor_leaves
 from .replay_draws import draws
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .planner import _device_clock, _storage_bytes
+from .measuring import _device_clock, _storage_bytes
 
 _STORAGE = ("keep", "bf16", "fp16")
 

@@ -2,21 +2,19 @@
 byte budget at the least recompute (dynamic programming over the chain)."""
 from __future__ import annotations
 
-import contextlib
 import statistics
-import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from .. import memory
 from .api import checkpoint_options
+from .measuring import (_measure_head, _measure_layers, _measure_once, _state_restored, _tensor_leaves,
+                        _trainable_parameters)
 from .op_choice import _gradient_bytes
 
 _GRADIENTS = ("accumulated", "held")
@@ -35,7 +33,7 @@ class CheckpointPlan:
     the chain) held throughout (plan_checkpoints' option). layer_input_bytes[k]: the boundary a
     segment starting at layer k keeps (in a chain, layer k - 1's output). head_bytes: what follows
     the layers (a model's head and loss, forward and backward) needs above what they hold, as
-    hf.checkpoint_layers measures it (None: not measured, nothing counted beyond the last
+    hf.checkpoint_layers and plan_checkpoints(..., head=) measure it (None: not measured, nothing counted beyond the last
     segment's backward); around_bytes: what the model holds around the layers through their
     backward (masks, rotary tables, the embeddings' saved tensors), counted in every segment's
     backward. Both as OpPlan's."""
@@ -76,148 +74,6 @@ class CheckpointPlan:
         return (f"CheckpointPlan(boundaries={self.boundaries}, segments={len(self.segments)}, "
                 f"predicted_peak={self.predicted_peak_bytes / mib:.1f} MiB of budget {self.budget_bytes / mib:.1f} MiB, "
                 f"predicted_overhead={self.predicted_overhead:.1%}, min_budget={self.min_budget_bytes / mib:.1f} MiB)")
-
-
-def _trainable_parameters(module: nn.Module) -> list[torch.Tensor]:
-    """module.parameters() that require grad (each once)."""
-    seen, params = set(), []
-    for p in module.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
-    return params
-
-
-def _call(layer: Callable, value: Any, kwargs: Optional[dict] = None, first: bool = False) -> Any:
-    if first:
-        return layer(*value, **(kwargs or {}))
-    return layer(value)
-
-
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-
-
-def _device_clock(*values: Any) -> Callable[[], float]:
-    """time.perf_counter, read once the device's queued work is done where values hold tensors on an
-    accelerator (or are modules with parameters there): a kernel runs after the call that queues
-    it returns, and a plan weighs what ops cost the device, not what queuing them costs."""
-    tensors = [t for v in values for t in (_trainable_parameters(v) if isinstance(v, nn.Module) else _tensor_leaves(v))]
-    device = next((t.device for t in tensors if t.device.type != "cpu"), None)
-    if device is None:
-        return time.perf_counter
-
-    def clock() -> float:
-        torch.accelerator.synchronize(device)
-        return time.perf_counter()
-    return clock
-
-
-def _storage_bytes(tensors: Iterable[torch.Tensor], exclude: set) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        key = (storage.device, storage.data_ptr())
-        if key in exclude or key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
-
-
-def _storage_keys(tensors: Iterable[torch.Tensor]) -> set:
-    keys = set()
-    for t in tensors:
-        storage = t.untyped_storage()
-        keys.add((storage.device, storage.data_ptr()))
-    return keys
-
-
-def _detach_like(value: Any, recorded: bool = False) -> Any:
-    """value's tensors detached; chained inputs require grad when they can, recorded ones (a
-    layer's real inputs) only where they did."""
-    def detach(leaf):
-        if isinstance(leaf, torch.Tensor):
-            return leaf.detach().requires_grad_(leaf.requires_grad or (not recorded and leaf.is_floating_point()))
-        return leaf
-    return pytree.tree_map(detach, value)
-
-
-@contextlib.contextmanager
-def _state_restored(modules: Iterable[Any], tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Measuring runs forwards that a step would not: afterwards the modules' buffers (running
-    statistics) and the random state of the CPU and of the CUDA devices of `tensors` are as they
-    were before."""
-    buffers = [(b, b.detach().clone()) for m in modules if isinstance(m, nn.Module) for b in m.buffers()]
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, copy in buffers:
-                    buffer.copy_(copy)
-
-
-def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, repeat: int, storage: str, progress):
-    """Per layer: forward and backward seconds (median of `repeat`), bytes saved for backward
-    (excluding parameters and the layer's input), output bytes, and backward workspace bytes.
-    The RNG state and the layers' buffers are restored afterwards."""
-    device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
-    fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
-    first_input = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(inputs), storage))
-    value: Any = inputs
-    with _state_restored(layers, _tensor_leaves(inputs)):
-        for index in progress(range(len(layers)), desc="measuring layers"):
-            samples = [_measure_once(layers[index], value, kwargs, index == 0, device) for _ in range(repeat)]
-            fwd.append(statistics.median(s[0] for s in samples))
-            bwd.append(statistics.median(s[1] for s in samples))
-            saved.append(samples[-1][2])
-            workspace.append(samples[-1][3])
-            value = samples[-1][4]
-            out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(value), storage)))
-            del samples
-    return fwd, bwd, saved, out_bytes, workspace, [first_input] + out_bytes[:-1]  # a chain: each input the output before
-
-
-def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device: torch.device,
-                  recorded: bool = False) -> tuple:
-    """One forward and backward of layer on (a detached copy of) value: (forward seconds, backward
-    seconds, bytes saved for backward, backward workspace bytes, the output detached)."""
-    params = _trainable_parameters(layer) if isinstance(layer, nn.Module) else []
-    x = _detach_like(value, recorded)
-    x_leaves = _tensor_leaves(x)
-    exclude = _storage_keys(params) | _storage_keys(x_leaves)
-    packed: list[torch.Tensor] = []
-    clock = _device_clock(x, params)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
-        start = clock()
-        out = _call(layer, x, kwargs, first)
-        forward_seconds = clock() - start
-    out_leaves = [t for t in _tensor_leaves(out) if t.requires_grad]
-    saved_bytes = _storage_bytes(packed + _tensor_leaves(out), exclude | _storage_keys(_tensor_leaves(kwargs)))
-    packed.clear()
-    targets = [t for t in x_leaves if t.requires_grad] + params
-    backward_seconds, workspace_bytes = 0.0, 0
-    if out_leaves and targets:
-        # Backward as in training: parameter gradients accumulate into existing .grad buffers, so
-        # what is measured is the transient working memory (intermediate gradients, the input's
-        # gradient, one parameter gradient before it is added).
-        grads_out = [torch.ones_like(t) for t in out_leaves]
-        kept_grads = [p.grad for p in params]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        try:
-            with memory.track(device) as tracked:
-                start = clock()
-                torch.autograd.backward(out_leaves, grads_out, inputs=targets)
-                backward_seconds = clock() - start
-        finally:
-            for p, g in zip(params, kept_grads):
-                p.grad = g
-        workspace_bytes = max(0, tracked.peak_delta_bytes)
-    detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-    return forward_seconds, backward_seconds, saved_bytes, workspace_bytes, detached
 
 
 def _solve(n: int, seconds: list[float], saved: list[int], out_bytes: list[int], workspace: list[int],
@@ -358,7 +214,7 @@ def _front(chunks: list[tuple], by_cost: bool) -> tuple:
 
 def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int, storage: Optional[str] = None,
                      repeat: int = 3, progress: Optional[Callable] = None, gradients: str = "held",
-                     **kwargs: Any) -> CheckpointPlan:
+                     head: Optional[Callable] = None, **kwargs: Any) -> CheckpointPlan:
     """Measure one step of a chain of layers and choose checkpoint boundaries for a memory budget.
 
     Each layer runs forward and backward `repeat` times on the outputs of the previous one
@@ -371,6 +227,9 @@ def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_byt
     .grad is None at the step's start or the whole chain is compiled as one graph) or
     "accumulated" (.grad allocated before every step, each gradient added into it as backward
     makes it: a lower minimum, for loops that keep .grad allocated).
+    head: what the step runs on the chain's output, a callable returning the loss (the model's head
+    and loss, an nn.Module or a function); measured on the chain's output (_measure_head), the
+    plan's budget then holds over the whole step, not the chain's backward alone.
     Raises ValueError, stating the minimum, when no plan fits. kwargs go to the first layer.
     """
     layers = list(layers.values() if isinstance(layers, (dict, OrderedDict)) else layers)
@@ -385,8 +244,9 @@ def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_byt
         raise ValueError(f"plan_checkpoints: repeat must be >= 1, got {repeat}")
     _check_gradients(gradients, "plan_checkpoints")
     progress = progress or (lambda iterable, desc: iterable)
+    head_bytes, head_gradient_bytes = _measure_head(head, layers, sample_inputs, kwargs, gradients, "plan_checkpoints")
     measured = _measure_layers(layers, sample_inputs, kwargs, repeat, storage, progress)
-    return _plan(layers, measured, budget_bytes, None, "plan_checkpoints", gradients)
+    return _plan(layers, measured, budget_bytes, None, "plan_checkpoints", gradients, head_gradient_bytes, head_bytes)
 
 
 def _check_gradients(gradients: Any, owner: str) -> None:
