@@ -608,6 +608,9 @@ def test_a_chain_head_is_checked_and_measuring_it_changes_nothing():
     with pytest.raises(ValueError, match=r"plan_checkpoints: head must return the loss, a one-element tensor .*"
                                          r"got Tensor\(64, 4096\)"):
         torch_ext.plan_checkpoints(layers, x, budget_bytes=1 << 40, repeat=1, head=classifier)
+    with pytest.raises(ValueError, match=r"plan_checkpoints: budget_bytes=.* below the minimum .*counted with the "
+                                         r"layers: the model's head and loss need \d+\.\d\d MiB after them; gradients="):
+        torch_ext.plan_checkpoints(layers, x, budget_bytes=plan.min_budget_bytes - 1, repeat=1, head=head)
     with pytest.raises(ValueError, match="head is an option of planning under a budget; give budget_bytes"):
         torch_ext.CheckpointedSequential(layers, every=2, head=head)
     chain = torch_ext.CheckpointedSequential(copy.deepcopy(layers), budget_bytes=1 << 40, head=classifier)

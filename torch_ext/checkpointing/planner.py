@@ -266,11 +266,11 @@ def _planning_gradients(gradients: Optional[str], budget_bytes: Any, owner: str)
 
 
 def _surroundings_note(head: Optional[int], around: int) -> str:
-    """A budget error's word on what a model needs beyond its layers (hf.checkpoint_layers measures it)."""
-    if head is None and not around:
-        return ""
-    return (f"; counted with the layers: the model's head and loss need {(head or 0) / 2**20:.2f} MiB after them, "
-            f"and {around / 2**20:.2f} MiB is held around them through their backward")
+    """A budget error's word on what a model needs beyond its layers (hf.checkpoint_layers measures
+    both; a chain's planner given head= the first)."""
+    parts = ([f"the model's head and loss need {head / 2**20:.2f} MiB after them"] if head is not None else []) + \
+        ([f"{around / 2**20:.2f} MiB is held around them through their backward"] if around else [])
+    return f"; counted with the layers: {', and '.join(parts)}" if parts else ""
 
 
 def _held_note(grads: Sequence[int], unit: str) -> str:
