@@ -504,7 +504,8 @@ TEST(Paging, StreamedBlocksMadeByAHelperThreadGiveTheCallersProduct) {
                                              std::pair{true, Blocking::kOutputFeatures},
                                              std::pair{true, Blocking::kWholeRows}}) {
     const at::Tensor stored = (transposed ? at::randn({64, 13000}) : at::randn({13000, 64})).to(at::kBFloat16);
-    const auto blocks_of = [&] {
+    // Copies: clang before 16 cannot capture structured bindings.
+    const auto blocks_of = [&, transposed = transposed, blocking = blocking] {
       return std::make_shared<pg::StreamedBlocks>(stored, x, std::optional<at::Tensor>(bias), transposed, blocking);
     };
     const auto alone = blocks_of();

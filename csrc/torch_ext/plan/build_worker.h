@@ -24,7 +24,7 @@
 
 namespace torch_ext::plan {
 
-class BuildWorker : private ForkParticipant {
+class BuildWorker final : private ForkParticipant {
  public:
   struct Job {
     std::string what;                                    // names the job in messages ("bucket 8 x 64")
