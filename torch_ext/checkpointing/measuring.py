@@ -96,10 +96,12 @@ def _state_restored(modules: Iterable[Any], tensors: Iterable[torch.Tensor]) -> 
                     buffer.copy_(copy)
 
 
-def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, repeat: int, storage: str, progress):
+def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, repeat: int, storage: str,
+                    progress) -> tuple[tuple, Any]:
     """Per layer: forward and backward seconds (median of `repeat`), bytes saved for backward
-    (excluding parameters and the layer's input), output bytes, and backward workspace bytes.
-    The RNG state and the layers' buffers are restored afterwards."""
+    (excluding parameters and the layer's input), output bytes, and backward workspace bytes;
+    and the chain's output, detached. The RNG state and the layers' buffers are restored
+    afterwards."""
     device = next((t.device for t in _tensor_leaves(inputs)), torch.device("cpu"))
     fwd, bwd, saved, out_bytes, workspace = [], [], [], [], []
     first_input = int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(inputs), storage))
@@ -114,7 +116,8 @@ def _measure_layers(layers: Sequence[Callable], inputs: tuple, kwargs: dict, rep
             value = samples[-1][4]
             out_bytes.append(int(torch.ops.torch_ext.checkpoint_boundary_bytes(_tensor_leaves(value), storage)))
             del samples
-    return fwd, bwd, saved, out_bytes, workspace, [first_input] + out_bytes[:-1]  # a chain: each input the output before
+    input_bytes = [first_input] + out_bytes[:-1]  # a chain: each input the output before
+    return (fwd, bwd, saved, out_bytes, workspace, input_bytes), value
 
 
 def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device: torch.device,
@@ -157,32 +160,29 @@ def _measure_once(layer: Callable, value: Any, kwargs: dict, first: bool, device
     return forward_seconds, backward_seconds, saved_bytes, workspace_bytes, detached
 
 
-def _measure_head(head: Optional[Callable], layers: Sequence[Callable], inputs: tuple, kwargs: dict, gradients: str,
+def _check_head(head: Optional[Callable], owner: str) -> None:
+    if head is not None and not callable(head):
+        raise TypeError(f"{owner}: head must be a callable that takes the chain's output and returns the loss, "
+                        f"got {type(head).__name__}")
+
+
+def _measure_head(head: Optional[Callable], output: Any, layers: Sequence[Callable], gradients: str,
                   owner: str) -> tuple[Optional[int], int]:
     """What a chain's head needs, as (head_bytes, the gradient bytes it leaves held); (None, 0)
-    without one. head_bytes: the chain's output and the peak above it from the head's call until
-    its backward has brought the output's gradient back (the planners' head term, as
-    hf.checkpoint_layers measures it in a model). The head's parameters are the leaves its loss's
-    graph reaches (found by a first call): with gradients "accumulated" their .grad is allocated
-    beforehand; with "held" it starts as None, and the gradients of those outside the chain are
-    held through the chain's backward too. The chain runs once without grad for its output; the
-    parameters' .grad, the random state and the buffers of the layers and of a Module head are as
+    without one. output: the chain's output, as measuring its layers left it. head_bytes: that
+    output and the peak above it from the head's call until its backward has brought the
+    output's gradient back (the planners' head term, as hf.checkpoint_layers measures it in a
+    model). The head's parameters are the leaves its loss's graph reaches (found by a first
+    call): with gradients "accumulated" their .grad is allocated beforehand; with "held" it
+    starts as None, and the gradients of those outside the chain are held through the chain's
+    backward too. The parameters' .grad, the random state and a Module head's buffers are as
     they were."""
     if head is None:
         return None, 0
-    if not callable(head):
-        raise TypeError(f"{owner}: head must be a callable that takes the chain's output and returns the loss, "
-                        f"got {type(head).__name__}")
-    leaves = _tensor_leaves(inputs)
-    device = next((t.device for t in leaves), torch.device("cpu"))
-    with _state_restored(list(layers) + [head], leaves):
-        with torch.no_grad():
-            value: Any = inputs
-            for index, layer in enumerate(layers):
-                value = _call(layer, value, kwargs, index == 0)
-        output = _detach_like(value)
-        del value
-        output_leaves = [t for t in _tensor_leaves(output) if t.requires_grad]
+    output = _detach_like(output)
+    output_leaves = [t for t in _tensor_leaves(output) if t.requires_grad]
+    device = next((t.device for t in output_leaves), torch.device("cpu"))
+    with _state_restored([head], output_leaves):
         with torch.enable_grad():
             params = [p for p in _graph_leaves(_head_loss(head, output, owner))
                       if all(p is not t for t in output_leaves)]

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .api import _CheckpointedForward, checkpoint
-from .measuring import (_measure_head, _measure_once, _state_restored, _storage_bytes, _tensor_leaves,
+from .measuring import (_check_head, _measure_head, _measure_once, _state_restored, _storage_bytes, _tensor_leaves,
                         _trainable_parameters)
 from .op_choice import _choose, _gradient_bytes, _peak
 from .op_recording import _KEPT_DRAWS, _record_ops
@@ -47,8 +47,8 @@ class OpPlan:
     "held"); other_gradient_bytes: with "held", the gradients of parameters outside the chain
     counted as held through every block's backward. head_bytes: what follows the chain (a model's
     head and loss, forward and backward) needs above the blocks' keeps, as hf.checkpoint_layers
-    and plan_ops(..., head=) measure it, what is around the blocks then included; None: counted as what the last block's
-    backward needs. around_bytes: what a model holds around the blocks through their backward
+    and plan_ops(..., head=) measure it, what is around the blocks then included; None: counted
+    as what the last block's backward needs. around_bytes: what a model holds around the blocks through their backward
     (masks, rotary tables, the embeddings' saved tensors, the head's gradients of tied weights;
     hf.checkpoint_layers measures it), counted in every block's figure. Bytes are activation
     bytes as plan_checkpoints counts them (parameters excluded; their gradients only as
@@ -265,9 +265,10 @@ def plan_ops(layers: Iterable[Callable], *sample_inputs: Any, budget_bytes: int,
         raise ValueError(f"plan_ops: repeat must be an int >= 1, got {repeat!r}")
     options = _check_storage(storage)
     _check_gradients(gradients, "plan_ops")
-    head_bytes, head_gradient_bytes = _measure_head(head, layers, sample_inputs, kwargs, gradients, "plan_ops")
-    return _op_plan(_measure_blocks(layers, repeat, progress, options, sample_inputs, kwargs), budget_bytes, options,
-                    gradients, head_gradient_bytes, head_bytes)
+    _check_head(head, "plan_ops")
+    measured, output = _measure_blocks(layers, repeat, progress, options, sample_inputs, kwargs)
+    head_bytes, head_gradient_bytes = _measure_head(head, output, layers, gradients, "plan_ops")
+    return _op_plan(measured, budget_bytes, options, gradients, head_gradient_bytes, head_bytes)
 
 
 def _check_budget(budget_bytes: Any) -> None:
@@ -277,12 +278,13 @@ def _check_budget(budget_bytes: Any) -> None:
 
 def _measure_blocks(layers: list, repeat: int, progress: Optional[Callable], storage_options: list[str],
                     inputs: tuple = (), kwargs: Optional[dict] = None,
-                    recorded: Optional[Sequence[tuple[tuple, dict]]] = None) -> dict:
+                    recorded: Optional[Sequence[tuple[tuple, dict]]] = None) -> tuple[dict, Any]:
     """Per block: its candidate ops, input / output / activation / workspace / parameter bytes
-    and seconds. A chain (inputs, kwargs for the first block; each block runs on the previous
-    one's output) or, with recorded, the (args, kwargs) each block received in a real forward
-    (its boundary is its first argument, as plan_recorded_layers counts it). With a lossy option
-    among storage_options, also each block's input rounded to 16 bits and the time to round it."""
+    and seconds; and the last block's output, detached. A chain (inputs, kwargs for the first
+    block; each block runs on the previous one's output) or, with recorded, the (args, kwargs)
+    each block received in a real forward (its boundary is its first argument, as
+    plan_recorded_layers counts it). With a lossy option among storage_options, also each
+    block's input rounded to 16 bits and the time to round it."""
     progress = progress or (lambda iterable, desc: iterable)
     rounding = storage_options != ["keep"]
     leaves = _tensor_leaves(recorded[0] if recorded is not None else inputs)
@@ -319,7 +321,7 @@ def _measure_blocks(layers: list, repeat: int, progress: Optional[Callable], sto
                                if isinstance(layer, nn.Module) else 0)
             value = samples[-1][4]
     _pool_alike_blocks(m)
-    return m
+    return m, value
 
 
 def _pool_alike_blocks(m: dict) -> None:
@@ -350,8 +352,8 @@ def plan_recorded_ops(layers: Sequence[nn.Module], recorded: Sequence[tuple[tupl
     around_bytes: OpPlan's."""
     _check_budget(budget_bytes)
     options = _check_storage(storage)
-    return _op_plan(_measure_blocks(list(layers), repeat, progress, options, recorded=recorded), budget_bytes, options,
-                    gradients, other_gradient_bytes, head_bytes, around_bytes)
+    measured, _ = _measure_blocks(list(layers), repeat, progress, options, recorded=recorded)
+    return _op_plan(measured, budget_bytes, options, gradients, other_gradient_bytes, head_bytes, around_bytes)
 
 
 def _op_plan(m: dict, budget_bytes: float, storage_options: Sequence[str] = ("keep",),

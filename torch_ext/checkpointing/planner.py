@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .api import checkpoint_options
-from .measuring import (_measure_head, _measure_layers, _measure_once, _state_restored, _tensor_leaves,
+from .measuring import (_check_head, _measure_head, _measure_layers, _measure_once, _state_restored, _tensor_leaves,
                         _trainable_parameters)
 from .op_choice import _gradient_bytes
 
@@ -33,10 +33,10 @@ class CheckpointPlan:
     the chain) held throughout (plan_checkpoints' option). layer_input_bytes[k]: the boundary a
     segment starting at layer k keeps (in a chain, layer k - 1's output). head_bytes: what follows
     the layers (a model's head and loss, forward and backward) needs above what they hold, as
-    hf.checkpoint_layers and plan_checkpoints(..., head=) measure it (None: not measured, nothing counted beyond the last
-    segment's backward); around_bytes: what the model holds around the layers through their
-    backward (masks, rotary tables, the embeddings' saved tensors), counted in every segment's
-    backward. Both as OpPlan's."""
+    hf.checkpoint_layers and plan_checkpoints(..., head=) measure it (None: not measured,
+    nothing counted beyond the last segment's backward); around_bytes: what the model holds
+    around the layers through their backward (masks, rotary tables, the embeddings' saved
+    tensors), counted in every segment's backward. Both as OpPlan's."""
 
     segments: list[tuple[int, int, bool]]
     budget_bytes: int
@@ -244,8 +244,9 @@ def plan_checkpoints(layers: Iterable[Callable], *sample_inputs: Any, budget_byt
         raise ValueError(f"plan_checkpoints: repeat must be >= 1, got {repeat}")
     _check_gradients(gradients, "plan_checkpoints")
     progress = progress or (lambda iterable, desc: iterable)
-    head_bytes, head_gradient_bytes = _measure_head(head, layers, sample_inputs, kwargs, gradients, "plan_checkpoints")
-    measured = _measure_layers(layers, sample_inputs, kwargs, repeat, storage, progress)
+    _check_head(head, "plan_checkpoints")
+    measured, output = _measure_layers(layers, sample_inputs, kwargs, repeat, storage, progress)
+    head_bytes, head_gradient_bytes = _measure_head(head, output, layers, gradients, "plan_checkpoints")
     return _plan(layers, measured, budget_bytes, None, "plan_checkpoints", gradients, head_gradient_bytes, head_bytes)
 
 
