@@ -295,12 +295,13 @@ def test_compiled_the_same_decisions_reach_torch_compile():
     assert_same(*grads)
 
 
-def kept_by_compiled(save):
-    """Bytes a compiled forward of a checkpointed MLP keeps for backward (its second step)."""
+def kept_by_compiled(save, backend="aot_eager"):
+    """Bytes a compiled forward of a checkpointed MLP keeps for backward (its second step); eager
+    where backend is None."""
     torch.manual_seed(0)
     block = torch_ext.checkpoint(MLP(64), save=save)
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    step = torch.compile(block, fullgraph=True, backend="aot_eager")
+    step = torch.compile(block, fullgraph=True, backend=backend) if backend else block
     for _ in range(2):  # the first compiles
         start = memory.stats().current_bytes
         out = step(x)
@@ -319,6 +320,15 @@ def test_compiled_policies_on_the_same_code_do_not_share_a_graph():
     after = kept_by_compiled("aten::addmm#0")
     torch._dynamo.reset()
     assert everything > alone and after == alone
+
+
+def test_compiled_a_saved_pointwise_op_keeps_what_eager_keeps():
+    # Inductor's decompositions make GELU several nodes. Tagged MUST_SAVE, each of them was barred
+    # from recompute, and the forward kept GELU's derivative beside its output: twice eager's bytes.
+    torch._dynamo.reset()
+    compiled = kept_by_compiled("aten::gelu", backend="aot_eager_decomp_partition")
+    torch._dynamo.reset()
+    assert compiled == kept_by_compiled("aten::gelu", backend=None) == 256 * 128 * 4
 
 
 def test_compiled_policy_finds_an_op_whose_cached_overload_was_replaced():

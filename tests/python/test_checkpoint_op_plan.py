@@ -321,12 +321,14 @@ def test_a_plan_for_held_gradients_stays_within_its_budget_with_the_whole_chain_
     matmuls_first = _timed_as(held, "addmm").with_budget(budget)
     assert all(("aten.addmm.default", 0) in map(tuple, saved) for saved in matmuls_first.saved if saved)
     assert peak(matmuls_first) <= budget
-    # Where Inductor differs (docs/checkpoint.md): a block that saves its GELU but recomputes the
-    # matmul that made GELU's input. Eager replays the matmul; the compiled forward computes GELU's
-    # derivative from it and keeps that too, one more tensor of the block's width.
+    # A block that saves its GELU but recomputes the matmul that made GELU's input. Tagged
+    # MUST_SAVE, every node of GELU's decomposition would be barred from recompute, and the
+    # compiled forward kept GELU's derivative beside its output (5.11 MB here); tagged PREFER_SAVE
+    # (selective.saved_policy), it keeps what eager keeps.
     gelu_alone = _timed_as(held, "gelu").with_budget(budget)
     assert any(saved == [["aten.gelu.default", 0]] for saved in gelu_alone.saved)
-    assert peak(gelu_alone, compiled=False) <= budget < peak(gelu_alone)
+    assert peak(gelu_alone, compiled=False) <= budget
+    assert peak(gelu_alone) <= budget
 
 
 def test_plan_round_trips_through_json(chain, tmp_path):

@@ -26,6 +26,7 @@ from .op_choice import _choose, _gradient_bytes, _peak
 from .op_recording import _KEPT_DRAWS, _record_ops
 from .op_storage import _check_storage, _rounded_bytes, _rounding_seconds
 from .planner import _check_gradients, _evaluate, _held_note, _surroundings_note
+from .selective import saved_policy
 
 
 @dataclass
@@ -121,7 +122,8 @@ class OpPlan:
     def context_fn(self, block: int) -> Callable:
         """torch's context_fn for block (the same choice as save_items, for torch.utils.checkpoint):
         create_selective_checkpoint_contexts with a policy that saves the plan's ops of that block
-        (MUST_SAVE) and recomputes the others. Raises for a block the plan leaves unwrapped."""
+        (selective.saved_policy) and recomputes the others. Raises for a block the plan leaves
+        unwrapped."""
         self._check_checkpointed("context_fn", block)
         return functools.partial(_plan_contexts, frozenset(self.saved_ops(block)))
 
@@ -221,7 +223,7 @@ def _plan_contexts(saved: frozenset) -> tuple:
         # torch's policy would hand the replay the forward's mask tensor, which dropout then scales in
         # place: it draws masks again (only the native policy keeps them).
         keep = (name, index) in saved and name not in _KEPT_DRAWS
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return saved_policy(op) if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return create_selective_checkpoint_contexts(policy)
 
 

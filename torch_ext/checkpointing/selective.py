@@ -70,6 +70,18 @@ def _rules(items: tuple) -> dict:
     return rules
 
 
+def saved_policy(op) -> CheckpointPolicy:
+    """The tag for an op a policy saves, for torch.compile's partitioner: MUST_SAVE, except
+    PREFER_SAVE for a pointwise op. Inductor decomposes a pointwise op such as GELU or SiLU into
+    several nodes and a MUST_SAVE tag goes on each of them, so the partitioner may not recompute
+    the intermediates its backward reuses (GELU's 1 + erf(x / sqrt 2)): it keeps one of them, or
+    the derivative made from it, beside the output, where eager keeps the output alone. With
+    PREFER_SAVE it keeps what the cheapest cut needs: the output, or less. Eager saves PREFER_SAVE
+    and MUST_SAVE outputs alike."""
+    pointwise = isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
+    return CheckpointPolicy.PREFER_SAVE if pointwise else CheckpointPolicy.MUST_SAVE
+
+
 def compiled_context_fn(items: tuple) -> Callable:
     """A context_fn for torch.utils.checkpoint under torch.compile that saves what `save=items`
     saves in eager: the same groups, periods, occurrences and dropout rule. A functools.partial:
@@ -94,6 +106,6 @@ def _compiled_contexts(items: tuple) -> tuple:
         saved = occurrence in occurrences if occurrences else (occurrence + 1) % every == 0
         if saved:  # an op that drops out only where its dropout_p is 0
             saved = dropout_p(op, args, kwargs) in (None, 0.0)
-        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+        return saved_policy(op) if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
