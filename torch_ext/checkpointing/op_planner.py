@@ -47,12 +47,12 @@ class OpPlan:
     back. gradients: how the step holds parameter gradients, as plan_ops' option ("accumulated" or
     "held"); other_gradient_bytes: with "held", the gradients of parameters outside the chain
     counted as held through every block's backward. head_bytes: what follows the chain (a model's
-    head and loss, forward and backward) needs above the blocks' keeps, as hf.checkpoint_layers
-    and plan_ops(..., head=) measure it, what is around the blocks then included; None: counted
-    as what the last block's backward needs. around_bytes: what a model holds around the blocks through their backward
-    (masks, rotary tables, the embeddings' saved tensors, the head's gradients of tied weights;
-    hf.checkpoint_layers measures it), counted in every block's figure. Bytes are activation
-    bytes as plan_checkpoints counts them (parameters excluded; their gradients only as
+    head and loss, forward and backward) needs above the blocks' keeps, as hf.checkpoint_layers and
+    plan_ops(..., head=) measure it, what is around the blocks then included; None: counted as what
+    the last block's backward needs. around_bytes: what a model holds around the blocks through
+    their backward (masks, rotary tables, the embeddings' saved tensors, the head's gradients of
+    tied weights; hf.checkpoint_layers measures it), counted in every block's figure. Bytes are
+    activation bytes as plan_checkpoints counts them (parameters excluded; their gradients only as
     `gradients` says).
     Thread safety: a plan is not changed by its methods (with_budget returns a new one), and
     context_fn gives each checkpointed call a policy of its own, so planned layers may run in
