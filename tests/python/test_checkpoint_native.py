@@ -295,9 +295,9 @@ def test_compiled_the_same_decisions_reach_torch_compile():
     assert_same(*grads)
 
 
-def kept_by_compiled(save, backend="aot_eager"):
-    """Bytes a compiled forward of a checkpointed MLP keeps for backward (its second step); eager
-    where backend is None."""
+def kept_for_backward(save, backend="aot_eager"):
+    """Bytes the forward of a checkpointed MLP keeps for backward (its second step), compiled with
+    `backend`, or eager where backend is None."""
     torch.manual_seed(0)
     block = torch_ext.checkpoint(MLP(64), save=save)
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -314,10 +314,10 @@ def test_compiled_policies_on_the_same_code_do_not_share_a_graph():
     # Dynamo takes a plain function passed as context_fn without a guard: a second model with
     # another policy would run the first one's graph and keep what that policy keeps.
     torch._dynamo.reset()
-    alone = kept_by_compiled("aten::addmm#0")
+    alone = kept_for_backward("aten::addmm#0")
     torch._dynamo.reset()
-    everything = kept_by_compiled("matmul")
-    after = kept_by_compiled("aten::addmm#0")
+    everything = kept_for_backward("matmul")
+    after = kept_for_backward("aten::addmm#0")
     torch._dynamo.reset()
     assert everything > alone and after == alone
 
@@ -326,9 +326,9 @@ def test_compiled_a_saved_pointwise_op_keeps_what_eager_keeps():
     # Inductor's decompositions make GELU several nodes. Tagged MUST_SAVE, each of them was barred
     # from recompute, and the forward kept GELU's derivative beside its output: twice eager's bytes.
     torch._dynamo.reset()
-    compiled = kept_by_compiled("aten::gelu", backend="aot_eager_decomp_partition")
+    compiled = kept_for_backward("aten::gelu", backend="aot_eager_decomp_partition")
     torch._dynamo.reset()
-    assert compiled == kept_by_compiled("aten::gelu", backend=None) == 256 * 128 * 4
+    assert compiled == kept_for_backward("aten::gelu", backend=None) == 256 * 128 * 4
 
 
 def test_compiled_policy_finds_an_op_whose_cached_overload_was_replaced():
@@ -336,7 +336,7 @@ def test_compiled_policy_finds_an_op_whose_cached_overload_was_replaced():
     # keeps handing policies the object it met first. Rules that knew ops by identity, built after
     # such a call, matched no op: the compiled policy saved nothing.
     torch._dynamo.reset()
-    before = kept_by_compiled("matmul")  # mm and addmm dispatched: their objects are fixed
+    before = kept_for_backward("matmul")  # mm and addmm dispatched: their objects are fixed
     packets = (torch.ops.aten.mm, torch.ops.aten.addmm)
     originals = [packet.default for packet in packets]
     try:
@@ -344,7 +344,7 @@ def test_compiled_policy_finds_an_op_whose_cached_overload_was_replaced():
             assert packet.__getattr__("default") is not original and packet.default is not original
         selective._rules.cache_clear()  # rules built from now on see the new objects
         torch._dynamo.reset()
-        after = kept_by_compiled("matmul")
+        after = kept_for_backward("matmul")
     finally:
         for packet, original in zip(packets, originals):
             packet.default = original

@@ -76,8 +76,9 @@ def saved_policy(op) -> CheckpointPolicy:
     several nodes and a MUST_SAVE tag goes on each of them, so the partitioner may not recompute
     the intermediates its backward reuses (GELU's 1 + erf(x / sqrt 2)): it keeps one of them, or
     the derivative made from it, beside the output, where eager keeps the output alone. With
-    PREFER_SAVE it keeps what the cheapest cut needs: the output, or less. Eager saves PREFER_SAVE
-    and MUST_SAVE outputs alike."""
+    PREFER_SAVE the op is left to the partitioner's min-cut, which keeps its output or recomputes
+    it by the cut the partitioner finds cheapest. Eager saves PREFER_SAVE and MUST_SAVE outputs
+    alike."""
     pointwise = isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
     return CheckpointPolicy.PREFER_SAVE if pointwise else CheckpointPolicy.MUST_SAVE
 
