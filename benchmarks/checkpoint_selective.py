@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -163,11 +164,17 @@ def compiled_steps(base: torch.nn.Module, built: dict, planned_compiled: dict, b
 
 def run_model(label: str, build, quick: bool, device, report: harness.Report, checks: list, points: dict,
               compiled_rows: bool) -> None:
+    started = time.perf_counter()
+
+    def progress(what: str) -> None:
+        print(f"{label}: {what} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+
     base = build().to(device)
     config = base.config
     batch = padded_batch(config.vocab_size, 2 if quick else 4, config.max_position_embeddings, device)
     built = variants(base)
     budgets, plans, planned_compiled, recorded = planned(base, batch, device, built, compiled_rows)
+    progress("planned")
     for model in (*built.values(), *planned_compiled.values()):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -186,12 +193,14 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
         model.zero_grad(set_to_none=False)
         peaks[name] = harness.peak_memory(step, device)
         model.zero_grad(set_to_none=False)
+        progress(f"{name}: first step and peak memory")
     built_by_row = {name: model for name, (model, _) in rows.items()}
     zero = {name: functools.partial(model.zero_grad, set_to_none=False) for name, model in built_by_row.items()}
     repeat, pair_repeat = (2, 4) if quick else (8, 20)
     # Alternating rounds: a variant that follows one of smaller peak pays the page faults of the
     # memory the allocator gave back, so a fixed order falls on the same variants each round.
     timings = harness.measure_interleaved(steps, warmup=1, repeat=repeat, before_each=zero, alternate=True)
+    progress(f"{len(steps)} variants timed")
     base_time = timings[NONE].median_seconds
     for name, t in timings.items():
         report.add_row({"model": label, "variant": name, "step peak memory": harness.format_bytes(peaks[name]),
@@ -228,7 +237,9 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
                        f"{harness.format_bytes(plans[name].predicted_peak_bytes)}, {sum(plans[name].checkpointed)} of "
                        f"{len(plans[name].ops)} layers checkpointed, saving {sum(map(len, plans[name].saved))} of the "
                        f"{sum(map(len, plans[name].ops))} ops measured)", max(peak, peaks[name]) <= budget))
+    progress("(e) and (g) paired with (c), the plans' layers measured")
     checks += anchor_checks(label, timings, peaks, steps, zero, pair_repeat)
+    progress("plans paired with their anchors")
     half = PLANNED[0.5]
     if half in timings:
         # Paired: the interleaved rounds above time every variant once a round, too far apart for a 5% verdict.
@@ -243,6 +254,7 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
                        f"[{low:.3f}, {high:.3f}]x (sign test); the plan predicted "
                        f"{harness.format_seconds(predicted)} of recompute a step, "
                        f"{1 + predicted / pair[NONE].median_seconds:.3f}x", ratio <= 1.05))
+        progress(f"{half} paired with (a)")
     compiled_c = f"{TORCH_SAC}, compiled"
     for ours, letter in ((OURS_SAC, "e"), (NATIVE, "g")) if compiled_rows else ():
         compiled = f"{ours}, compiled"
