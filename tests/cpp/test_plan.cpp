@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -27,6 +28,8 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/jit/api/module.h>
+#include <torch/csrc/jit/frontend/resolver.h>
+#include <torch/library.h>
 
 #include "torch_ext/plan/batcher.h"
 #include "torch_ext/plan/build_worker.h"
@@ -49,12 +52,13 @@ namespace {
 
 constexpr int64_t kFeatures = 8;
 
-torch::jit::Module make_module(const std::string& name, const std::string& source, bool training = false) {
+torch::jit::Module make_module(const std::string& name, const std::string& source, bool training = false,
+                               const torch::jit::ResolverPtr& resolver = nullptr) {
   torch::jit::Module m(name);
   m.register_attribute("training", c10::BoolType::get(), training);
   m.register_parameter("w", at::randn({kFeatures, kFeatures}), false);
   m.register_parameter("b", at::randn({kFeatures}), false);
-  m.define(source);
+  m.define(source, resolver);
   return m;
 }
 
@@ -78,15 +82,45 @@ def forward(self, x):
 )JIT");
 }
 
-// Cost grows with the batch size squared: builds at large sizes are slow.
-torch::jit::Module slow_at_large_sizes() {
-  return make_module("Slow", R"JIT(
+// A module whose runs at 40 rows or more wait for the test: torch_ext_test::gate(x) returns a copy
+// of x, and at such sizes first says it was entered, then blocks until the test opens it.
+struct Gate {
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool entered = false;
+  bool open = false;
+};
+
+Gate& gate() {
+  static Gate g;
+  return g;
+}
+
+at::Tensor gate_op(const at::Tensor& x) {
+  if (x.size(0) >= 40) {
+    Gate& g = gate();
+    std::unique_lock lock(g.mutex);
+    g.entered = true;
+    g.changed.notify_all();
+    g.changed.wait(lock, [&] { return g.open; });
+  }
+  return x.clone();
+}
+
+// TorchScript's C++ compiler resolves `torch` only; this adds `torch_ext_test`, this file's ops.
+struct TestOpsResolver : torch::jit::NativeResolver {
+  std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction& m,
+                                                         const torch::jit::SourceRange& loc) override {
+    if (name == "torch_ext_test") return std::make_shared<torch::jit::BuiltinModule>(name);
+    return NativeResolver::resolveValue(name, m, loc);
+  }
+};
+
+torch::jit::Module gated_at_large_sizes() {
+  return make_module("Gated", R"JIT(
 def forward(self, x):
-    y = x
-    for _ in range(x.size(0) * x.size(0) * 20):
-        y = y * 0.999 + 0.001
-    return y
-)JIT");
+    return torch_ext_test.gate(x) * self.b
+)JIT", /*training=*/false, std::make_shared<TestOpsResolver>());
 }
 
 // Cost a + b * n with a == 3b: splitting 2 into 1 + 1 costs 8b, padding it to 16 costs 19b;
@@ -126,6 +160,8 @@ const plan::SizeStats* size_stats(const plan::PlanCacheStats& s, int64_t n) {
 }
 
 }  // namespace
+
+TORCH_LIBRARY(torch_ext_test, m) { m.def("gate(Tensor x) -> Tensor", gate_op); }
 
 TEST(Plan, ExactModeEqualsTheModuleAtEverySize) {
   auto m = rowwise();
@@ -443,27 +479,45 @@ TEST(Plan, ModulesThatCannotBeFrozenAreRejected) {
 }
 
 TEST(Plan, AMissDoesNotBlockHitsAtOtherSizes) {
-  auto m = slow_at_large_sizes();
+  auto m = gated_at_large_sizes();
   PlanCache cache(m, options());
   auto small = input(1);
+  const auto want = reference(m, small);
   run(cache, small);
-  std::atomic<bool> building{true};
-  std::thread builder([&] {
-    run(cache, input(40));  // 32000 sin calls per run, 3 runs with the warm-up
-    building = false;
-  });
-  int64_t hits_during_build = 0;
-  double slowest = 0;
-  while (building) {
-    const auto start = std::chrono::steady_clock::now();
-    run(cache, small);
-    slowest = std::max(slowest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    ++hits_during_build;
+  Gate& g = gate();
+  const auto set_open = [&](bool open) {
+    {
+      std::lock_guard lock(g.mutex);
+      g.open = open;
+      if (!open) g.entered = false;  // closing it begins a new wait
+    }
+    g.changed.notify_all();
+  };
+  set_open(false);
+  // The miss at 40 builds on its own thread and stays inside the module until the gate opens.
+  auto miss = std::async(std::launch::async, [&] { return run(cache, input(40)); });
+  bool entered = false;
+  {
+    std::unique_lock lock(g.mutex);
+    entered = g.changed.wait_for(lock, std::chrono::seconds(60), [&] { return g.entered; });
   }
-  builder.join();
-  const double build_seconds = size_stats(cache.stats(), 40)->build_seconds;
-  EXPECT_GT(hits_during_build, 3);
-  EXPECT_LT(slowest, build_seconds / 2) << "a hit waited for the build";
+  if (!entered) {
+    set_open(true);
+    FAIL() << "the miss never ran the module";
+  }
+  auto hits = std::async(std::launch::async, [&] {
+    for (int i = 0; i < 5; ++i) {
+      if (!at::equal(run(cache, small), want)) return false;
+    }
+    return true;
+  });
+  // Five hits end while the build is held (the wait only bounds a hang).
+  const bool hits_ended_during_build = hits.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  set_open(true);
+  EXPECT_TRUE(hits_ended_during_build) << "a hit waited for the build";
+  EXPECT_TRUE(hits.get());
+  EXPECT_EQ(miss.get().size(0), 40);
+  EXPECT_EQ(cache.stats().builds, 2);
 }
 
 TEST(Plan, ConcurrentMissesOfOneSizeBuildOnce) {
