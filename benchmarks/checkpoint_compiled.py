@@ -21,8 +21,6 @@ eager and layer by layer compiled; plans for held gradients with the whole model
 from __future__ import annotations
 
 import copy
-import sys
-import time
 
 import torch
 
@@ -78,14 +76,14 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
             variants[name] = (model, budget)
     weights = sum(p.numel() * p.element_size() for p in base.parameters())
     for name, (model, budget) in variants.items():
-        started = time.perf_counter()
+        progress = harness.progress(f"{label}, {name}")
         held = name.endswith("gradients held")
         layers = layers_peak(model, recorded, device)
         (kept, peak), (kept_c, peak_c) = (kept_and_peak(model, batch, compiled) for compiled in ("", "model"))
         # Held-gradient plans are for the whole model compiled, not layer by layer.
         peak_l = None if held else kept_and_peak(model, batch, "layers")[1]
         torch._dynamo.reset()
-        print(f"{label}, {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        progress("measured")
         report.add_row({"model": label, "variant": name,
                         "budget": harness.format_bytes(budget) if budget else "-",
                         "layers peak (eager)": harness.format_bytes(layers),

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -164,11 +163,7 @@ def compiled_steps(base: torch.nn.Module, built: dict, planned_compiled: dict, b
 
 def run_model(label: str, build, quick: bool, device, report: harness.Report, checks: list, points: dict,
               compiled_rows: bool) -> None:
-    started = time.perf_counter()
-
-    def progress(what: str) -> None:
-        print(f"{label}: {what} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-
+    progress = harness.progress(label)
     base = build().to(device)
     config = base.config
     batch = padded_batch(config.vocab_size, 2 if quick else 4, config.max_position_embeddings, device)

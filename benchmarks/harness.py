@@ -286,6 +286,17 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.2f} µs"
 
 
+def progress(label: str) -> Callable[[str], None]:
+    """A printer for long runs: progress(label)(what) writes "label: what (N s)" to stderr, N the
+    seconds since progress(label) was called."""
+    started = time.perf_counter()
+
+    def say(what: str) -> None:
+        print(f"{label}: {what} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+
+    return say
+
+
 class Report:
     """Rows of one benchmark, printed as a markdown table and saved as results/<name>.{md,json}."""
 
