@@ -16,7 +16,6 @@
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/jit/api/module.h>
 
 #include "torch_ext/plan/cuda_graph.h"
 #include "torch_ext/plan/layout.h"
@@ -51,7 +50,7 @@ class Executable {
   virtual c10::IValue run_single(const std::vector<c10::IValue>& inputs) { return run(inputs); }
   // The memory the plan references (weights shared between plans count once in the cache).
   virtual Constants constants() const = 0;
-  virtual std::optional<torch::jit::Module> module() const { return std::nullopt; }
+  virtual std::optional<torch::jit::Module> module() const;  // a TorchScript plan's (script_plan.cpp)
   virtual std::string file() const { return {}; }  // an exported program's package
   // An exported program's package: its inputs' and outputs' pytree specs, serialised.
   virtual std::vector<std::string> call_spec() const { return {}; }

@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include <torch/csrc/jit/api/module.h>
+
 #include "torch_ext/plan/build_worker.h"
 #include "torch_ext/plan/plan_table.h"
 #include "torch_ext/plan/traffic.h"

@@ -40,11 +40,16 @@
 #include <vector>
 
 #include <ATen/core/ivalue.h>
-#include <torch/csrc/jit/api/module.h>
 
 #include "torch_ext/common/enum_names.h"
 #include "torch_ext/common/fork.h"
 #include "torch_ext/fields.h"
+
+// torch/csrc/jit/api/module.h adds about 20 s to each file that includes it (g++ 12): only the
+// files that build, copy or run a Module do.
+namespace torch::jit {
+struct Module;
+}  // namespace torch::jit
 
 namespace torch_ext::plan {
 

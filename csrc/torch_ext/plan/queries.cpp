@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <torch/csrc/jit/api/module.h>
+
 #include "torch_ext/plan/plan_table.h"
 #include "torch_ext/plan/traffic.h"
 

@@ -21,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/codegen/fuser/interface.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/passes/tensorexpr_fuser.h>
@@ -32,6 +33,8 @@
 #include "torch_ext/plan/persistence.h"
 
 namespace torch_ext::plan {
+
+std::optional<torch::jit::Module> Executable::module() const { return std::nullopt; }
 
 namespace {
 
