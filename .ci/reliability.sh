@@ -21,8 +21,10 @@ run_fuzz() {
     -DTORCH_EXT_FUZZ_SECONDS="${TORCH_EXT_FUZZ_SECONDS:-60}"
   cmake --build build-fuzz --parallel "$MAX_JOBS" --target fuzz_json_header fuzz_safetensors_source
   rm -rf build-fuzz/fuzz/*/* build-fuzz/fuzz/failure-*
+  # The targets fuzz at once, one per core (each is one process for its whole time).
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    ctest --test-dir build-fuzz --output-on-failure -R '^fuzz\.[a-z_]+$' --output-junit "$PWD/$results/fuzz.xml"
+    ctest --test-dir build-fuzz --parallel "$MAX_JOBS" --output-on-failure -R '^fuzz\.[a-z_]+$' \
+      --output-junit "$PWD/$results/fuzz.xml"
 }
 
 run_sanitize() {
