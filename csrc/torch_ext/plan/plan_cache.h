@@ -39,17 +39,13 @@
 #include <utility>
 #include <vector>
 
+// Declares torch::jit::Module. torch/csrc/jit/api/module.h, which defines it, adds about 20 s to
+// each file that includes it (g++ 12): only the files that build, copy or run a Module do.
 #include <ATen/core/ivalue.h>
 
 #include "torch_ext/common/enum_names.h"
 #include "torch_ext/common/fork.h"
 #include "torch_ext/fields.h"
-
-// torch/csrc/jit/api/module.h adds about 20 s to each file that includes it (g++ 12): only the
-// files that build, copy or run a Module do.
-namespace torch::jit {
-struct Module;
-}  // namespace torch::jit
 
 namespace torch_ext::plan {
 
