@@ -30,10 +30,6 @@ class _CheckpointModule:
         (op, occurrence in its item's group, bytes of its outputs' storages; -1 where a later op
         of fn changed the output in place)."""
 
-    def track_unsafe_views(self, on: bool) -> None:
-        """on: this thread's aten::_unsafe_view outputs share their input's version counter (so
-        torch's selective checkpointing sees a change made through one); off: undoes one on."""
-
 checkpoint: _CheckpointModule
 
 class PythonValues:

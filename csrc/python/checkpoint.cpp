@@ -364,9 +364,6 @@ void bind_checkpoint(py::module_& m) {
       "Runs fn() and lists each call of the ops `items` name as the native policy counts them: (op as "
       "'aten::mm.default', occurrence in its item's group, bytes of its outputs' storages; -1 where a later op of fn "
       "changed the output in place)");
-  sub.def("track_unsafe_views", &ck::track_unsafe_views, py::arg("on"),
-          "on: this thread's aten::_unsafe_view outputs share their input's version counter from now on, so that "
-          "torch's selective checkpointing sees a change made through one to an output it keeps; off: undoes one on");
   sub.def(
       "save_rules",
       [](std::vector<std::string> items) {

@@ -211,9 +211,9 @@ class ServesFirstDraw(TorchDispatchMode):
 def test_a_policy_asked_before_its_op_runs_notes_the_generator_before_the_draw():
     # torch 2.11 asks the policy before the op runs (its context has no op_output), 2.13 after.
     from types import SimpleNamespace
-    from torch_ext.checkpointing.replay_draws import DrawLog
+    from torch_ext.checkpointing.forward_log import ForwardLog
 
-    log = DrawLog(first_draw_saved()[0].policy_fn)
+    log = ForwardLog(first_draw_saved()[0].policy_fn)
     x = torch.ones(16)
     torch.manual_seed(0)
     forward = []
@@ -226,20 +226,58 @@ def test_a_policy_asked_before_its_op_runs_notes_the_generator_before_the_draw()
     assert torch.equal(replayed[1], forward[1])  # without the noted state: the first draw's numbers
 
 
-def test_an_in_place_change_of_a_saved_output_raises_as_torchs_unless_allowed():
-    def mutating(x, w):
-        y = torch.mm(x, w)
-        y.mul_(2)
-        return y.sin()
+def mutating(x, w):
+    y = torch.mm(x, w)
+    y.mul_(2)
+    return y.sin()
 
-    for call in (tuc.checkpoint, torch_ext.checkpoint_call):
-        x, w = inputs()
-        out = call(mutating, x, w, use_reentrant=False, context_fn=SAVE_MM)
-        with pytest.raises(RuntimeError, match="mutated"):
-            out.sum().backward()
+
+def test_an_in_place_change_of_a_saved_output_is_recomputed_where_torchs_replay_raises():
+    x, w = inputs()
+    out = tuc.checkpoint(mutating, x, w, use_reentrant=False, context_fn=SAVE_MM)
+    with pytest.raises(RuntimeError, match="mutated"):
+        out.sum().backward()
+    x, w = inputs()
+    expected_counts, expected = backward_counts(lambda: mutating(x, w).sum(), x, w)
+    x, w = inputs()
+    counts, grads = backward_counts(
+        lambda: torch_ext.checkpoint_call(mutating, x, w, use_reentrant=False, context_fn=SAVE_MM).sum(), x, w)
+    assert_same(grads, expected)
+    assert counts["mm"] == expected_counts["mm"] + 1  # the changed product runs again in the replay
+
+
+def test_an_in_place_change_of_a_saved_output_is_served_changed_when_allowed_as_torchs():
     allowed = functools.partial(create_selective_checkpoint_contexts, save_mm, allow_cache_entry_mutation=True)
-    (_, torch_grads), (_, our_grads) = run_both(mutating, allowed)
+    (torch_counts, torch_grads), (our_counts, our_grads) = run_both(mutating, allowed)
     assert_same(torch_grads, our_grads)
+    assert torch_counts["mm"] == our_counts["mm"]  # not run again: the changed copy is served
+
+
+def two_saved_draws(x):
+    first = torch.rand_like(x)
+    second = torch.rand_like(x)
+    second.mul_(2)  # changed after it was saved: the replay draws it again
+    return ((x * first).sin() * second).sum()
+
+
+def save_draws(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op == aten.rand_like.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_a_saved_draw_changed_in_place_draws_the_forwards_numbers_again():
+    # The replay draws the changed output again, while the first is served without a draw: the
+    # generator must be set to where the forward drew the second.
+    def step(call):
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        torch.manual_seed(1)
+        call(x).backward()
+        return x.grad, torch.rand(3)
+
+    plain_grad, plain_next = step(two_saved_draws)
+    policy = functools.partial(create_selective_checkpoint_contexts, save_draws)
+    grad, following = step(lambda x: torch_ext.checkpoint_call(two_saved_draws, x, context_fn=policy))
+    assert torch.equal(grad, plain_grad)
+    assert torch.equal(following, plain_next)
 
 
 def test_views_saved_and_in_place_ops_recomputed_match_torch():
@@ -527,3 +565,22 @@ def test_a_hugging_face_model_with_a_policy_matches_torchs_selective_checkpointi
     full = qwen2()
     hf.gradient_checkpointing_enable(full)
     assert hf_step(full)[0] == 4  # without the policy each layer's attention runs again
+
+
+def test_a_hugging_face_falcon_adding_into_a_kept_product_gives_the_unwrapped_models_gradients():
+    # Falcon's parallel attention adds its attention into the MLP's last product in place, after the
+    # policy kept that product (reached through at::matmul's _unsafe_view): the replay recomputes it.
+    transformers = pytest.importorskip("transformers")
+
+    def falcon():
+        torch.manual_seed(0)
+        config = transformers.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        assert config.parallel_attn
+        return transformers.FalconForCausalLM(config).train()
+
+    _, expected = hf_step(falcon())
+    model = falcon()
+    hf.gradient_checkpointing_enable(model, context_fn=SAVE_ATTENTION)
+    _, grads = hf_step(model)
+    assert_same(grads, expected)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import _CachingTorchDispatchMode
 
 from .. import _C
-from .replay_draws import DrawLog
+from .forward_log import ForwardLog
 from .selective import compiled_context_fn, save_items
 
 CheckpointError = _C.checkpoint.CheckpointError
@@ -179,7 +179,7 @@ class _UnderContexts:
     context_fn is called once per call, as torch calls it (a selective checkpointing policy's
     contexts share the storage of the outputs the policy saves in that call)."""
 
-    __slots__ = ("fn", "forward_context", "recompute_context", "name", "forward_done", "draw_log")
+    __slots__ = ("fn", "forward_context", "recompute_context", "name", "forward_done", "forward_log")
 
     def __init__(self, fn: Callable, context_fn: Callable, name: str) -> None:
         contexts = context_fn()
@@ -190,14 +190,15 @@ class _UnderContexts:
         self.forward_context, self.recompute_context = contexts
         self.name = name
         self.forward_done = False
-        # torch's policy contexts: the forward's random ops noted through its policy (replay_draws.py).
-        self.draw_log = None
+        # torch's policy contexts: the forward's random ops and in-place writes noted through its
+        # policy (forward_log.py).
+        self.forward_log = None
         if isinstance(self.forward_context, _CachingTorchDispatchMode):
-            self.draw_log = self.forward_context.policy_fn = DrawLog(self.forward_context.policy_fn)
+            self.forward_log = self.forward_context.policy_fn = ForwardLog(self.forward_context.policy_fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.forward_done:
-            replay = self.draw_log.replay(self.name) if self.draw_log is not None else None
+            replay = self.forward_log.replay(self.name) if self.forward_log is not None else None
             try:
                 with self.recompute_context, replay or contextlib.nullcontext():
                     return self.fn(*args, **kwargs)
@@ -205,14 +206,12 @@ class _UnderContexts:
                 error.add_note(f"torch_ext.checkpoint: in the replay of {self.name}, under context_fn's policy")
                 raise
         self.forward_done = True
-        # torch's policy checks the outputs it keeps for changes by their version counters; at::matmul's
-        # batched product reaches its caller through aten::_unsafe_view, whose counter is its own
-        _C.checkpoint.track_unsafe_views(True)
-        try:
-            with self.forward_context:
-                return self.fn(*args, **kwargs)
-        finally:
-            _C.checkpoint.track_unsafe_views(False)
+        with self.forward_context:
+            out = self.fn(*args, **kwargs)
+            if self.forward_log is not None and \
+                    not getattr(self.recompute_context, "allow_cache_entry_mutation", False):
+                self.forward_log.recompute_changed(self.forward_context.storage)
+            return out
         raise RuntimeError(f"torch_ext.checkpoint: {self.name}: the forward context from context_fn suppressed an "
                            f"exception raised in the checkpointed forward; a failed forward has no value to return")
 

@@ -6,17 +6,17 @@ saves is not run again, so the generator is left behind, and a later random op t
 draws other numbers than in the forward. (A CUDA attention with dropout saved, then a dropout after
 it: torch's own selective checkpointing gave Hugging Face GPT-2 gradients off by 0.59 of their
 largest on an H200.) torch_ext notes each draw's generator state in the forward, through the policy
-(torch 2.13 asks it after the op ran, torch 2.11 before), and, where a saved draw comes before one
-the replay runs, sets the generator at each draw of the replay as the forward had it there.
+(torch 2.13 asks it after the op ran, torch 2.11 before: forward_log.py), and, where a saved draw
+comes before one the replay runs, sets the generator at each draw of the replay as the forward had
+it there.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy
 
 from .selective import dropout_p
 
@@ -43,40 +43,6 @@ def _generator(args: tuple, kwargs: dict) -> Optional[torch.Generator]:
     if not generators:
         return None
     return generators[device.index if device.index is not None else torch.get_device_module(device.type).current_device()]
-
-
-class DrawLog:
-    """A selective checkpointing policy, wrapped to note each random op of the forward: its
-    generator, the generator's state when the policy was asked, whether that was after the draw
-    (the context carries the op's output), and whether the policy saved it."""
-
-    __slots__ = ("policy", "draws")
-
-    def __init__(self, policy: Callable) -> None:
-        self.policy = policy
-        self.draws: list[tuple[Optional[torch.Generator], Optional[torch.Tensor], bool, bool]] = []
-
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        decision = self.policy(ctx, op, *args, **kwargs)
-        if draws(op, args, kwargs):
-            generator = _generator(args, kwargs)
-            saved = decision is True or decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-            state = None if generator is None else generator.get_state()
-            self.draws.append((generator, state, hasattr(ctx, "op_output"), saved))
-        return decision
-
-    def replay(self, name: str) -> Optional["ReplayDraws"]:
-        """The mode that gives the replay the forward's draws, where one is needed: a saved draw
-        before one the replay runs. Raises naming the segment where a generator cannot be set."""
-        saved = False
-        for *_, kept in self.draws:
-            saved = saved or kept
-            if saved and not kept:
-                if any(noted[0] is None for noted in self.draws):
-                    raise RuntimeError(f"torch_ext.checkpoint: {name}: the policy saves a random op before one its "
-                                       f"replay runs again, on a device without default generators to set")
-                return ReplayDraws(self.draws)
-        return None
 
 
 class ReplayDraws(TorchDispatchMode):

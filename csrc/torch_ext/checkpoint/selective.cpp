@@ -305,16 +305,6 @@ SaveSpec::SaveSpec(std::vector<std::string> items) : items_(std::move(items)) {
   policy_ = std::move(policy);
 }
 
-void track_unsafe_views(bool on) {
-  if (on) {
-    ensure_unsafe_views_tracked();
-    ++tracking_unsafe_views;
-  } else {
-    TORCH_CHECK(tracking_unsafe_views > 0, "track_unsafe_views(false) without a track_unsafe_views(true) on this thread");
-    --tracking_unsafe_views;
-  }
-}
-
 std::vector<SaveRule> save_rules(const SaveSpec& spec) {
   std::vector<SaveRule> rules;
   if (!spec.policy()) return rules;

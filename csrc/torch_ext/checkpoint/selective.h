@@ -79,12 +79,6 @@ struct SaveRule {
 };
 std::vector<SaveRule> save_rules(const SaveSpec& spec);
 
-// on: from now on this thread's aten::_unsafe_view outputs share their input's version counter, as
-// inside a forward that keeps outputs; off: undoes one on. For a forward run under torch's
-// selective checkpointing policy, whose check of the outputs it keeps then sees a change made
-// through such a view (torch raises instead of replaying with the changed output).
-void track_unsafe_views(bool on);
-
 // The outputs one checkpointed call's forward saved, in order, for its replays.
 class SavedOutputs {
  public:
