@@ -61,21 +61,19 @@ TEST(CommonJson, RejectsMalformedInput) {
   expect_error([&] { torch_ext::parse_json(deep, "deep"); }, {"nesting"});
 }
 
-TEST(CommonJson, RejectsInvalidUtf8AndDuplicatesInLinearTime) {
+TEST(CommonJson, RejectsInvalidUtf8AndADuplicateAmongManyKeys) {
   // Invalid or overlong UTF-8, surrogates encoded raw, code points above U+10FFFF, truncated sequences.
   for (const char* bad : {"{\"\xff\":1}", "{\"\xc0\xaf\":1}", "{\"\xe0\x80\xaf\":1}", "{\"\xed\xa0\x80\":1}",
                           "{\"\xf4\x90\x80\x80\":1}", "{\"\xe2\x82\":1}", "{\"a\":\"\x80\"}"}) {
     expect_error([&] { torch_ext::parse_json(bad, "utf8.json"); }, {"utf8.json", "invalid UTF-8"});
   }
-  // 200,000 keys with one duplicate at the end: found, and quickly (a linear scan per key took
-  // minutes; this bound only catches that, it is not a benchmark).
+  // 200,000 keys with one duplicate at the end, past the parser's switch from a scan to a hash set.
+  // (A scan per key, the quadratic search this replaced, took minutes here: ctest's timeout ends it.)
   std::string text = "{";
   for (int i = 0; i < 200000; ++i) text += "\"tensor." + std::to_string(i) + "\":" + std::to_string(i) + ",";
-  const auto start = std::chrono::steady_clock::now();
   const auto doc = torch_ext::parse_json(text.substr(0, text.size() - 1) + "}", "many.json");
   EXPECT_EQ(doc.root().size(), 200000);
   expect_error([&] { torch_ext::parse_json(text + "\"tensor.7\":1}", "dup.json"); }, {"dup.json", "duplicate key \"tensor.7\""});
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
 }
 
 TEST(CommonSha256, MatchesTheStandardsTestVectors) {
