@@ -24,9 +24,9 @@ from torch.utils.checkpoint import _RECOMPUTE, CheckpointPolicy
 from .replay_draws import ReplayDraws, _generator, draws
 
 
-def _written(op: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
-    """The tensors an in-place or out= op writes."""
-    for position, argument in enumerate(op._schema.arguments):
+def _written(schema: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors an in-place or out= op (of this schema) writes."""
+    for position, argument in enumerate(schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         value = kwargs.get(argument.name) if argument.kwarg_only or position >= len(args) else args[position]
@@ -67,8 +67,9 @@ class ForwardLog:
         self._step += 1
         index = self._calls[op]
         self._calls[op] = index + 1
-        if op._schema.is_mutable:
-            for tensor in _written(op, args, kwargs):
+        schema = getattr(op, "_schema", None)  # higher-order ops have none
+        if schema is not None and schema.is_mutable:
+            for tensor in _written(schema, args, kwargs):
                 storage = _storage(tensor)
                 if storage is not None:
                     self._written_at[storage] = self._step
@@ -90,7 +91,7 @@ class ForwardLog:
                 continue
             if any(self._changed(leaf, step) for leaf in pytree.tree_leaves(entry)):
                 entries[index] = _RECOMPUTE
-                self.reruns_saved_draw = self.reruns_saved_draw or torch.Tag.nondeterministic_seeded in op.tags
+                self.reruns_saved_draw = self.reruns_saved_draw or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
         self._kept.clear()
         self._written_at.clear()
 
