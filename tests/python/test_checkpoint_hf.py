@@ -217,3 +217,64 @@ def test_a_checkpointed_decoder_layer_compiles_in_one_graph_with_the_models_keyw
     torch.testing.assert_close(out, expected)
     for (n, p), q in zip(layer.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+# Architectures beyond GPT-2 and Llama, each small, with its dropouts on: (config class, model class, changes)
+ARCHITECTURES = {
+    # parallel attention, added in place into the MLP's last product, which a policy saving matmuls keeps
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(parallel_attn=True, hidden_dropout=0.1, attention_dropout=0.1)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, hidden_dropout=0.1,
+                                                             attention_dropout=0.1)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=128, num_key_value_heads=2,
+                                                            num_local_experts=4, num_experts_per_tok=2)),
+    "bert": ("BertConfig", "BertForMaskedLM", dict(intermediate_size=128)),
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                                          decoder_start_token_id=0)),
+}
+
+
+def architecture(name):
+    config_class, model_class, changes = ARCHITECTURES[name]
+    torch.manual_seed(0)
+    options = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = getattr(transformers, config_class)(**{**options, **changes})
+    return getattr(transformers, model_class)(config).train()
+
+
+def save_matmuls_and_attention(ctx, op, *args, **kwargs):
+    name = op.overloadpacket.__name__
+    saved = name in ("mm", "addmm", "bmm") or name.startswith("_scaled_dot_product")
+    return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if saved else \
+        torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def context_fn():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(save_matmuls_and_attention)
+
+
+@pytest.mark.parametrize("how", ["torch's policy", "save='torchtitan'", "op plan"])
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_other_architectures_checkpointed_per_op_give_the_unwrapped_models_gradients(name, how):
+    # long enough that the layers' activations, not the head's, make the step's peak
+    ids = torch.randint(1, 128, (4, 64), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(4, 64, dtype=torch.long)
+    mask[1, 40:] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    reference = architecture(name)
+    step(reference, inputs)
+    model = architecture(name)
+    if how == "torch's policy":
+        hf.gradient_checkpointing_enable(model, context_fn=context_fn)
+    elif how == "save='torchtitan'":
+        hf.gradient_checkpointing_enable(model, save="torchtitan")
+    else:
+        with torch.no_grad():
+            loose = hf.checkpoint_layers(copy.deepcopy(model), budget_bytes=1 << 40, inputs=inputs, ops=True, repeat=1)
+        budget = (loose.min_budget_bytes + loose.no_checkpoint_peak_bytes) // 2
+        plan = hf.checkpoint_layers(model, budget_bytes=budget, inputs=inputs, ops=True, repeat=1)
+        assert any(plan.is_checkpointed(i) for i in range(len(plan.saved)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' use_cache notice
+        step(model, inputs)
+    assert_exact(model, reference)
