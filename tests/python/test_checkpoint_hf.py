@@ -222,7 +222,8 @@ def test_a_checkpointed_decoder_layer_compiles_in_one_graph_with_the_models_keyw
 # Architectures beyond GPT-2 and Llama, each small, with its dropouts on: (config class, model class, changes)
 ARCHITECTURES = {
     # parallel attention, added in place into the MLP's last product, which a policy saving matmuls keeps
-    "falcon": ("FalconConfig", "FalconForCausalLM", dict(parallel_attn=True, hidden_dropout=0.1, attention_dropout=0.1)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(parallel_attn=True, hidden_dropout=0.1,
+                                                         attention_dropout=0.1)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, hidden_dropout=0.1,
                                                              attention_dropout=0.1)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=128, num_key_value_heads=2,

@@ -178,18 +178,20 @@ def first_draw_saved():
     return create_selective_checkpoint_contexts(policy)
 
 
+def grad_and_next_draw(call):
+    """x's gradient through call(x) from RNG seed 1, and the generator's next numbers after it."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    torch.manual_seed(1)
+    call(x).backward()
+    return x.grad, torch.rand(3)
+
+
 def test_a_saved_draw_before_a_recomputed_one_gives_the_unwrapped_models_numbers():
     # The replay does not run the saved draw, so the generator would reach the second draw where the
     # forward's first began (torch's own selective checkpointing then gives other gradients).
-    def step(call):
-        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
-        torch.manual_seed(1)
-        call(x).backward()
-        return x.grad, torch.rand(3)
-
-    plain_grad, plain_next = step(two_draws)
-    grad, following = step(lambda x: torch_ext.checkpoint_call(two_draws, x, use_reentrant=False,
-                                                               context_fn=first_draw_saved))
+    plain_grad, plain_next = grad_and_next_draw(two_draws)
+    grad, following = grad_and_next_draw(
+        lambda x: torch_ext.checkpoint_call(two_draws, x, use_reentrant=False, context_fn=first_draw_saved))
     assert torch.equal(grad, plain_grad)
     assert torch.equal(following, plain_next)  # the caller's generator goes on as without checkpointing
 
@@ -267,15 +269,9 @@ def save_draws(ctx, op, *args, **kwargs):
 def test_a_saved_draw_changed_in_place_draws_the_forwards_numbers_again():
     # The replay draws the changed output again, while the first is served without a draw: the
     # generator must be set to where the forward drew the second.
-    def step(call):
-        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
-        torch.manual_seed(1)
-        call(x).backward()
-        return x.grad, torch.rand(3)
-
-    plain_grad, plain_next = step(two_saved_draws)
+    plain_grad, plain_next = grad_and_next_draw(two_saved_draws)
     policy = functools.partial(create_selective_checkpoint_contexts, save_draws)
-    grad, following = step(lambda x: torch_ext.checkpoint_call(two_saved_draws, x, context_fn=policy))
+    grad, following = grad_and_next_draw(lambda x: torch_ext.checkpoint_call(two_saved_draws, x, context_fn=policy))
     assert torch.equal(grad, plain_grad)
     assert torch.equal(following, plain_next)
 

@@ -91,7 +91,8 @@ class ForwardLog:
                 continue
             if any(self._changed(leaf, step) for leaf in pytree.tree_leaves(entry)):
                 entries[index] = _RECOMPUTE
-                self.reruns_saved_draw = self.reruns_saved_draw or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+                if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+                    self.reruns_saved_draw = True
         self._kept.clear()
         self._written_at.clear()
 
