@@ -9,6 +9,7 @@ import torch
 
 import torch_ext
 from torch_ext.checkpointing import hf
+from test_checkpoint_selective import SAVE_ATTENTION  # noqa: E402  (pytest puts this folder on sys.path)
 
 transformers = pytest.importorskip("transformers")
 
@@ -243,17 +244,6 @@ def architecture(name):
     return getattr(transformers, model_class)(config).train()
 
 
-def save_matmuls_and_attention(ctx, op, *args, **kwargs):
-    name = op.overloadpacket.__name__
-    saved = name in ("mm", "addmm", "bmm") or name.startswith("_scaled_dot_product")
-    return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if saved else \
-        torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def context_fn():
-    return torch.utils.checkpoint.create_selective_checkpoint_contexts(save_matmuls_and_attention)
-
-
 @pytest.mark.parametrize("how", ["torch's policy", "save='torchtitan'", "op plan"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_other_architectures_checkpointed_per_op_give_the_unwrapped_models_gradients(name, how):
@@ -266,7 +256,7 @@ def test_other_architectures_checkpointed_per_op_give_the_unwrapped_models_gradi
     step(reference, inputs)
     model = architecture(name)
     if how == "torch's policy":
-        hf.gradient_checkpointing_enable(model, context_fn=context_fn)
+        hf.gradient_checkpointing_enable(model, context_fn=SAVE_ATTENTION)
     elif how == "save='torchtitan'":
         hf.gradient_checkpointing_enable(model, save="torchtitan")
     else:
