@@ -83,6 +83,23 @@ def test_bad_sources_and_options_are_refused(mlp, tmp_path):
         PlanCache(mlp, (x(2),), MLP_SHAPES, plan_shapes="sometimes")
 
 
+class Boxed:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class ReturnsABox(torch.nn.Module):
+    # As a Hugging Face causal LM with its defaults returns a DynamicCache: a class torch.export cannot flatten.
+    def forward(self, inputs):
+        return inputs * 2, Boxed(inputs)
+
+
+def test_a_module_torch_export_cannot_take_is_named_with_what_it_returned():
+    with pytest.raises(RuntimeError, match=r"could not export ReturnsABox .* use_cache=False\. torch\.export said: "
+                                           r"Found <class '.*Boxed'> in output"):
+        PlanCache(ReturnsABox(), (x(2),), MLP_SHAPES)
+
+
 @pytest.mark.parametrize("mode", ["pad", "split", "auto"])
 def test_pad_split_and_auto_serve_misses_from_a_saved_cache_with_no_compile(mlp, mlp_folder, mode):
     cache = PlanCache(mlp_folder, miss_mode=mode, warmup_calls=1)

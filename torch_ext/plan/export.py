@@ -248,7 +248,16 @@ def load_program(source: Any, example_inputs: Optional[Sequence], dynamic_shapes
                             "example_inputs (and dynamic_shapes) to export it")
         module = source
         args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+        try:
+            program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+        except Exception as error:
+            hint = ""
+            if "in output, which is not a known type" in str(error):
+                hint = ("; PlanCache serves outputs that are tensors (or tuples, lists and dicts of them): a Hugging "
+                        "Face model called with use_cache=True also returns its key/value cache, so serve a module "
+                        "that calls it with use_cache=False")
+            raise RuntimeError(f"PlanCache: torch.export could not export {type(module).__name__} with the example "
+                               f"inputs and dynamic_shapes given{hint}. torch.export said: {error}") from error
         example = pytree.tree_leaves(args)
     path = os.path.join(workdir, "program.pt2")
     torch.export.save(program, path)
