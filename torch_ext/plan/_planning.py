@@ -87,6 +87,8 @@ class Costs:
 
         def probe(**options: Any) -> Any:
             probes.append(make(**options))
+            if len(probes) == 1:
+                refuse_sizes_above_the_range(probes[0], traffic)
             return probes[-1]
 
         self.cost, self.dynamic_cost, self.script_cost = _traffic.measure_plans(probe, traffic, example_inputs,
@@ -101,6 +103,19 @@ class Costs:
 
     def span(self, traffic: dict) -> bool:
         return all(all(lo <= n <= hi for n, lo, hi in zip(sizes, self.smallest, self.largest)) for sizes in traffic)
+
+
+def refuse_sizes_above_the_range(cache: Any, traffic: dict) -> None:
+    """Raise, before anything compiles, where the traffic has sizes above those the cache accepts
+    (it would refuse those requests, and their plans cannot be built)."""
+    for k, (_, largest) in enumerate(cache.size_ranges):
+        above = [sizes for sizes in traffic if sizes[k] > largest]
+        if above:
+            name = cache.dim_names[k] if k < len(cache.dim_names) else ("batch" if k == 0 else f"dim{k}")
+            raise ValueError(f"PlanCache: {sum(traffic[sizes] for sizes in above)} of the traffic's requests have a "
+                             f"{name} above {largest}, the largest the program accepts (up to "
+                             f"{max(sizes[k] for sizes in above)}); leave them out of the traffic, or export the "
+                             f"program with a larger maximum")
 
 
 def planned(make: Callable[..., Any], traffic: dict, budget: Budget, example_inputs: Any, exported: bool,
