@@ -280,10 +280,20 @@ def test_auto_times_a_bucket_at_the_sizes_its_traffic_brings(mlp):
     assert probes == {8: 2, 16: 0}
 
 
-def test_from_traffic_on_an_exported_program_builds_within_its_budget_and_equals_eager(mlp):
+def test_from_traffic_on_a_module_exports_it_once_builds_within_its_budget_and_equals_eager(mlp, monkeypatch):
+    exports = []
+    export = torch.export.export
+
+    def counted(module, *args, **kwargs):
+        exports.extend([module] if module is mlp else [])
+        return export(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted)
     traffic = stream(7, count=200)
     cache = PlanCache.from_traffic(mlp, traffic, 2, (x(2),), SHAPES, inductor_configs=FAST, warmup_calls=1,
                                    miss_mode="pad", progress=False)
+    # The probes that measure each plan kind and the cache share one export of the module.
+    assert len(exports) == 1
     choice = cache.bucket_choice
     s = cache.stats()
     assert 1 <= len(choice.plans) <= 2

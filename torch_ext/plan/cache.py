@@ -78,7 +78,8 @@ class PlanCache(ScriptObjectFace):
         # What replan() makes a cache of other buckets from; a saved export cache's folder has no
         # program to compile other buckets with.
         self._made_from = None if path is not None and os.path.isdir(path) else (
-            module, example_inputs, dynamic_shapes, inductor_configs, options)
+            module.module if isinstance(module, _export.Exported) else module, example_inputs, dynamic_shapes,
+            inductor_configs, options)
         if _is_scripted(module):
             if example_inputs is not None or dynamic_shapes is not None or inductor_configs is not None:
                 raise TypeError("PlanCache: example_inputs, dynamic_shapes and inductor_configs are for exported "
@@ -86,7 +87,7 @@ class PlanCache(ScriptObjectFace):
             if path is not None and not os.path.isfile(path):
                 raise FileNotFoundError(f"PlanCache: no saved scripted module at {path}")
             self.script_object = torch.classes.torch_ext.PlanCache(path if path is not None else module, **options)
-        elif isinstance(module, (torch.export.ExportedProgram, torch.nn.Module)) or path is not None:
+        elif isinstance(module, (torch.export.ExportedProgram, torch.nn.Module, _export.Exported)) or path is not None:
             self._init_export(module, path, example_inputs, dynamic_shapes, inductor_configs, options)
         else:
             raise TypeError(f"PlanCache: expected a torch.jit.ScriptModule, a torch.export.ExportedProgram, an "
@@ -443,11 +444,18 @@ _swap_lock = threading.Lock()  # a re-plan's swap, or a Batcher made in front of
 
 def _maker(cls: type, module: Any, example_inputs: Any, dynamic_shapes: Any, inductor_configs: Any,
            options: dict) -> Callable[..., PlanCache]:
-    """A cache of the module as given, with its options and the keywords' on top."""
+    """A cache of the module as given, with its options and the keywords' on top. An nn.Module is
+    exported on the first call only."""
+    exported = None
+
     def make(**overrides: Any) -> PlanCache:
+        nonlocal exported
         if _is_scripted(module):
             return cls(module, **{**options, **overrides})
-        return cls(module, example_inputs, dynamic_shapes, inductor_configs=inductor_configs, **{**options, **overrides})
+        if isinstance(module, torch.nn.Module) and exported is None:
+            exported = _export.export_module(module, example_inputs, dynamic_shapes)
+        return cls(exported or module, example_inputs, dynamic_shapes, inductor_configs=inductor_configs,
+                   **{**options, **overrides})
     make.plan_shapes = options.get("plan_shapes", _option_default("plan_shapes"))  # type: ignore[attr-defined]
     return make
 

@@ -231,34 +231,46 @@ class Source:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
+@dataclass(frozen=True)
+class Exported:
+    """An nn.Module exported once, with the flat example inputs it was exported with: the source of
+    the several caches PlanCache.from_traffic and replan make of one module (probes, then the cache),
+    which would otherwise each export it again."""
+    program: torch.export.ExportedProgram
+    module: Optional[torch.nn.Module]
+    example: Optional[list]
+
+
+def export_module(module: torch.nn.Module, example_inputs: Sequence, dynamic_shapes: Any) -> Exported:
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    try:
+        program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+    except Exception as error:
+        hint = ""
+        if "in output, which is not a known type" in str(error):
+            hint = ("; PlanCache serves outputs that are tensors (or tuples, lists and dicts of them): a Hugging "
+                    "Face model called with use_cache=True also returns its key/value cache, so serve a module "
+                    "that calls it with use_cache=False")
+        raise RuntimeError(f"PlanCache: torch.export could not export {type(module).__name__} with the example "
+                           f"inputs and dynamic_shapes given{hint}. torch.export said: {error}") from error
+    return Exported(program, module, pytree.tree_leaves(args))
+
+
 def load_program(source: Any, example_inputs: Optional[Sequence], dynamic_shapes: Any,
                  workdir: str) -> tuple[torch.export.ExportedProgram, str, Optional[torch.nn.Module], Optional[list]]:
     """(program, path of its saved file, the eager module if one was given, flat example inputs)."""
-    module = None
-    example = None
-    if isinstance(source, torch.export.ExportedProgram):
-        program = source
-    elif isinstance(source, (str, os.PathLike)):
+    if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        program = torch.export.load(path)
-        return program, path, None, None
+        return torch.export.load(path), path, None, None
+    if isinstance(source, torch.export.ExportedProgram):
+        exported = Exported(source, None, None)
+    elif isinstance(source, Exported):
+        exported = source
     else:
         if example_inputs is None:
             raise TypeError(f"PlanCache: {type(source).__name__} is not scripted; pass torch.jit.script(module), or "
                             "example_inputs (and dynamic_shapes) to export it")
-        module = source
-        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        try:
-            program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
-        except Exception as error:
-            hint = ""
-            if "in output, which is not a known type" in str(error):
-                hint = ("; PlanCache serves outputs that are tensors (or tuples, lists and dicts of them): a Hugging "
-                        "Face model called with use_cache=True also returns its key/value cache, so serve a module "
-                        "that calls it with use_cache=False")
-            raise RuntimeError(f"PlanCache: torch.export could not export {type(module).__name__} with the example "
-                               f"inputs and dynamic_shapes given{hint}. torch.export said: {error}") from error
-        example = pytree.tree_leaves(args)
+        exported = export_module(source, example_inputs, dynamic_shapes)
     path = os.path.join(workdir, "program.pt2")
-    torch.export.save(program, path)
-    return program, path, module, example
+    torch.export.save(exported.program, path)
+    return exported.program, path, exported.module, exported.example
