@@ -452,7 +452,7 @@ def _maker(cls: type, module: Any, example_inputs: Any, dynamic_shapes: Any, ind
         nonlocal exported
         if _is_scripted(module):
             return cls(module, **{**options, **overrides})
-        if isinstance(module, torch.nn.Module) and exported is None:
+        if isinstance(module, torch.nn.Module) and example_inputs is not None and exported is None:
             exported = _export.export_module(module, example_inputs, dynamic_shapes)
         return cls(exported or module, example_inputs, dynamic_shapes, inductor_configs=inductor_configs,
                    **{**options, **overrides})
