@@ -310,12 +310,17 @@ def test_from_traffic_on_a_module_exports_it_once_builds_within_its_budget_and_e
     assert cache.stats().compiles == s.compiles  # the traffic needed no other plan
 
 
-def test_traffic_above_the_programs_largest_size_is_refused_before_anything_compiles(mlp):
+def test_traffic_above_the_programs_largest_size_is_refused_before_anything_compiles(mlp, monkeypatch):
+    from torch_ext.plan import _compile
+    compiles = []
+    for name in ("compile_bucket", "compile_in_subprocess"):
+        monkeypatch.setattr(_compile, name, lambda *args, **kwargs: compiles.append(args))
     # SHAPES accepts batches up to 16; a recorded stream may hold larger ones the cache would refuse.
     with pytest.raises(ValueError, match=r"PlanCache: 5 of the traffic's requests have a batch above 16, the largest "
                                          r"the program accepts \(up to 21\); leave them out"):
         PlanCache.from_traffic(mlp, [3] * 10 + [20] * 4 + [21], 2, (x(2),), SHAPES, inductor_configs=FAST,
                                progress=False)
+    assert compiles == []
 
 
 def test_a_child_forked_while_threads_log_traffic_serves_and_logs_without_hanging(scripted):
