@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import email
+import fcntl
 import os
 import re
 import shutil
@@ -69,15 +70,27 @@ def isolated_env() -> dict:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    wheel_dir = tmp_path_factory.mktemp("wheel")
-    # setuptools stages the wheel's files in build/lib.* and build/bdist.* (beside CMake's build by
-    # default) and never empties them: a module removed from the source would go into the wheel.
-    for staged in [*(ROOT / "build").glob("lib.*"), *(ROOT / "build").glob("bdist.*")]:
-        shutil.rmtree(staged)
-    env = dict(os.environ, TORCH_EXT_BUILD_TESTS=configured_with_tests())
-    # --no-cache-dir: pip would also keep a copy of each wheel built from the checkout in its cache.
-    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-cache-dir",
-         "--disable-pip-version-check", "-w", wheel_dir, ROOT], env=env, cwd=ROOT)
+    # One wheel for the whole session, whichever pytest-xdist workers need it: setuptools stages
+    # the wheel's files in the checkout's build/lib.* and build/bdist.*, so two workers building at
+    # once empty them under each other (a wheel came out with the .so files and no Python files).
+    session_tmp = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        session_tmp = session_tmp.parent  # shared by this session's workers
+    wheel_dir = session_tmp / "torch_ext_wheel"
+    with open(session_tmp / "torch_ext_wheel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not wheel_dir.is_dir():
+            # setuptools never empties its staging folders: a module removed from the source would
+            # go into the wheel.
+            for staged in [*(ROOT / "build").glob("lib.*"), *(ROOT / "build").glob("bdist.*")]:
+                shutil.rmtree(staged)
+            env = dict(os.environ, TORCH_EXT_BUILD_TESTS=configured_with_tests())
+            # --no-cache-dir: pip would also keep a copy of each wheel built from the checkout in its cache.
+            building = session_tmp / "torch_ext_wheel.partial"
+            shutil.rmtree(building, ignore_errors=True)
+            run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-cache-dir",
+                 "--disable-pip-version-check", "-w", building, ROOT], env=env, cwd=ROOT)
+            building.rename(wheel_dir)
     wheels = list(wheel_dir.glob("torch_ext-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
