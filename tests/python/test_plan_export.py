@@ -1,6 +1,7 @@
 """PlanCache over torch.export programs: AOTInductor plans per bucket, compiled in Python, loaded
 and run by the C++ core. Compiles take seconds each, so the models are tiny, the compiled caches
 are module-scoped and saved once, and most tests load a saved folder (no compile)."""
+import gc
 import os
 import subprocess
 import sys
@@ -68,6 +69,17 @@ def test_a_module_is_exported_with_its_dims_and_the_layout_comes_from_the_progra
     assert PlanCache(tmp_path / "mlp.pt2").size_ranges == [[1, 16]]
     other = MLP().eval()
     assert PlanCache(other, (x(2),), MLP_SHAPES).fingerprint != cache.fingerprint
+
+
+def test_the_script_object_keeps_its_program_file_after_the_python_cache_is_gone(mlp, tmp_path):
+    # Scripted code may hold the script_object alone; saving it copies the program's file.
+    cache = PlanCache(mlp, (x(2),), MLP_SHAPES, plan_shapes="static", inductor_configs=FAST, warmup_calls=1)
+    cache.preload([2], progress=False)
+    plans = cache.script_object
+    del cache
+    gc.collect()
+    plans.save(str(tmp_path / "saved"))
+    assert os.path.isfile(tmp_path / "saved" / "program.pt2")
 
 
 def test_bad_sources_and_options_are_refused(mlp, tmp_path):

@@ -288,12 +288,20 @@ def test_from_traffic_on_a_module_exports_it_once_builds_within_its_budget_and_e
         exports.extend([module] if module is mlp else [])
         return export(module, *args, **kwargs)
 
+    saves = []
+    save = torch.export.save
+
+    def counted_save(program, path, *args, **kwargs):
+        saves.append(path)
+        return save(program, path, *args, **kwargs)
+
     monkeypatch.setattr(torch.export, "export", counted)
+    monkeypatch.setattr(torch.export, "save", counted_save)
     traffic = stream(7, count=200)
     cache = PlanCache.from_traffic(mlp, traffic, 2, (x(2),), SHAPES, inductor_configs=FAST, warmup_calls=1,
                                    miss_mode="pad", progress=False)
-    # The probes that measure each plan kind and the cache share one export of the module.
-    assert len(exports) == 1
+    # The probes that measure each plan kind and the cache share one export of the module, and its file.
+    assert len(exports) == 1 and len(saves) == 1
     choice = cache.bucket_choice
     s = cache.stats()
     assert 1 <= len(choice.plans) <= 2

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import tempfile
 import threading
 import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -102,7 +101,6 @@ class PlanCache(ScriptObjectFace):
         if derived:
             raise TypeError(f"PlanCache: {', '.join(derived)} come from the exported program's dynamic dimensions; "
                             "export it with the torch.export.Dim you want instead")
-        self._workdir = tempfile.TemporaryDirectory(prefix="torch_ext_program_")
         folder = path if path is not None and os.path.isdir(path) else None
         if folder is not None:
             # A saved cache: its packages serve with no need for the program, loaded only to compile
@@ -116,11 +114,10 @@ class PlanCache(ScriptObjectFace):
         else:
             if path is not None and not os.path.isfile(path):
                 raise FileNotFoundError(f"PlanCache: no exported program at {path}")
-            exported, program_path, eager, example = _export.load_program(
-                path if path is not None else module, example_inputs, dynamic_shapes, self._workdir.name)
-            program = _export.Program(program_path, exported, eager)
-            options = {**program.layout().options(), "fingerprint": _export.fingerprint(exported), **options}
-            self.script_object = torch.classes.torch_ext.PlanCache(program_path, **options)
+            exported = _export.as_exported(path if path is not None else module, example_inputs, dynamic_shapes)
+            program, example = _export.Program(exported.path(), exported), exported.example
+            options = {**program.layout().options(), "fingerprint": exported.fingerprint(), **options}
+            self.script_object = torch.classes.torch_ext.PlanCache(program.path, **options)
         _C.plan.set_compiler(self.script_object, _export.Compiler(program, inductor_configs))
         specs = self.script_object.call_spec()
         if specs:
@@ -353,9 +350,6 @@ class PlanCache(ScriptObjectFace):
             if new is None:
                 self.bucket_choice, self._costs = choice, costs
                 return choice
-            # The old cache's folder stays while requests may still run on it; its plans go with it.
-            if self.__dict__.get("_workdir") is not None:
-                self.__dict__.setdefault("_retired_workdirs", []).append(self._workdir)
             with _swap_lock:
                 self.__dict__.update(new.__dict__)  # one step: a request reads the old cache's attributes or the new one's
                 for batcher in self.__dict__.get("_batchers", ()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
@@ -136,9 +137,11 @@ class Program:
     """An exported program, loaded from its file on first use (a saved cache serves with no need
     for it: its packages' call specs give the inputs' and outputs' structure). Thread-safe."""
 
-    def __init__(self, path: str, program: Optional[torch.export.ExportedProgram] = None,
-                 eager: Optional[torch.nn.Module] = None) -> None:
-        self.path, self._program, self._eager = path, program, eager
+    def __init__(self, path: str, exported: Optional[Exported] = None) -> None:
+        # Holding `exported` keeps the folder its file is in for as long as this cache's builds may read it.
+        self.path, self._exported = path, exported
+        self._program = exported.program if exported is not None else None
+        self._eager = exported.module if exported is not None else None
         self._layout: Optional[ProgramLayout] = None
         self._lock = threading.Lock()
 
@@ -231,14 +234,33 @@ class Source:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
-@dataclass(frozen=True)
 class Exported:
-    """An nn.Module exported once, with the flat example inputs it was exported with: the source of
-    the several caches PlanCache.from_traffic and replan make of one module (probes, then the cache),
-    which would otherwise each export it again."""
-    program: torch.export.ExportedProgram
-    module: Optional[torch.nn.Module]
-    example: Optional[list]
+    """A program to make caches of, with what it was made from: the nn.Module and the flat example
+    inputs when exported here. Its file (written once, into a folder removed with this object) and
+    its fingerprint are made once and shared by every cache made of it, as PlanCache.from_traffic
+    and replan make several of one module (probes, then the cache). Thread-safe."""
+
+    def __init__(self, program: torch.export.ExportedProgram, module: Optional[torch.nn.Module] = None,
+                 example: Optional[list] = None, path: Optional[str] = None) -> None:
+        self.program, self.module, self.example = program, module, example
+        self._path, self._folder, self._fingerprint = path, None, None
+        self._lock = threading.Lock()
+
+    def path(self) -> str:
+        """The program's file: the one it was loaded from, else one written here once."""
+        with self._lock:
+            if self._path is None:
+                self._folder = tempfile.TemporaryDirectory(prefix="torch_ext_program_")
+                path = os.path.join(self._folder.name, "program.pt2")
+                torch.export.save(self.program, path)
+                self._path = path
+            return self._path
+
+    def fingerprint(self) -> str:
+        with self._lock:
+            if self._fingerprint is None:
+                self._fingerprint = fingerprint(self.program)
+            return self._fingerprint
 
 
 def export_module(module: torch.nn.Module, example_inputs: Sequence, dynamic_shapes: Any) -> Exported:
@@ -256,21 +278,16 @@ def export_module(module: torch.nn.Module, example_inputs: Sequence, dynamic_sha
     return Exported(program, module, pytree.tree_leaves(args))
 
 
-def load_program(source: Any, example_inputs: Optional[Sequence], dynamic_shapes: Any,
-                 workdir: str) -> tuple[torch.export.ExportedProgram, str, Optional[torch.nn.Module], Optional[list]]:
-    """(program, path of its saved file, the eager module if one was given, flat example inputs)."""
+def as_exported(source: Any, example_inputs: Optional[Sequence], dynamic_shapes: Any) -> Exported:
+    """The program of a .pt2 file, an ExportedProgram, an Exported, or an nn.Module exported here."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        return torch.export.load(path), path, None, None
+        return Exported(torch.export.load(path), path=path)
     if isinstance(source, torch.export.ExportedProgram):
-        exported = Exported(source, None, None)
-    elif isinstance(source, Exported):
-        exported = source
-    else:
-        if example_inputs is None:
-            raise TypeError(f"PlanCache: {type(source).__name__} is not scripted; pass torch.jit.script(module), or "
-                            "example_inputs (and dynamic_shapes) to export it")
-        exported = export_module(source, example_inputs, dynamic_shapes)
-    path = os.path.join(workdir, "program.pt2")
-    torch.export.save(exported.program, path)
-    return exported.program, path, exported.module, exported.example
+        return Exported(source)
+    if isinstance(source, Exported):
+        return source
+    if example_inputs is None:
+        raise TypeError(f"PlanCache: {type(source).__name__} is not scripted; pass torch.jit.script(module), or "
+                        "example_inputs (and dynamic_shapes) to export it")
+    return export_module(source, example_inputs, dynamic_shapes)
