@@ -82,6 +82,15 @@ def test_the_script_object_keeps_its_program_file_after_the_python_cache_is_gone
     assert os.path.isfile(tmp_path / "saved" / "program.pt2")
 
 
+def test_a_dim_with_no_maximum_serves_any_batch(mlp):
+    # torch.export's unbounded maximum (int_oo) is a sympy number that says it is finite.
+    cache = PlanCache(mlp, (x(2),), ({0: Dim("batch")},), plan_shapes="static", inductor_configs=FAST,
+                      warmup_calls=1)
+    assert cache.size_ranges == [[1, 0]]  # 0: no largest
+    inputs = x(40)
+    close(cache(inputs), eager(mlp, inputs))
+
+
 def test_bad_sources_and_options_are_refused(mlp, tmp_path):
     with pytest.raises(TypeError, match="come from the exported program"):
         PlanCache(mlp, (x(2),), MLP_SHAPES, batch_dims=[0])

@@ -331,6 +331,23 @@ def test_traffic_above_the_programs_largest_size_is_refused_before_anything_comp
     assert compiles == []
 
 
+def test_traffic_with_a_size_per_dimension_the_program_lacks_is_refused_before_anything_compiles(
+        mlp, scripted, monkeypatch):
+    from torch_ext.plan import _compile
+    compiles = []
+    for name in ("compile_bucket", "compile_in_subprocess"):
+        monkeypatch.setattr(_compile, name, lambda *args, **kwargs: compiles.append(args))
+    # (batch, length) pairs for a model with a batch dimension alone: before, the probe's constructor
+    # refused "buckets" the user never passed.
+    message = (r"PlanCache: the traffic's requests have 2 size\(s\) each, and the program has 1 dynamic "
+               r"dimension\(s\); give one size per dynamic dimension, the batch first")
+    with pytest.raises(ValueError, match=message):
+        PlanCache.from_traffic(mlp, [(3, 20), (5, 7)], 2, (x(2),), SHAPES, inductor_configs=FAST, progress=False)
+    with pytest.raises(ValueError, match=message):
+        PlanCache.from_traffic(scripted, [(3, 20), (5, 7)], 2, (x(2),), progress=False)
+    assert compiles == []
+
+
 def test_a_child_forked_while_threads_log_traffic_serves_and_logs_without_hanging(scripted):
     import os
     import threading

@@ -84,11 +84,14 @@ class Costs:
     def __init__(self, make: Callable[..., Any], traffic: dict, example_inputs: Any, exported: bool,
                  progress: bool) -> None:
         probes = []
+        ranges = make.size_ranges()  # an exported program's, before any cache is made
+        if ranges is not None:
+            refuse_traffic_outside(ranges, make.dim_names, traffic)
 
         def probe(**options: Any) -> Any:
             probes.append(make(**options))
-            if len(probes) == 1:
-                refuse_sizes_above_the_range(probes[0], traffic)
+            if ranges is None and len(probes) == 1:  # TorchScript: the first probe has no buckets to refuse
+                refuse_traffic_outside(probes[0].size_ranges, probes[0].dim_names, traffic, 1 + len(probes[0].dims))
             return probes[-1]
 
         self.cost, self.dynamic_cost, self.script_cost = _traffic.measure_plans(probe, traffic, example_inputs,
@@ -105,13 +108,19 @@ class Costs:
         return all(all(lo <= n <= hi for n, lo, hi in zip(sizes, self.smallest, self.largest)) for sizes in traffic)
 
 
-def refuse_sizes_above_the_range(cache: Any, traffic: dict) -> None:
-    """Raise, before anything compiles, where the traffic has sizes above those the cache accepts
-    (it would refuse those requests, and their plans cannot be built)."""
-    for k, (_, largest) in enumerate(cache.size_ranges):
-        above = [sizes for sizes in traffic if sizes[k] > largest]
+def refuse_traffic_outside(size_ranges: list, dim_names: list, traffic: dict, rank: Optional[int] = None) -> None:
+    """Raise, before anything compiles, where the traffic's requests have another number of sizes
+    than the cache has dynamic dimensions (rank; default: a range each), or sizes above those it
+    accepts (it would refuse those requests, and their plans cannot be built)."""
+    rank = len(size_ranges) if rank is None else rank
+    given = len(next(iter(traffic)))
+    if given != rank:
+        raise ValueError(f"PlanCache: the traffic's requests have {given} size(s) each, and the program has {rank} "
+                         f"dynamic dimension(s); give one size per dynamic dimension, the batch first")
+    for k, (_, largest) in enumerate(size_ranges):
+        above = [sizes for sizes in traffic if 0 < largest < sizes[k]]  # 0: no largest
         if above:
-            name = cache.dim_names[k] if k < len(cache.dim_names) else ("batch" if k == 0 else f"dim{k}")
+            name = dim_names[k] if k < len(dim_names) else ("batch" if k == 0 else f"dim{k}")
             raise ValueError(f"PlanCache: {sum(traffic[sizes] for sizes in above)} of the traffic's requests have a "
                              f"{name} above {largest}, the largest the program accepts (up to "
                              f"{max(sizes[k] for sizes in above)}); leave them out of the traffic, or export the "

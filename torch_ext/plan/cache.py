@@ -77,7 +77,7 @@ class PlanCache(ScriptObjectFace):
         # What replan() makes a cache of other buckets from; a saved export cache's folder has no
         # program to compile other buckets with.
         self._made_from = None if path is not None and os.path.isdir(path) else (
-            module.module if isinstance(module, _export.Exported) else module, example_inputs, dynamic_shapes,
+            module.source if isinstance(module, _export.Exported) else module, example_inputs, dynamic_shapes,
             inductor_configs, options)
         if _is_scripted(module):
             if example_inputs is not None or dynamic_shapes is not None or inductor_configs is not None:
@@ -438,19 +438,31 @@ _swap_lock = threading.Lock()  # a re-plan's swap, or a Batcher made in front of
 
 def _maker(cls: type, module: Any, example_inputs: Any, dynamic_shapes: Any, inductor_configs: Any,
            options: dict) -> Callable[..., PlanCache]:
-    """A cache of the module as given, with its options and the keywords' on top. An nn.Module is
-    exported on the first call only."""
+    """A cache of the module as given, with its options and the keywords' on top. A program is
+    exported (an nn.Module) or loaded (a .pt2 file) on the first call only, and every cache made
+    shares it. make.size_ranges(): an exported program's [min, max] per dynamic dimension, read
+    before any cache is made (None for TorchScript, whose cache says)."""
     exported = None
+    program = not _is_scripted(module) and not (isinstance(module, (str, os.PathLike)) and os.path.isdir(module))
+
+    def source() -> Any:
+        nonlocal exported
+        if exported is None:
+            exported = _export.as_exported(module, example_inputs, dynamic_shapes)
+        return exported
 
     def make(**overrides: Any) -> PlanCache:
-        nonlocal exported
-        if _is_scripted(module):
+        if not program:
             return cls(module, **{**options, **overrides})
-        if isinstance(module, torch.nn.Module) and example_inputs is not None and exported is None:
-            exported = _export.export_module(module, example_inputs, dynamic_shapes)
-        return cls(exported or module, example_inputs, dynamic_shapes, inductor_configs=inductor_configs,
+        return cls(source(), example_inputs, dynamic_shapes, inductor_configs=inductor_configs,
                    **{**options, **overrides})
+
+    def size_ranges() -> Optional[list]:
+        return _export.program_layout(source().program).ranges if program else None
+
     make.plan_shapes = options.get("plan_shapes", _option_default("plan_shapes"))  # type: ignore[attr-defined]
+    make.size_ranges = size_ranges  # type: ignore[attr-defined]
+    make.dim_names = list(options.get("dim_names", []))  # type: ignore[attr-defined]
     return make
 
 

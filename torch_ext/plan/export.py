@@ -10,6 +10,7 @@ a request no plan serves.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tempfile
 import threading
@@ -101,7 +102,8 @@ def program_layout(program: torch.export.ExportedProgram) -> ProgramLayout:
     for symbol in symbols:
         r = by_name.get(symbol)
         lower = max(1, int(r.lower)) if r is not None else 1
-        upper = int(r.upper) if r is not None and r.upper.is_finite else 0
+        # torch.export's unbounded max is int_oo, which sympy calls finite: ask float.
+        upper = int(r.upper) if r is not None and math.isfinite(float(r.upper)) else 0
         ranges.append([lower, upper])
     return ProgramLayout(symbols, inputs, outputs, ranges)
 
@@ -240,9 +242,10 @@ class Exported:
     its fingerprint are made once and shared by every cache made of it, as PlanCache.from_traffic
     and replan make several of one module (probes, then the cache). Thread-safe."""
 
-    def __init__(self, program: torch.export.ExportedProgram, module: Optional[torch.nn.Module] = None,
+    def __init__(self, source: Any, program: torch.export.ExportedProgram, module: Optional[torch.nn.Module] = None,
                  example: Optional[list] = None, path: Optional[str] = None) -> None:
-        self.program, self.module, self.example = program, module, example
+        # source: what it was made from (what a re-plan makes its caches of: an nn.Module is exported afresh)
+        self.source, self.program, self.module, self.example = source, program, module, example
         self._path, self._folder, self._fingerprint = path, None, None
         self._lock = threading.Lock()
 
@@ -275,16 +278,16 @@ def export_module(module: torch.nn.Module, example_inputs: Sequence, dynamic_sha
                     "that calls it with use_cache=False")
         raise RuntimeError(f"PlanCache: torch.export could not export {type(module).__name__} with the example "
                            f"inputs and dynamic_shapes given{hint}. torch.export said: {error}") from error
-    return Exported(program, module, pytree.tree_leaves(args))
+    return Exported(module, program, module, pytree.tree_leaves(args))
 
 
 def as_exported(source: Any, example_inputs: Optional[Sequence], dynamic_shapes: Any) -> Exported:
     """The program of a .pt2 file, an ExportedProgram, an Exported, or an nn.Module exported here."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        return Exported(torch.export.load(path), path=path)
+        return Exported(source, torch.export.load(path), path=path)
     if isinstance(source, torch.export.ExportedProgram):
-        return Exported(source)
+        return Exported(source, source)
     if isinstance(source, Exported):
         return source
     if example_inputs is None:
