@@ -261,6 +261,20 @@ def test_a_forked_child_serves_cached_plans_and_destroys_the_cache_without_joini
     assert torch.equal(holder[0](inputs), rowwise(inputs))
 
 
+def test_a_forked_child_that_drops_the_cache_leaves_the_parents_program_file(program):
+    holder = [PlanCache(program, warmup_calls=1)]
+    path = holder[0]._program.path  # what background builds compile from and save() copies
+    assert os.path.isfile(path)
+
+    def child():
+        holder.clear()
+        gc.collect()  # the child's copy of the folder's owner goes, as at a worker's normal exit
+        return True
+
+    assert run_child(child) == 0
+    assert os.path.isfile(path)
+
+
 def test_wait_for_builds_is_bounded(program):
     cache, compiler = blocked_cache(program, miss_mode="pad", background_builds=True)
     cache(x(3))

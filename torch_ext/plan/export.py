@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import shutil
 import tempfile
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -236,6 +238,20 @@ class Source:
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
+class _Folder:
+    """A temporary folder, removed when this object goes by the process that made it only: a forked
+    child that exits normally runs its copy's finalizer too, and must not remove its parent's files."""
+
+    def __init__(self, prefix: str) -> None:
+        self.name = tempfile.mkdtemp(prefix=prefix)
+        weakref.finalize(self, _remove_in, os.getpid(), self.name)
+
+
+def _remove_in(pid: int, path: str) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class Exported:
     """A program to make caches of, with what it was made from: the nn.Module and the flat example
     inputs when exported here. Its file (written once, into a folder removed with this object) and
@@ -253,7 +269,7 @@ class Exported:
         """The program's file: the one it was loaded from, else one written here once."""
         with self._lock:
             if self._path is None:
-                self._folder = tempfile.TemporaryDirectory(prefix="torch_ext_program_")
+                self._folder = _Folder("torch_ext_program_")
                 path = os.path.join(self._folder.name, "program.pt2")
                 torch.export.save(self.program, path)
                 self._path = path
