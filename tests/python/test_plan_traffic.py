@@ -309,8 +309,10 @@ def test_from_traffic_on_a_module_exports_it_once_builds_within_its_budget_and_e
     lowers = dict(zip(choice.buckets[0], [1] + [b + 1 for b in choice.buckets[0][:-1]]))
     ranged = {(n,) for n, lower in lowers.items() if lower < n}
     assert s.compiles == sum(2 if p in ranged else 1 for p in choice.plans)
-    # The MLP scripts, so even a bucket of one size has two kinds to time (static and TorchScript).
+    # The MLP scripts, so even a bucket of one size has two kinds to time (static and TorchScript),
+    # and the buckets were chosen weighing its frozen TorchScript too (measured on a probe of its own).
     assert all(z.probe_sizes > 0 and z.script_seconds > 0 for z in s.sizes)
+    assert cache._costs.script_cost is not None
     for n in sorted(set(traffic)):
         inputs = x(n)
         with torch.no_grad():

@@ -129,11 +129,16 @@ class PlanCache(ScriptObjectFace):
         self._positional = self._in_spec == pytree.tree_flatten((tuple([0] * self._in_spec.num_leaves), {}))[1]
         plan_shapes = options.get("plan_shapes", _option_default("plan_shapes"))
         if folder is None and plan_shapes in ("auto", "script"):
-            scripted = _export.scripted_module(program.eager_given(), example, self._positional,
-                                               self._out_spec.num_leaves, required=plan_shapes == "script")
+            scripted = self._scripted_module(required=plan_shapes == "script")
             if scripted is not None:
                 _C.plan.set_script_module(self.script_object, scripted)
                 self.has_script_module = True
+
+    def _scripted_module(self, required: bool) -> Optional[torch.jit.ScriptModule]:
+        """The module the program was exported from, scripted, where its frozen TorchScript can be a
+        plan, whatever this cache's plan_shapes (None where not; required: raise why)."""
+        return _export.scripted_module(self._program.eager_given(), self._example, self._positional,
+                                       self._out_spec.num_leaves, required=required)
 
     def _example_inputs(self) -> list:
         if self._example is None:

@@ -363,7 +363,7 @@ def measure_plans(make: Callable[..., Any], traffic: Traffic, example_inputs: An
     ranged.preload([largest], example_inputs, progress=False)
     dynamic = measured_cost(timer(ranged), traffic, progress=progress)
     script = None
-    if ranged.has_script_module:
+    if ranged._scripted_module(required=False) is not None:  # the dynamic probe itself has no script plans
         scripted = make(buckets=[[n] for n in largest], plan_shapes="script", **probe)
         scripted.preload([largest], example_inputs, progress=False)
         script = measured_cost(timer(scripted), traffic, progress=progress)
