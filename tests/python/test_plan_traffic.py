@@ -333,7 +333,7 @@ def test_traffic_above_the_programs_largest_size_is_refused_before_anything_comp
     assert compiles == []
 
 
-def test_traffic_with_a_size_per_dimension_the_program_lacks_is_refused_before_anything_compiles(
+def test_traffic_with_a_size_per_dimension_the_program_lacks_is_refused_before_anything_builds(
         mlp, scripted, monkeypatch):
     from torch_ext.plan import _compile
     compiles = []
@@ -347,6 +347,8 @@ def test_traffic_with_a_size_per_dimension_the_program_lacks_is_refused_before_a
         PlanCache.from_traffic(mlp, [(3, 20), (5, 7)], 2, (x(2),), SHAPES, inductor_configs=FAST, progress=False)
     with pytest.raises(ValueError, match=message):
         PlanCache.from_traffic(scripted, [(3, 20), (5, 7)], 2, (x(2),), progress=False)
+    with pytest.raises(ValueError, match=message):  # before: "PlanCache.example_inputs: expected a size per ..."
+        PlanCache(scripted).replan(2, traffic=[(3, 20), (5, 7)])
     assert compiles == []
 
 

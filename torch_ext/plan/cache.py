@@ -275,6 +275,7 @@ class PlanCache(ScriptObjectFace):
         budget = _planning.Budget("PlanCache.replan", plan_budget, compile_seconds)
         self._check_replannable("PlanCache.replan")
         traffic = _traffic.as_traffic(self if traffic is None else traffic)
+        _planning.refuse_traffic_outside(self.size_ranges, self.dim_names, traffic, 1 + len(self.dims))
         example_inputs = self._replan_example(traffic, example_inputs)
 
         def keep(choice: _traffic.BucketChoice, _: _planning.Costs, current: list) -> bool:
