@@ -333,7 +333,7 @@ def test_traffic_above_the_programs_largest_size_is_refused_before_anything_comp
     assert compiles == []
 
 
-def test_traffic_with_a_size_per_dimension_the_program_lacks_is_refused_before_anything_builds(
+def test_traffic_with_a_size_per_dimension_the_program_lacks_is_refused_before_anything_compiles(
         mlp, scripted, monkeypatch):
     from torch_ext.plan import _compile
     compiles = []
