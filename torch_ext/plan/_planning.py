@@ -91,7 +91,7 @@ class Costs:
         def probe(**options: Any) -> Any:
             probes.append(make(**options))
             if ranges is None and len(probes) == 1:  # TorchScript: the first probe has no buckets to refuse
-                refuse_traffic_outside(probes[0].size_ranges, probes[0].dim_names, traffic, 1 + len(probes[0].dims))
+                refuse_traffic_the_cache_cannot_take(probes[0], traffic)
             return probes[-1]
 
         self.cost, self.dynamic_cost, self.script_cost = _traffic.measure_plans(probe, traffic, example_inputs,
@@ -125,6 +125,11 @@ def refuse_traffic_outside(size_ranges: list, dim_names: list, traffic: dict, ra
                              f"{name} above {largest}, the largest the program accepts (up to "
                              f"{max(sizes[k] for sizes in above)}); leave them out of the traffic, or export the "
                              f"program with a larger maximum")
+
+
+def refuse_traffic_the_cache_cannot_take(cache: Any, traffic: dict) -> None:
+    """refuse_traffic_outside for a cache made: its rank is the batch and one per other dimension it buckets."""
+    refuse_traffic_outside(cache.size_ranges, cache.dim_names, traffic, 1 + len(cache.dims))
 
 
 def planned(make: Callable[..., Any], traffic: dict, budget: Budget, example_inputs: Any, exported: bool,

@@ -35,8 +35,13 @@ __all__ = ["PlanCache"]
 Source = Union[torch.jit.ScriptModule, torch.export.ExportedProgram, torch.nn.Module, str, os.PathLike]
 
 
+def _is_saved_folder(source: Any) -> bool:
+    """A saved cache's folder: its plans serve, and it holds no program to compile other buckets with."""
+    return isinstance(source, (str, os.PathLike)) and os.path.isdir(source)
+
+
 def _is_export_path(path: str) -> bool:
-    return os.path.isdir(path) or path.endswith(".pt2")
+    return _is_saved_folder(path) or path.endswith(".pt2")
 
 
 def _is_scripted(module: Any) -> bool:
@@ -74,9 +79,8 @@ class PlanCache(ScriptObjectFace):
         # TorchScript module (plan_shapes 'script', and 'auto' weighs them with the compiled kinds).
         self.has_script_module = False
         path = os.fspath(module) if isinstance(module, (str, os.PathLike)) else None
-        # What replan() makes a cache of other buckets from; a saved export cache's folder has no
-        # program to compile other buckets with.
-        self._made_from = None if path is not None and os.path.isdir(path) else (
+        # What replan() makes a cache of other buckets from.
+        self._made_from = None if _is_saved_folder(module) else (
             module.source if isinstance(module, _export.Exported) else module, example_inputs, dynamic_shapes,
             inductor_configs, options)
         if _is_scripted(module):
@@ -101,7 +105,7 @@ class PlanCache(ScriptObjectFace):
         if derived:
             raise TypeError(f"PlanCache: {', '.join(derived)} come from the exported program's dynamic dimensions; "
                             "export it with the torch.export.Dim you want instead")
-        folder = path if path is not None and os.path.isdir(path) else None
+        folder = path if _is_saved_folder(module) else None
         if folder is not None:
             # A saved cache: its packages serve with no need for the program, loaded only to compile
             # a new bucket or run a request no plan serves.
@@ -275,7 +279,7 @@ class PlanCache(ScriptObjectFace):
         budget = _planning.Budget("PlanCache.replan", plan_budget, compile_seconds)
         self._check_replannable("PlanCache.replan")
         traffic = _traffic.as_traffic(self if traffic is None else traffic)
-        _planning.refuse_traffic_outside(self.size_ranges, self.dim_names, traffic, 1 + len(self.dims))
+        _planning.refuse_traffic_the_cache_cannot_take(self, traffic)
         example_inputs = self._replan_example(traffic, example_inputs)
 
         def keep(choice: _traffic.BucketChoice, _: _planning.Costs, current: list) -> bool:
@@ -449,7 +453,7 @@ def _maker(cls: type, module: Any, example_inputs: Any, dynamic_shapes: Any, ind
     shares it. make.size_ranges(): an exported program's [min, max] per dynamic dimension, read
     before any cache is made (None for TorchScript, whose cache says)."""
     exported = None
-    program = not _is_scripted(module) and not (isinstance(module, (str, os.PathLike)) and os.path.isdir(module))
+    program = not _is_scripted(module) and not _is_saved_folder(module)
 
     def source() -> Any:
         nonlocal exported
