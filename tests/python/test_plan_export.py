@@ -82,6 +82,19 @@ def test_the_script_object_keeps_its_program_file_after_the_python_cache_is_gone
     assert os.path.isfile(tmp_path / "saved" / "program.pt2")
 
 
+def test_the_module_a_program_file_runs_on_a_miss_is_not_taken_for_the_one_it_was_exported_from(mlp, tmp_path):
+    # A request no plan serves runs on the program's own module (program.module()). A script plan is
+    # the frozen TorchScript of the nn.Module the program was exported from, which a file does not give.
+    torch.export.save(torch.export.export(mlp, (x(2),), dynamic_shapes=MLP_SHAPES), tmp_path / "mlp.pt2")
+    cache = PlanCache(tmp_path / "mlp.pt2", admit_after=2, warmup_calls=1)
+    inputs = x(3)
+    close(cache(inputs), eager(mlp, inputs))
+    assert cache.stats().compiles == 0  # served by the program's module
+    assert cache._program.eager_given() is None
+    with pytest.raises(ValueError, match="needs the nn.Module the program is exported from"):
+        cache._scripted_module(required=True)
+
+
 def test_a_dim_with_no_maximum_serves_any_batch(mlp):
     # torch.export's unbounded maximum (int_oo) is a sympy number that says it is finite.
     cache = PlanCache(mlp, (x(2),), ({0: Dim("batch")},), plan_shapes="static", inductor_configs=FAST,

@@ -145,7 +145,7 @@ class Program:
         # Holding `exported` keeps the folder its file is in for as long as this cache's builds may read it.
         self.path, self._exported = path, exported
         self._program = exported.program if exported is not None else None
-        self._eager = exported.module if exported is not None else None
+        self._unlifted: Optional[torch.nn.Module] = None  # program.module(), made where no module was given
         self._layout: Optional[ProgramLayout] = None
         self._lock = threading.Lock()
 
@@ -164,16 +164,18 @@ class Program:
 
     def eager_given(self) -> Optional[torch.nn.Module]:
         """The nn.Module the program was exported from here, if it was."""
-        return self._eager
+        return self._exported.module if self._exported is not None else None
 
     def module(self) -> torch.nn.Module:
         """The eager module given, else the program's."""
-        if self._eager is None:
-            program = self.get()
-            with self._lock:
-                if self._eager is None:
-                    self._eager = program.module()
-        return self._eager
+        given = self.eager_given()
+        if given is not None:
+            return given
+        program = self.get()
+        with self._lock:
+            if self._unlifted is None:
+                self._unlifted = program.module()
+            return self._unlifted
 
 
 def scripted_module(module: Optional[torch.nn.Module], example: Optional[list], positional: bool, outputs: int, *,
