@@ -230,6 +230,13 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=128, num_key_value_heads=2,
                                                             num_local_experts=4, num_experts_per_tok=2)),
     "bert": ("BertConfig", "BertForMaskedLM", dict(intermediate_size=128)),
+    # sliding-window and full attention layers in turn, each given its own mask by the model
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(intermediate_size=128, num_key_value_heads=2,
+                                                             head_dim=16, sliding_window=8, attention_dropout=0.1,
+                                                             layer_types=["sliding_attention", "full_attention"])),
+    # fused query/key/value and gate/up products, split by slicing their outputs
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(intermediate_size=128, num_key_value_heads=2, resid_pdrop=0.1,
+                                                   embd_pdrop=0.1, attention_dropout=0.1)),
     "t5": ("T5Config", "T5ForConditionalGeneration", dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                                                           decoder_start_token_id=0)),
 }
