@@ -216,12 +216,10 @@ void replay(const std::shared_ptr<Call>& call, ck::Frame& frame, int64_t graph_t
   Py_INCREF(identity);
   PyObject* kwargs = call->kwargs ? call->kwargs->object : nullptr;
   ck::SelectiveScope selective(call->policy.get(), &call->selective, ck::SelectiveScope::Mode::kServe, frame.name());
+  const ck::Frame::SteadyScriptPlans steady;
   PyObject* result = with_hooks(repack, identity, [&] { return PyObject_Call(call->fn->object, args.ptr(), kwargs); });
-  if (result == nullptr) {
-    if (!PyErr_ExceptionMatches(stop_type)) throw py::error_already_set();
-    PyErr_Clear();
-  }
-  Py_XDECREF(result);
+  if (result == nullptr) throw py::error_already_set();  // a stop among them: Frame::unpack() tells
+  Py_DECREF(result);
 }
 
 // The tensors in a segment's output: a tensor, or tuples, lists and dicts (Hugging Face's
@@ -309,6 +307,7 @@ PyObject* run(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
     Py_INCREF(unpack);
     call->policy = options->save.policy();
     PyObject* out = with_hooks(pack, unpack, [&] {
+      const ck::Frame::SteadyScriptPlans steady;
       ck::SelectiveScope selective(call->policy.get(), &call->selective, ck::SelectiveScope::Mode::kRecord,
                                    frame->name());
       return PyObject_Call(fn, args, kwargs);

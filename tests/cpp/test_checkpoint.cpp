@@ -280,6 +280,36 @@ TEST(Frame, AReplayThatSavesFewerOrMoreTensorsRaises) {
             std::string::npos);
 }
 
+TEST(Frame, AReplayIsJudgedByWhatRepackThrewNotByWhatReachesTheFrontDoor) {
+  torch::autograd::GradMode::set_enabled(true);
+  // An interpreter between the hook and the front door (TorchScript's) re-raises as its own error.
+  auto rethrown = [](const std::function<void()>& replay) {
+    try {
+      replay();
+    } catch (const std::exception&) {
+      throw std::runtime_error("");
+    }
+  };
+  auto x = at::randn({64, 64}).requires_grad_();
+  auto w = at::randn({64, 64}).requires_grad_();
+  auto stopping = std::make_shared<ck::Frame>("Seg", /*early_stop=*/true);
+  auto hidden = x * 2;
+  auto holder = stopping->pack(hidden);
+  stopping->finish_forward({hidden.mm(w).relu()});
+  ASSERT_TRUE(stopping->stops_early());
+  stopping->set_recompute([&](ck::Frame& f, int64_t task) {
+    rethrown([&] { f.repack(at::ones({64, 64}), task); });  // the last saved tensor: the replay stops
+  });
+  EXPECT_TRUE(stopping->unpack(*holder).equal(at::ones({64, 64})));
+
+  auto departing = std::make_shared<ck::Frame>("Seg", false);
+  holder = departing->pack(at::zeros({2}));
+  departing->finish_forward({});
+  departing->set_recompute([&](ck::Frame& f, int64_t task) { rethrown([&] { f.repack(at::zeros({3}), task); }); });
+  EXPECT_NE(error_of([&] { departing->unpack(*holder); }).find("the replay of Seg produced saved tensor 0 (Float[3]"),
+            std::string::npos);
+}
+
 TEST(Frame, EarlyStopIsDecidedByTheRecordedTailsWork) {
   torch::autograd::GradMode::set_enabled(true);
   auto x = at::randn({64, 64}).requires_grad_();

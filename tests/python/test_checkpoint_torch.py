@@ -212,6 +212,62 @@ def test_early_stop_ends_a_replay_at_the_last_saved_tensor_when_the_tail_is_wort
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(segment.parameters(), reference.parameters()))
 
 
+class AddmmCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.addmm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.addmm += func.overloadpacket is torch.ops.aten.addmm
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_a_scripted_module_gives_the_eager_gradients_from_its_first_backward_and_stops_early(early_stop):
+    """Two things stood between a TorchScript module and checkpointing from Python (torch's
+    non-reentrant checkpoint fails the same way): the profiling executor runs a function's first
+    call, and the first call of each new shape, on another plan than the calls after it, so the
+    replay saved other tensors than its forward; and an early stop reached the replay as the
+    interpreter's RuntimeError, with no message. Both raised an empty RuntimeError in backward."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    reference = copy.deepcopy(eager)
+    scripted = torch.jit.script(eager)
+    for batch in (64, 32, 64):  # a new batch size is a new plan's first call again
+        x = torch.randn(batch, 64, requires_grad=True)
+        out = checkpoint_call(scripted, x, early_stop=early_stop)
+        with AddmmCounter() as counter:
+            out.sum().backward()
+        # the last Linear saves its input: with early stop the replay ends before its product
+        assert counter.addmm == (2 if early_stop else 3), batch
+        expected = x.detach().requires_grad_()
+        reference(expected).sum().backward()
+        assert torch.equal(x.grad, expected.grad), batch
+    for p, q in zip(eager.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_replay_that_departs_from_its_forward_inside_torchscript_raises_the_named_error():
+    """The interpreter re-raises the replay's error as its own RuntimeError; the frame's error is what
+    reaches the caller."""
+
+    class Alternating(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if int(self.calls) % 2 == 1:
+                return x.tanh()
+            return x[:1].tanh()
+
+    out = checkpoint_call(torch.jit.script(Alternating()), torch.randn(2, 3, requires_grad=True))
+    with pytest.raises(CheckpointError, match=r"the replay of .* produced saved tensor 0 .*Float\[1, 3\].* where its "
+                                              r"forward produced .*Float\[2, 3\]"):
+        out.sum().backward()
+
+
 def test_early_stop_leaves_a_small_elementwise_tail_alone():
     calls = []
 

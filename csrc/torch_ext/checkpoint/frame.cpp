@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/jit/python/update_graph_executor_opt.h>
 
 namespace torch_ext::checkpoint {
 
@@ -19,6 +20,12 @@ thread_local uint64_t frames_begun = 0;
 Frame::Frame(std::string name, bool early_stop) : name_(std::move(name)), early_stop_(early_stop) {
   ++frames_begun;
 }
+
+Frame::SteadyScriptPlans::SteadyScriptPlans() : previous_(torch::jit::getGraphExecutorOptimize()) {
+  torch::jit::setGraphExecutorOptimize(false);  // thread-local
+}
+
+Frame::SteadyScriptPlans::~SteadyScriptPlans() { torch::jit::setGraphExecutorOptimize(previous_); }
 
 int64_t Frame::fresh_graph_task() {
   static std::atomic<int64_t> next{-2};  // -1 is get_current_graph_task_id()'s "none"
@@ -110,7 +117,15 @@ at::Tensor Frame::unpack(Holder& holder) {
   if (!recomputed_[graph_task]) {
     TORCH_CHECK(recompute_, "checkpoint: ", name_, " has no recompute function");
     recomputed_count_[graph_task] = 0;
-    recompute_(*this, graph_task);
+    try {
+      recompute_(*this, graph_task);
+    } catch (...) {
+      if (!stopped_[graph_task]) {
+        auto error = replay_error_.find(graph_task);
+        if (error == replay_error_.end()) throw;
+        throw CheckpointError(error->second);
+      }
+    }
     recomputed_[graph_task] = true;
     check_recomputed(graph_task);
   }
@@ -129,8 +144,13 @@ at::Tensor Frame::unpack(Holder& holder) {
 
 at::Tensor Frame::repack(const at::Tensor& tensor, int64_t graph_task) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (stopped_[graph_task]) throw StopRecomputation();  // the segment caught the stop and went on
   at::Tensor kept = tensor.requires_grad() ? tensor.detach() : tensor;
   const size_t index = recomputed_count_[graph_task]++;
+  auto fail = [&](const std::string& message) {
+    replay_error_[graph_task] = message;
+    return CheckpointError(message);
+  };
   if (index >= holders_.size()) {
     if (!forward_done_) {
       // A backward inside the segment, during its own forward, replays before the forward has
@@ -138,20 +158,22 @@ at::Tensor Frame::repack(const at::Tensor& tensor, int64_t graph_task) {
       ignore_count_ = true;
       return kept;
     }
-    throw CheckpointError("checkpoint: the replay of " + name_ + " saved more tensors for backward than its " +
-                          "forward did (" + std::to_string(holders_.size()) +
-                          "): the segment must compute the same ops from the same inputs");
+    throw fail("checkpoint: the replay of " + name_ + " saved more tensors for backward than its forward did (" +
+               std::to_string(holders_.size()) + "): the segment must compute the same ops from the same inputs");
   }
   const Meta& expected = metas_[index];
   const Meta got = meta_of(tensor);
   if (got.sizes != expected.sizes || got.dtype != expected.dtype || got.device != expected.device) {
-    throw CheckpointError("checkpoint: the replay of " + name_ + " produced " + describe(index, got) +
-                          " where its forward produced " + describe(index, expected) +
-                          "; the segment must compute the same shapes from the same inputs (a cache or other "
-                          "state it changes in its forward would make its replay differ)");
+    throw fail("checkpoint: the replay of " + name_ + " produced " + describe(index, got) +
+               " where its forward produced " + describe(index, expected) +
+               "; the segment must compute the same shapes from the same inputs (a cache or other state it changes "
+               "in its forward would make its replay differ)");
   }
   if (auto holder = holders_[index].lock()) holder->recomputed[graph_task] = kept;
-  if (stop_early_ && recomputed_count_[graph_task] == holders_.size()) throw StopRecomputation();
+  if (stop_early_ && recomputed_count_[graph_task] == holders_.size()) {
+    stopped_[graph_task] = true;
+    throw StopRecomputation();
+  }
   return kept;
 }
 

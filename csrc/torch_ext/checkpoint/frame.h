@@ -21,6 +21,11 @@
 // holds a nested checkpoint's forward is always stopped before (as torch's early stop does), so the
 // nested segment is recomputed once, by its own frame, not once more inside the enclosing replay.
 //
+// A replay may reach its front door as another exception than the one repack() threw: TorchScript's
+// interpreter, between the hook and the segment's call, re-raises whatever an op throws as its own
+// RuntimeError. So the frame notes what repack() threw (a stop, a CheckpointError) and unpack()
+// judges the replay by that, not by what came back.
+//
 // Thread safety: a frame's forward runs on one thread. unpack() and repack() take the frame's
 // (recursive) mutex, so backward passes on several threads recompute a frame once per graph task.
 // The front door must not hold a lock the Recompute needs while calling unpack() (the Python one
@@ -91,6 +96,21 @@ class Frame : public std::enable_shared_from_this<Frame> {
   // CheckpointError when the replay departs from the forward.
   at::Tensor repack(const at::Tensor& tensor, int64_t graph_task);
 
+  // While a segment's forward or a replay of it runs on this thread: TorchScript functions it calls
+  // keep the plan they have instead of switching to an optimized one. TorchScript's profiling
+  // executor runs a function's first calls (and those of each new shape) on one plan and later calls
+  // on another, which saves other tensors for backward; a replay must save what its forward saved.
+  class SteadyScriptPlans {
+   public:
+    SteadyScriptPlans();
+    ~SteadyScriptPlans();
+    SteadyScriptPlans(const SteadyScriptPlans&) = delete;
+    SteadyScriptPlans& operator=(const SteadyScriptPlans&) = delete;
+
+   private:
+    bool previous_;
+  };
+
   // An id for unpacks outside any backward pass (a graph task id is >= 0).
   static int64_t fresh_graph_task();
 
@@ -121,6 +141,8 @@ class Frame : public std::enable_shared_from_this<Frame> {
   bool ignore_count_ = false;  // a backward inside the forward saved more than the forward kept
   std::unordered_map<int64_t, size_t> recomputed_count_;  // by graph task
   std::unordered_map<int64_t, bool> recomputed_;           // by graph task: the replay ran
+  std::unordered_map<int64_t, bool> stopped_;              // by graph task: repack() stopped the replay
+  std::unordered_map<int64_t, std::string> replay_error_;  // by graph task: the CheckpointError repack() threw
 };
 
 }  // namespace torch_ext::checkpoint
