@@ -268,9 +268,7 @@ void check_inputs_unchanged(PyObject* args, const std::vector<std::pair<Py_ssize
                             const std::string& name) {
   for (const auto& [i, version] : versions) {
     if (THPVariable_Unpack(PyTuple_GET_ITEM(args, i))._version() != version) {
-      throw ck::CheckpointError("checkpoint: " + name + " wrote its input " + std::to_string(i) +
-                                " in place during its forward; its replay would start from the written values. "
-                                "Clone the input inside the segment, or do not checkpoint it");
+      throw ck::input_written_in_place(name, static_cast<size_t>(i));
     }
   }
 }

@@ -247,6 +247,61 @@ def test_a_scripted_module_gives_the_eager_gradients_from_its_first_backward_and
         assert torch.equal(p.grad, q.grad)
 
 
+def test_the_torchscript_front_door_checkpoints_through_the_same_frame():
+    """torch.ops.torch_ext.checkpoint_module from a Python process: the forward keeps only the block's
+    input (what it would have saved are placeholders, which memory.track's hooks around it do not
+    see), the replay stops before the last product, and double backward works."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)).double()
+    reference = copy.deepcopy(eager)
+    block = torch.jit.script(eager)
+    x = torch.randn(64, 64, dtype=torch.double, requires_grad=True)
+    with torch_ext.memory.track() as tracked:
+        out = torch.ops.torch_ext.checkpoint_module(block, [x])[0]
+    assert tracked.saved_bytes == x.nbytes
+    with AddmmCounter() as counter:
+        (grad,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    assert counter.addmm == 2
+    expected_x = x.detach().requires_grad_()
+    (expected,) = torch.autograd.grad(reference(expected_x).pow(2).sum(), expected_x, create_graph=True)
+    assert torch.equal(grad, expected)
+    assert torch.equal(torch.autograd.grad(grad.sum(), x)[0], torch.autograd.grad(expected.sum(), expected_x)[0])
+
+
+def test_torchscript_and_python_checkpoints_nest_either_way():
+    """A C++ frame (checkpoint_module) inside a Python one, and Python's saved-tensor hooks
+    (memory.track) around both: each tensor goes to the innermost, and the gradients are eager's."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+    reference = copy.deepcopy(eager)
+    block = torch.jit.script(eager)
+
+    def outer(x):
+        return torch.ops.torch_ext.checkpoint_module(block, [x.sin()])[0].exp()
+
+    x = torch.randn(16, 32, requires_grad=True)
+    with torch_ext.memory.track() as tracked:
+        loss = checkpoint_call(outer, x).sum()
+    assert tracked.saved_bytes == x.nbytes  # the outer frame's input; the rest is placeholders
+    with AddmmCounter() as counter:
+        loss.backward()
+    assert counter.addmm == 2 * 2  # the outer replay runs the block's forward, whose own frame replays it
+    expected = x.detach().requires_grad_()
+    reference(expected.sin()).exp().sum().backward()
+    assert torch.equal(x.grad, expected.grad)
+    for p, q in zip(eager.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_compiled_autograd_refuses_the_torchscript_front_doors_hooks_as_documented():
+    """docs/checkpoint.md (C++): compiled autograd takes only Python saved-tensor hooks."""
+    block = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)))
+    out = torch.ops.torch_ext.checkpoint_module(block, [torch.randn(4, 8, requires_grad=True)])[0]
+    with pytest.raises(RuntimeError, match="Compiled Autograd only supports python saved tensor hooks"):
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+            out.sum().backward()
+
+
 def test_a_replay_that_departs_from_its_forward_inside_torchscript_raises_the_named_error():
     """The interpreter re-raises the replay's error as its own RuntimeError; the frame's error is what
     reaches the caller."""

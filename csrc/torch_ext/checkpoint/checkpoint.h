@@ -2,9 +2,10 @@
 // Segment checkpointing: run a segment without keeping its intermediate activations, store
 // only its inputs (the boundary), and recompute it with grad enabled during backward.
 //
-// checkpoint() is reentrant and thread-safe: each call builds its own autograd node and keeps
-// its state there. A Segment may be called from the autograd engine's thread during backward,
-// so it must not rely on thread-local state of the thread that ran the forward.
+// checkpoint() is the C++ front door to the Frame (frame.h) that Python's checkpoints use too, its
+// hooks in C++ (frame_hooks.h). It is reentrant and thread-safe: each call has its own frame. A
+// Segment may be called from the autograd engine's thread during backward, so it must not rely on
+// thread-local state of the thread that ran the forward.
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -15,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
 
+#include "torch_ext/checkpoint/frame.h"
 #include "torch_ext/checkpoint/selective.h"
 #include "torch_ext/common/enum_names.h"
 #include "torch_ext/fields.h"
@@ -23,8 +25,8 @@ namespace torch_ext::checkpoint {
 
 using TensorList = std::vector<at::Tensor>;
 
-// A segment maps its boundary inputs to its outputs; it may read other tensors (parameters),
-// which checkpoint() must then be given as `params`.
+// A segment maps its boundary inputs to its outputs; it may read other tensors (parameters,
+// captured tensors), whose gradients flow through the graph as without checkpointing.
 using Segment = std::function<TensorList(const TensorList&)>;
 
 // How the boundary inputs are kept between forward and backward.
@@ -67,8 +69,7 @@ struct CheckpointOptions {
         field("early_stop", &CheckpointOptions::early_stop,
               "end a replay once every tensor its backward needs has been recomputed, when the recorded "
               "graph's ops after the last of them are worth skipping (by their sizes, never a timing); off, "
-              "the replay runs the whole segment. The C++ and TorchScript front doors always replay the "
-              "whole segment"),
+              "the replay runs the whole segment"),
         field("save", &CheckpointOptions::save,
               "ops whose outputs the forward keeps and the replay does not run again (native selective "
               "checkpointing, decided in C++): 'matmul', 'attention', 'torchtitan' (attention and every second "
@@ -77,15 +78,18 @@ struct CheckpointOptions {
   }
 };
 
-// Runs segment(inputs) as one autograd node whose backward replays the segment. Gradients
-// reach `inputs` and `params` through the graph (never through .grad from inside backward),
-// so torch::autograd::grad, backward(inputs=...), hooks and DDP see an ordinary node.
-// Under no_grad / inference mode, or when nothing requires grad, the segment runs plainly.
-// Raises when inputs or params require grad but no output is differentiable, when a replay
-// produces outputs whose shapes or dtypes differ from the forward's, when the segment reads
-// a tensor requiring grad that is neither an input nor a param, and on double backward.
-TensorList checkpoint(const Segment& segment, const TensorList& inputs, const TensorList& params = {},
-                      const CheckpointOptions& options = {});
+// segment(inputs), checkpointed: its forward keeps only its inputs (under the storage policy) and
+// builds the ordinary autograd graph around placeholders for what it would have saved; the first
+// backward that needs one replays the segment (frame.h). So every output has its own grad_fn, double
+// backward and nested checkpoints work, and a tensor requiring grad that the segment captures gets
+// its gradient. Under no_grad / inference mode the segment runs plainly. Raises CheckpointError
+// naming the segment when a replay saves other tensors than its forward did, or when the forward
+// wrote one of its inputs in place.
+TensorList checkpoint(const Segment& segment, const TensorList& inputs, const CheckpointOptions& options = {});
+
+// The error for a segment that wrote its input `index` in place during its forward, from which its
+// replay would start.
+CheckpointError input_written_in_place(const std::string& segment, size_t index);
 
 // The dtype `t` is stored in under `policy` (bf16 / fp16 round float32 and float64 only).
 at::ScalarType boundary_dtype(const at::Tensor& t, StoragePolicy policy);

@@ -12,23 +12,13 @@
 
 namespace torch_ext::checkpoint {
 
-// The parameters of `module` (recursively) that require grad: what a checkpoint of it must
-// be given as params so that their gradients flow through the graph.
-inline TensorList trainable_parameters(const torch::nn::Module& module) {
-  TensorList params;
-  for (const auto& p : module.parameters(/*recurse=*/true)) {
-    if (p.requires_grad()) params.push_back(p);
-  }
-  return params;
-}
-
 // module->forward(input), checkpointed. M is a module holder (torch::nn::Linear) or a
 // std::shared_ptr to a module whose forward takes and returns one tensor.
 template <typename M>
 at::Tensor checkpoint_module(const M& module, const at::Tensor& input, CheckpointOptions options = {}) {
   if (options.name == "segment") options.name = module->name();
   Segment segment = [held = M(module)](const TensorList& inputs) mutable -> TensorList { return {held->forward(inputs[0])}; };
-  return checkpoint(segment, {input}, trainable_parameters(*module), options)[0];
+  return checkpoint(segment, {input}, options)[0];
 }
 
 // torch::nn::Sequential in `segments` checkpointed segments of consecutive modules (the last
@@ -42,11 +32,6 @@ inline at::Tensor checkpoint_sequential(const torch::nn::Sequential& sequential,
   at::Tensor x = input;
   for (int64_t start = 0, index = 0; start < n; ++index) {
     const int64_t end = index == segments - 1 ? n : start + per_segment;
-    TensorList params;
-    for (int64_t i = start; i < end; ++i) {
-      auto more = trainable_parameters(*sequential->ptr(static_cast<size_t>(i)));
-      params.insert(params.end(), more.begin(), more.end());
-    }
     Segment segment = [impl = sequential.ptr(), start, end](const TensorList& inputs) -> TensorList {
       at::Tensor y = inputs[0];
       for (auto it = impl->begin() + start; it != impl->begin() + end; ++it) y = it->forward(y);
@@ -54,7 +39,7 @@ inline at::Tensor checkpoint_sequential(const torch::nn::Sequential& sequential,
     };
     CheckpointOptions segment_options = options;
     segment_options.name = "Sequential[" + std::to_string(start) + ":" + std::to_string(end) + "]";
-    x = checkpoint(segment, {x}, params, segment_options)[0];
+    x = checkpoint(segment, {x}, segment_options)[0];
     start = end;
   }
   return x;

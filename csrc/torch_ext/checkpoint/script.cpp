@@ -32,15 +32,11 @@ TensorList checkpoint_script_module(const torch::jit::Module& module, const Tens
   TORCH_CHECK(module.find_method(method).has_value(), "checkpoint_script_module: ", name, " has no method '",
               method, "'");
   if (options.name == "segment") options.name = name + "." + method;
-  TensorList params;
-  for (const auto& p : module.parameters(/*recurse=*/true)) {
-    if (p.requires_grad()) params.push_back(p);
-  }
   Segment segment = [module, method, name = options.name](const TensorList& args) -> TensorList {
     std::vector<c10::IValue> stack(args.begin(), args.end());
     return flatten_outputs(module.get_method(method)(std::move(stack)), name);
   };
-  return checkpoint(segment, inputs, params, options);
+  return checkpoint(segment, inputs, options);
 }
 
 TensorList checkpoint_script_module(const c10::IValue& module, const TensorList& inputs,

@@ -14,8 +14,8 @@ struct Module;
 
 namespace torch_ext::checkpoint {
 
-// module.<method>(*inputs), checkpointed, with the module's parameters that require grad as
-// params. The method must return a tensor or a tuple / list of tensors (returned flattened).
+// module.<method>(*inputs), checkpointed. The method must return a tensor or a tuple / list of
+// tensors (returned flattened).
 TensorList checkpoint_script_module(const torch::jit::Module& module, const TensorList& inputs,
                                     CheckpointOptions options = {}, const std::string& method = "forward");
 

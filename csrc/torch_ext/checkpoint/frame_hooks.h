@@ -1,0 +1,31 @@
+#pragma once
+// A Frame's pack() and repack() as autograd's saved-tensor hooks, in C++: how the C++ and
+// TorchScript front doors checkpoint through the same Frame as Python's.
+//
+// Autograd asks its default engine for the hooks of every tensor it saves. In a Python process that
+// engine hands out the Python hooks of torch.autograd.graph.saved_tensors_hooks; in a LibTorch
+// process it has none. The first FrameHooks puts an engine in front of the default one that answers
+// with the innermost FrameHooks of the calling thread, unless Python hooks pushed after it are on
+// top, and passes everything else (running a backward pass, anomaly metadata, the Python hooks) to
+// the engine it wraps. So the two kinds of hooks nest in the order they were entered, and a process
+// that never checkpoints from C++ keeps torch's engine untouched.
+#include <cstdint>
+#include <memory>
+
+#include "torch_ext/checkpoint/frame.h"
+
+namespace torch_ext::checkpoint {
+
+// While alive, on this thread: each tensor autograd saves becomes a holder of `frame` (forward) or
+// is handed to frame.repack(·, graph_task) (a replay). Raises where saved-tensor hooks are disabled
+// (torch.autograd.graph.disable_saved_tensors_hooks), with torch's message.
+class FrameHooks {
+ public:
+  explicit FrameHooks(std::shared_ptr<Frame> frame);
+  FrameHooks(std::shared_ptr<Frame> frame, int64_t graph_task);
+  ~FrameHooks();
+  FrameHooks(const FrameHooks&) = delete;
+  FrameHooks& operator=(const FrameHooks&) = delete;
+};
+
+}  // namespace torch_ext::checkpoint
