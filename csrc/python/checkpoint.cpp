@@ -16,7 +16,6 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -162,39 +161,35 @@ struct PyRef {
   PyObject* object;
 };
 
-// One input of the segment as the replay gets it back: a tensor the storage policy keeps as itself
-// is saved through the enclosing frame's hooks, if any (that is what nests checkpoints), a copy as
-// the core stores it (store_copy), anything else as the Python object.
-struct SavedInput {
-  torch::autograd::SavedVariable saved;
-  std::optional<ck::StoredCopy> copy;
-  std::unique_ptr<PyRef> value;  // not a tensor
+// One argument of the segment as the replay gets it back: a tensor as the core keeps a boundary
+// input (SavedInput), anything else as the Python object.
+struct SavedArg {
+  std::optional<ck::SavedInput> tensor;
+  std::unique_ptr<PyRef> value;
 
   PyObject* restore() const {
     if (value) {
       Py_INCREF(value->object);
       return value->object;
     }
-    return THPVariable_Wrap(copy ? copy->restore() : saved.unpack());
+    return THPVariable_Wrap(tensor->restore());
   }
 };
 
-SavedInput save_input(PyObject* arg, ck::StoragePolicy policy) {
-  SavedInput in;
-  if (!THPVariable_Check(arg)) {
-    in.value = std::make_unique<PyRef>(arg);
-    return in;
+SavedArg save_arg(PyObject* arg, ck::StoragePolicy policy) {
+  SavedArg saved;
+  if (THPVariable_Check(arg)) {
+    saved.tensor.emplace(THPVariable_Unpack(arg), policy);
+  } else {
+    saved.value = std::make_unique<PyRef>(arg);
   }
-  const at::Tensor& t = THPVariable_Unpack(arg);
-  in.copy = ck::store_copy(t, policy);
-  if (!in.copy) in.saved = torch::autograd::SavedVariable(t, /*is_output=*/false);
-  return in;
+  return saved;
 }
 
 // What a frame's replay needs: the segment, its inputs and the state its forward ran under.
 struct Call {
   std::unique_ptr<PyRef> fn, kwargs;
-  std::vector<SavedInput> inputs;
+  std::vector<SavedArg> inputs;
   ck::ReplayState state;
   std::shared_ptr<const ck::SavePolicy> policy;  // the `save` option's
   ck::SavedOutputs selective;
@@ -289,7 +284,7 @@ PyObject* run(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
     std::vector<std::pair<Py_ssize_t, uint32_t>> versions;  // tensor inputs' versions before the forward
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* arg = PyTuple_GET_ITEM(args, i);
-      call->inputs.push_back(save_input(arg, options->storage));
+      call->inputs.push_back(save_arg(arg, options->storage));
       if (THPVariable_Check(arg)) versions.emplace_back(i, THPVariable_Unpack(arg)._version());
     }
     // Begun after its inputs are saved (frame.h: how an enclosing frame sees a nested one).

@@ -36,6 +36,15 @@ std::optional<StoredCopy> store_copy(const at::Tensor& t, StoragePolicy policy) 
   return stored;
 }
 
+SavedInput::SavedInput(const at::Tensor& input, StoragePolicy policy) : copy_(store_copy(input, policy)) {
+  if (!copy_) saved_ = std::make_unique<torch::autograd::SavedVariable>(input, /*is_output=*/false);
+}
+
+SavedInput::SavedInput(SavedInput&&) noexcept = default;
+SavedInput::~SavedInput() = default;
+
+at::Tensor SavedInput::restore() const { return copy_ ? copy_->restore() : saved_->unpack(); }
+
 at::Tensor StoredCopy::restore() const {
   at::Tensor t = copy.to(device, dtype, /*non_blocking=*/true).detach();
   if (requires_grad) t.requires_grad_(true);
@@ -49,15 +58,6 @@ CheckpointError input_written_in_place(const std::string& segment, size_t index)
 }
 
 namespace {
-
-// One boundary input as the replay gets it back: kept as itself (saved as autograd saves a tensor,
-// through the enclosing frame's hooks if any, which is what nests checkpoints) or as the storage
-// policy's copy.
-struct SavedInput {
-  torch::autograd::SavedVariable saved;
-  std::optional<StoredCopy> copy;
-  at::Tensor restore() const { return copy ? copy->restore() : saved.unpack(); }
-};
 
 // What a frame's replay needs: the segment, its inputs and the state its forward ran under.
 struct Call {
@@ -95,10 +95,7 @@ TensorList checkpoint(const Segment& segment, const TensorList& inputs, const Ch
   std::vector<c10::Device> devices;
   std::vector<uint32_t> versions;
   for (const auto& t : inputs) {
-    SavedInput input;
-    input.copy = store_copy(t, options.storage);
-    if (!input.copy) input.saved = torch::autograd::SavedVariable(t, /*is_output=*/false);
-    call->inputs.push_back(std::move(input));
+    call->inputs.emplace_back(t, options.storage);
     devices.push_back(t.device());
     versions.push_back(t._version());
   }

@@ -8,6 +8,7 @@
 // thread-local state of the thread that ran the forward.
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -20,6 +21,10 @@
 #include "torch_ext/checkpoint/selective.h"
 #include "torch_ext/common/enum_names.h"
 #include "torch_ext/fields.h"
+
+namespace torch::autograd {
+class SavedVariable;
+}
 
 namespace torch_ext::checkpoint {
 
@@ -107,10 +112,27 @@ struct StoredCopy {
   at::Tensor restore() const;
 };
 
-// The one place a storage policy is applied, for every front door: the copy `policy` keeps of `t`,
-// or nullopt where it keeps `t` itself (keep; CPU tensors under offload; tensors other than
-// float32 / float64 under bf16 / fp16), which the front door saves as autograd saves a tensor.
+// The one place a storage policy is applied: the copy `policy` keeps of `t`, or nullopt where it
+// keeps `t` itself (keep; CPU tensors under offload; tensors other than float32 / float64 under
+// bf16 / fp16).
 std::optional<StoredCopy> store_copy(const at::Tensor& t, StoragePolicy policy);
+
+// A boundary input as every front door keeps it for the replay: the storage policy's copy, or the
+// input itself saved as autograd saves a tensor (through the enclosing frame's hooks, if any: that
+// is what nests checkpoints).
+class SavedInput {
+ public:
+  SavedInput(const at::Tensor& input, StoragePolicy policy);
+  SavedInput(SavedInput&&) noexcept;
+  ~SavedInput();
+  // The input again, requiring grad where it did; an input kept as itself that was changed in place
+  // since raises autograd's error.
+  at::Tensor restore() const;
+
+ private:
+  std::optional<StoredCopy> copy_;
+  std::unique_ptr<torch::autograd::SavedVariable> saved_;
+};
 
 // Bytes the boundary of `inputs` occupies under `policy` (offloaded bytes count on the CPU);
 // symbolic under dynamic shapes.
