@@ -3,6 +3,7 @@
 #include <atomic>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -58,6 +59,17 @@ thread_local std::vector<Scope> scopes;
 
 size_t python_hooks_depth() { return at::SavedTensorDefaultHooks::get_tls_state().stack.size(); }
 
+// The type of parameter I of an Engine member function: the graph's nodes are held by
+// c10::intrusive_ptr in torch 2.13 and by std::shared_ptr before, and the overrides must match.
+template <class F>
+struct Parameters;
+template <class R, class... A>
+struct Parameters<R (Engine::*)(A...)> {
+  using Types = std::tuple<A...>;
+};
+template <auto member, size_t I>
+using Parameter = std::tuple_element_t<I, typename Parameters<decltype(member)>::Types>;
+
 class HooksEngine final : public Engine {
  public:
   explicit HooksEngine(Engine& wrapped) : wrapped_(wrapped) {}
@@ -82,15 +94,15 @@ class HooksEngine final : public Engine {
     return wrapped_.execute(roots, inputs, keep_graph, create_graph, accumulate_grad, outputs);
   }
   c10::intrusive_ptr<at::ivalue::Future> execute_with_graph_task(
-      const std::shared_ptr<torch::autograd::GraphTask>& graph_task, c10::intrusive_ptr<torch::autograd::Node> root,
-      torch::autograd::InputBuffer&& input_buffer) override {
+      const std::shared_ptr<torch::autograd::GraphTask>& graph_task,
+      Parameter<&Engine::execute_with_graph_task, 1> root, torch::autograd::InputBuffer&& input_buffer) override {
     return wrapped_.execute_with_graph_task(graph_task, std::move(root), std::move(input_buffer));
   }
   std::unique_ptr<torch::autograd::AnomalyMetadata> make_anomaly_metadata() override {
     return wrapped_.make_anomaly_metadata();
   }
   void thread_on_exception(const std::shared_ptr<torch::autograd::GraphTask>& graph_task,
-                           const c10::intrusive_ptr<torch::autograd::Node>& fn, std::exception& e) override {
+                           Parameter<&Engine::thread_on_exception, 1> fn, std::exception& e) override {
     wrapped_.thread_on_exception(graph_task, fn, e);
   }
   void thread_init(int device, const std::shared_ptr<torch::autograd::ReadyQueue>& ready_queue,
