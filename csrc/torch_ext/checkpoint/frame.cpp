@@ -1,5 +1,6 @@
 #include "torch_ext/checkpoint/frame.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include <ATen/SequenceNumber.h>
@@ -21,11 +22,15 @@ Frame::Frame(std::string name, bool early_stop) : name_(std::move(name)), early_
   ++frames_begun;
 }
 
+// The setting is thread-local; setting it costs more than reading it (a logging check), so only a
+// change is written.
 Frame::SteadyScriptPlans::SteadyScriptPlans() : previous_(torch::jit::getGraphExecutorOptimize()) {
-  torch::jit::setGraphExecutorOptimize(false);  // thread-local
+  if (previous_) torch::jit::setGraphExecutorOptimize(false);
 }
 
-Frame::SteadyScriptPlans::~SteadyScriptPlans() { torch::jit::setGraphExecutorOptimize(previous_); }
+Frame::SteadyScriptPlans::~SteadyScriptPlans() {
+  if (previous_) torch::jit::setGraphExecutorOptimize(true);
+}
 
 int64_t Frame::fresh_graph_task() {
   static std::atomic<int64_t> next{-2};  // -1 is get_current_graph_task_id()'s "none"
@@ -114,41 +119,42 @@ at::Tensor Frame::unpack(Holder& holder) {
   int64_t graph_task = torch::autograd::get_current_graph_task_id();
   if (graph_task == -1) graph_task = fresh_graph_task();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (!recomputed_[graph_task]) {
+  Replay& replay = replays_[graph_task];
+  if (!replay.done) {
     TORCH_CHECK(recompute_, "checkpoint: ", name_, " has no recompute function");
-    recomputed_count_[graph_task] = 0;
     try {
       recompute_(*this, graph_task);
     } catch (...) {
-      if (!stopped_[graph_task]) {
-        auto error = replay_error_.find(graph_task);
-        if (error == replay_error_.end()) throw;
-        throw CheckpointError(error->second);
+      if (!replay.stopped) {
+        if (replay.error.empty()) throw;
+        throw CheckpointError(replay.error);
       }
     }
-    recomputed_[graph_task] = true;
-    check_recomputed(graph_task);
+    replay.done = true;
+    check_recomputed(replay);
   }
-  if (holder.unpacked[graph_task]) {
+  if (std::find(holder.unpacked.begin(), holder.unpacked.end(), graph_task) != holder.unpacked.end()) {
     throw CheckpointError("checkpoint: " + name_ + ": a saved tensor was unpacked twice in one backward pass; "
                           "call ctx.saved_tensors once per backward");
   }
-  auto it = holder.recomputed.find(graph_task);
+  auto it = std::find_if(holder.recomputed.begin(), holder.recomputed.end(),
+                         [&](const auto& entry) { return entry.first == graph_task; });
   TORCH_INTERNAL_ASSERT(it != holder.recomputed.end(), "checkpoint: ", name_,
                         ": a saved tensor was not recomputed although its holder is alive");
   at::Tensor tensor = std::move(it->second);
   holder.recomputed.erase(it);
-  holder.unpacked[graph_task] = true;
+  holder.unpacked.push_back(graph_task);
   return tensor;
 }
 
 at::Tensor Frame::repack(const at::Tensor& tensor, int64_t graph_task) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (stopped_[graph_task]) throw StopRecomputation();  // the segment caught the stop and went on
+  Replay& replay = replays_[graph_task];
+  if (replay.stopped) throw StopRecomputation();  // the segment caught the stop and went on
   at::Tensor kept = tensor.requires_grad() ? tensor.detach() : tensor;
-  const size_t index = recomputed_count_[graph_task]++;
-  auto fail = [&](const std::string& message) {
-    replay_error_[graph_task] = message;
+  const size_t index = replay.count++;
+  auto fail = [&](std::string message) {
+    replay.error = message;
     return CheckpointError(message);
   };
   if (index >= holders_.size()) {
@@ -169,19 +175,18 @@ at::Tensor Frame::repack(const at::Tensor& tensor, int64_t graph_task) {
                "; the segment must compute the same shapes from the same inputs (a cache or other state it changes "
                "in its forward would make its replay differ)");
   }
-  if (auto holder = holders_[index].lock()) holder->recomputed[graph_task] = kept;
-  if (stop_early_ && recomputed_count_[graph_task] == holders_.size()) {
-    stopped_[graph_task] = true;
+  if (auto holder = holders_[index].lock()) holder->recomputed.emplace_back(graph_task, kept);
+  if (stop_early_ && replay.count == holders_.size()) {
+    replay.stopped = true;
     throw StopRecomputation();
   }
   return kept;
 }
 
-void Frame::check_recomputed(int64_t graph_task) {
+void Frame::check_recomputed(const Replay& replay) const {
   if (ignore_count_) return;
-  const size_t count = recomputed_count_[graph_task];
-  if (count != holders_.size()) {
-    throw CheckpointError("checkpoint: the replay of " + name_ + " saved " + std::to_string(count) +
+  if (replay.count != holders_.size()) {
+    throw CheckpointError("checkpoint: the replay of " + name_ + " saved " + std::to_string(replay.count) +
                           " tensors for backward but its forward saved " + std::to_string(holders_.size()) +
                           "; the segment must compute the same ops from the same inputs");
   }

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
@@ -63,10 +64,11 @@ class Frame;
 struct Holder {
   explicit Holder(std::shared_ptr<Frame> owner) : frame(std::move(owner)) {}
   std::shared_ptr<Frame> frame;  // the holders keep their frame (and its inputs) alive
-  // Recomputed tensors by graph task, each dropped once unpacked (so a second unpack of the
-  // same tensor in one pass is an error, as it is for torch's checkpoint).
-  std::unordered_map<int64_t, at::Tensor> recomputed;
-  std::unordered_map<int64_t, bool> unpacked;
+  // Recomputed tensors by graph task (one, unless backward passes run concurrently), each dropped
+  // once unpacked: a second unpack of the same tensor in one pass is an error, as it is for torch's
+  // checkpoint.
+  c10::SmallVector<std::pair<int64_t, at::Tensor>, 1> recomputed;
+  c10::SmallVector<int64_t, 1> unpacked;
 };
 
 class Frame : public std::enable_shared_from_this<Frame> {
@@ -126,7 +128,14 @@ class Frame : public std::enable_shared_from_this<Frame> {
   };
   static Meta meta_of(const at::Tensor& tensor);
   std::string describe(size_t index, const Meta& meta) const;
-  void check_recomputed(int64_t graph_task);
+  // One replay (a graph task's).
+  struct Replay {
+    size_t count = 0;      // tensors repacked
+    bool done = false;     // the replay ran
+    bool stopped = false;  // repack() stopped it early
+    std::string error;     // the CheckpointError repack() threw, if any
+  };
+  void check_recomputed(const Replay& replay) const;
 
   const std::string name_;
   const bool early_stop_;
@@ -139,10 +148,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
   std::vector<Meta> metas_;
   bool forward_done_ = false;
   bool ignore_count_ = false;  // a backward inside the forward saved more than the forward kept
-  std::unordered_map<int64_t, size_t> recomputed_count_;  // by graph task
-  std::unordered_map<int64_t, bool> recomputed_;           // by graph task: the replay ran
-  std::unordered_map<int64_t, bool> stopped_;              // by graph task: repack() stopped the replay
-  std::unordered_map<int64_t, std::string> replay_error_;  // by graph task: the CheckpointError repack() threw
+  std::unordered_map<int64_t, Replay> replays_;  // by graph task
 };
 
 }  // namespace torch_ext::checkpoint
