@@ -1,4 +1,4 @@
-"""Segment checkpointing benchmarks, in five parts (--part, default all):
+"""Segment checkpointing benchmarks, in six parts (--part, default all):
 
 gpt: a GPT-2-style decoder training step (torch_ext.demos.GPT) through torch_ext's chain API:
   (a) no checkpointing
@@ -19,13 +19,15 @@ selective: torch's selective checkpointing (context_fn, a torchtitan-style polic
   GPT-2 and Llama, through torch's checkpoint and through torch_ext's (checkpoint_selective.py).
 compiled: op-level plans on the same models under torch.compile: what the forward keeps for
   backward and the step's peak, eager and compiled (checkpoint_compiled.py).
+script: TorchScript blocks through the TorchScript front door (checkpoint_module), against
+  torch's reentrant checkpoint and without early stop (checkpoint_script.py).
 
 --device cuda runs the same code on the GPU (torch.cuda peak memory, steps synchronised); the gpt
 part then uses a GPT-2-small-width model and adds (c-offload) and (c-bf16)
 (CheckpointedSequential(every=1, storage=...)), the whole step's absolute peak and each variant's
-gradient difference from (a). Results: results/checkpoint{,_hf,_overhead}[_cuda][_quick].{md,json}.
+gradient difference from (a). Results: results/checkpoint{,_hf,_overhead,_script}[_cuda][_quick].{md,json}.
 
-    python benchmarks/bench_checkpoint.py [--part gpt|hf|overhead|selective|compiled] [--quick] [--device cuda] [--eager-only]
+    python benchmarks/bench_checkpoint.py [--part gpt|hf|overhead|selective|compiled|script] [--quick] [--device cuda] [--eager-only]
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint_compiled  # noqa: E402
 import checkpoint_hf  # noqa: E402
 import checkpoint_overhead  # noqa: E402
+import checkpoint_script  # noqa: E402
 import checkpoint_selective  # noqa: E402
 import harness  # noqa: E402
 
@@ -70,7 +73,7 @@ CUDA_REPORT = "checkpoint_cuda"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "gpt", "hf", "overhead", "selective", "compiled"),
+    parser.add_argument("--part", choices=("all", "gpt", "hf", "overhead", "selective", "compiled", "script"),
                         default="all", help="which part to run (default all)")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer repeats")
     parser.add_argument("--threads", type=int, default=1,
@@ -92,7 +95,8 @@ def main() -> None:
                + (" --quick" if args.quick else "") + (" --eager-only" if args.eager_only else ""))
     selective = functools.partial(checkpoint_selective.run, compiled=not args.eager_only)
     for part, run_part in (("gpt", run), ("hf", checkpoint_hf.run), ("overhead", checkpoint_overhead.run),
-                           ("selective", selective), ("compiled", checkpoint_compiled.run)):
+                           ("selective", selective), ("compiled", checkpoint_compiled.run),
+                           ("script", checkpoint_script.run)):
         if args.part in ("all", part):
             run_part(device, args.quick, "python benchmarks/bench_checkpoint.py" + options)
 

@@ -22,8 +22,9 @@ SECTIONS = [
     ("Memory", "The counting CPU allocator's cost on an allocation-bound loop.", ["memory"]),
     ("Checkpoint", "Segment checkpointing: a GPT-style decoder's training step, Hugging Face GPT-2 and Llama with "
      "padded batches (eager and compiled), selective checkpointing policies and op-level plans on them (eager and "
-     "compiled), and the per-region overhead.",
+     "compiled), the per-region overhead, and TorchScript blocks through the TorchScript front door.",
      ["checkpoint", "checkpoint_hf", "checkpoint_selective", "checkpoint_compiled", "checkpoint_overhead",
+      "checkpoint_script",
       "checkpoint_cuda", "checkpoint_selective_cuda_eager", "checkpoint_hf_cuda", "checkpoint_overhead_cuda"]),
     ("Paging", "Weight paging of a GPT from a safetensors file at several budgets, against accelerate's offloads; "
      "Hugging Face GPT-2 loaded from its folder, generating, and training adapters over paged weights.",
