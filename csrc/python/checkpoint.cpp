@@ -21,6 +21,7 @@
 
 #include "torch_ext/checkpoint/checkpoint.h"
 #include "torch_ext/checkpoint/frame.h"
+#include "torch_ext/checkpoint/frame_hooks.h"
 #include "torch_ext/checkpoint/replay_state.h"
 #include "torch_ext/class_fields.h"
 
@@ -258,6 +259,24 @@ std::vector<c10::Device> devices_of(PyObject* args, PyObject* kwargs) {
   return devices;
 }
 
+// The segment's tensor inputs that stay alive as they are until its backward: args its SavedArg
+// keeps itself and the tensors among kwargs (the call holds them).
+std::vector<at::Tensor> inputs_kept_as_they_are(PyObject* args, PyObject* kwargs, const Call& call) {
+  std::vector<at::Tensor> kept;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
+    const auto& saved = call.inputs[static_cast<size_t>(i)].tensor;
+    if (saved && saved->keeps_input()) kept.push_back(THPVariable_Unpack(PyTuple_GET_ITEM(args, i)));
+  }
+  if (kwargs != nullptr) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kwargs, &pos, &key, &value)) {
+      if (THPVariable_Check(value)) kept.push_back(THPVariable_Unpack(value));
+    }
+  }
+  return kept;
+}
+
 // After the forward: an input written in place would make the replay start from other values.
 void check_inputs_unchanged(PyObject* args, const std::vector<std::pair<Py_ssize_t, uint32_t>>& versions,
                             const std::string& name) {
@@ -289,6 +308,7 @@ PyObject* run(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
     }
     // Begun after its inputs are saved (frame.h: how an enclosing frame sees a nested one).
     auto frame = std::make_shared<ck::Frame>(py::cast<std::string>(argv[4]), options->early_stop);
+    if (!ck::saved_tensor_hooks_active()) frame->keep_free_tensors(inputs_kept_as_they_are(args, kwargs, *call));
     call->fn = std::make_unique<PyRef>(fn);
     if (kwargs != nullptr) call->kwargs = std::make_unique<PyRef>(kwargs);
     call->state = ck::ReplayState::capture(devices_of(args, kwargs), options->preserve_rng_state);

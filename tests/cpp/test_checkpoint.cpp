@@ -128,7 +128,8 @@ TEST(Checkpoint, CompressedStorageIsApproximateAndSmaller) {
   options.storage = ck::StoragePolicy::kBFloat16;
   EXPECT_EQ(ck::boundary_bytes({x}, options.storage).expect_int(), 64 * 64 * 2);
   EXPECT_EQ(ck::boundary_bytes({x}, ck::StoragePolicy::kKeep).expect_int(), 64 * 64 * 4);
-  auto grad = torch::autograd::grad({ck::checkpoint(segment, {x}, options)[0].sum()}, {x})[0];
+  // Not x itself: a leaf requiring grad lives until backward anyway, so the frame keeps it exactly.
+  auto grad = torch::autograd::grad({ck::checkpoint(segment, {x * 1}, options)[0].sum()}, {x})[0];
   auto exact = 3 * x.detach().pow(2);
   EXPECT_FALSE(grad.equal(exact));
   EXPECT_LT((grad - exact).norm().item<double>() / exact.norm().item<double>(), 2e-2);
@@ -226,6 +227,37 @@ TEST(Checkpoint, AReplayStopsEarlyBeforeAProductTail) {
     auto grads = torch::autograd::grad({ck::checkpoint(segment, {x}, options)[0].sum()}, {x, w});
     EXPECT_TRUE(same(grads, plain));
     EXPECT_EQ(*tails, early_stop ? 1 : 2) << early_stop;
+  }
+}
+
+TEST(Checkpoint, ASegmentNeedingOnlyItsInputAndParametersIsNotReplayed) {
+  torch::manual_seed(0);
+  torch::nn::Linear linear(32, 16);
+  auto calls = std::make_shared<int>(0);
+  auto segment = [linear, calls](const ck::TensorList& in) mutable -> ck::TensorList {
+    ++*calls;
+    return {linear->forward(in[0])};
+  };
+  auto x = at::randn({8, 32}).requires_grad_();
+  const auto params = linear->parameters();
+  variable_list wrt{x, params[0], params[1]};
+  auto plain = torch::autograd::grad({segment({x})[0].sum()}, wrt);
+  *calls = 0;
+  auto grads = torch::autograd::grad({ck::checkpoint(segment, {x})[0].sum()}, wrt);
+  EXPECT_TRUE(same(grads, plain));
+  EXPECT_EQ(*calls, 1);  // the addmm saved x and the weight, kept as autograd keeps them
+
+  auto out = ck::checkpoint(segment, {x})[0].sum();
+  {
+    at::NoGradGuard no_grad;
+    linear->weight.add_(1);
+  }
+  try {
+    torch::autograd::grad({out}, wrt);
+    FAIL() << "expected a CheckpointError";
+  } catch (const ck::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("modified by an inplace operation after the forward"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -81,12 +81,85 @@ def test_a_segment_that_saves_nothing_is_not_replayed():
     assert len(calls) == 1 and torch.equal(x.grad, torch.full_like(x, 2.0))
 
 
+def test_a_segment_whose_backward_needs_only_its_inputs_and_parameters_is_not_replayed():
+    """A Linear saves its input and its weight: both live until backward anyway, so they are kept as
+    autograd keeps them and the segment is never run again (torch's checkpoint replays it)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16)
+    reference = copy.deepcopy(layer)
+    calls = []
+
+    def linear(x):
+        calls.append(1)
+        return layer(x)
+
+    x = torch.randn(8, 32, requires_grad=True)
+    checkpoint_call(linear, x).sum().backward()
+    expected = x.detach().requires_grad_()
+    reference(expected).sum().backward()
+    assert len(calls) == 1
+    assert torch.equal(x.grad, expected.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(layer.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("enclosing", ["saved_tensors_hooks", "checkpoint"])
+def test_under_other_saved_tensor_hooks_every_saved_tensor_is_recomputed(enclosing):
+    """Enclosing hooks decide where a tensor lives (an enclosing checkpoint drops the segment's
+    input, paging drops its weights): keeping a tensor there could hold what they free."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16)
+    calls = []
+
+    def linear(x):
+        calls.append(1)
+        return layer(x)
+
+    x = torch.randn(8, 32, requires_grad=True)
+    if enclosing == "checkpoint":
+        out = checkpoint_call(lambda t: checkpoint_call(linear, t.exp()), x)
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = checkpoint_call(linear, x.exp())
+    out.sum().backward()
+    assert len(calls) == 2
+    assert torch.allclose(x.grad, (layer.weight.sum(0) * x.detach().exp()).expand_as(x))
+
+
+def test_a_kept_parameter_modified_in_place_before_backward_raises_naming_the_segment():
+    layer = nn.Linear(4, 4)
+    out = torch_ext.checkpoint(layer)(torch.randn(2, 4, requires_grad=True))
+    with torch.no_grad():
+        layer.weight.add_(1)  # an optimizer step before the backward
+    with pytest.raises(CheckpointError, match=r"Linear: saved tensor 1 .* modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_early_stop_ends_a_replay_at_the_last_tensor_it_must_recompute(early_stop):
+    """The product at the segment's end saves only its input and weight, which are kept: the replay
+    stops after the exp, the last tensor it recomputes, and skips the product."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 64, requires_grad=True)
+    reached_product = []
+
+    def segment(x):
+        h = x.exp()
+        reached_product.append(1)
+        return h + x @ weight  # the tail: a 64x64x64 product, worth stopping before
+
+    x = torch.randn(64, 64, requires_grad=True)
+    grads = torch.autograd.grad(checkpoint_call(segment, x, early_stop=early_stop).sum(), [x, weight])
+    assert len(reached_product) == (1 if early_stop else 2)
+    expected = torch.autograd.grad(segment(x).sum(), [x, weight])
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
 def test_the_replay_receives_the_callers_tensors():
     seen = []
 
     def record(x, y):
         seen.append((x, y))
-        return (x * y).sum()
+        return (x * y).exp().sum()  # exp saves its output: the product, which the replay recomputes
 
     x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
     checkpoint_call(record, x, y).backward()

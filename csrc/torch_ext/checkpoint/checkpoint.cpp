@@ -101,6 +101,13 @@ TensorList checkpoint(const Segment& segment, const TensorList& inputs, const Ch
   }
   // Begun after its inputs are saved (frame.h: how an enclosing frame sees a nested one).
   auto frame = std::make_shared<Frame>(options.name, options.early_stop);
+  if (!saved_tensor_hooks_active()) {
+    TensorList kept;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (call->inputs[i].keeps_input()) kept.push_back(inputs[i]);
+    }
+    frame->keep_free_tensors(kept);
+  }
   call->state = ReplayState::capture(devices, options.preserve_rng_state);
   call->selective.rng_replayed = options.preserve_rng_state;
   call->policy = options.save.policy();

@@ -128,6 +128,8 @@ class SavedInput {
   // The input again, requiring grad where it did; an input kept as itself that was changed in place
   // since raises autograd's error.
   at::Tensor restore() const;
+  // Whether the input itself is kept (no copy): saved under no hooks, it stays alive until backward.
+  bool keeps_input() const { return !copy_; }
 
  private:
   std::optional<StoredCopy> copy_;

@@ -51,10 +51,32 @@ std::string Frame::describe(size_t index, const Meta& meta) const {
   return out.str();
 }
 
+void Frame::keep_free_tensors(const std::vector<at::Tensor>& inputs) {
+  keep_free_ = true;
+  for (const auto& t : inputs) {
+    if (t.defined() && t.has_storage()) input_storages_.push_back(t.storage().unsafeGetStorageImpl());
+  }
+}
+
+bool Frame::is_free(const at::Tensor& tensor) const {
+  const at::TensorBase& root = tensor.is_view() ? tensor._base() : static_cast<const at::TensorBase&>(tensor);
+  if (root.requires_grad() && root.is_leaf()) return true;
+  if (!tensor.has_storage()) return false;
+  const c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  return std::find(input_storages_.begin(), input_storages_.end(), storage) != input_storages_.end();
+}
+
 std::shared_ptr<Holder> Frame::pack(const at::Tensor& tensor) {
   auto holder = std::make_shared<Holder>(shared_from_this());
+  holder->index = holders_.size();
   holders_.push_back(holder);
   metas_.push_back(meta_of(tensor));
+  if (keep_free_ && is_free(tensor)) {
+    holder->kept = tensor.detach();  // an alias, not the tensor: a saved output would make a cycle
+    holder->kept_version = tensor._version();
+    return holder;
+  }
+  recomputed_ = holders_.size();
   // The node saving this tensor is the one autograd numbered last. A tensor it saves as its own
   // output was computed already; an input is saved before the op computes, so a replay that
   // stops here skips that op too: the tail starts at it.
@@ -82,7 +104,8 @@ bool is_product(const torch::autograd::Node& node) {
 
 void Frame::finish_forward(const std::vector<at::Tensor>& outputs) {
   forward_done_ = true;
-  if (!early_stop_ || holders_.empty()) return;
+  input_storages_.clear();
+  if (!early_stop_ || recomputed_ == 0) return;
   if (frames_begun != frames_at_pack_) {  // a nested checkpoint's forward is in the tail
     stop_early_ = true;
     return;
@@ -115,7 +138,19 @@ void Frame::finish_forward(const std::vector<at::Tensor>& outputs) {
   stop_early_ = work >= kEarlyStopWork;
 }
 
+at::Tensor Frame::unpack_kept(const Holder& holder) const {
+  if (holder.kept._version() != holder.kept_version) {
+    throw CheckpointError("checkpoint: " + name_ + ": " + describe(holder.index, metas_[holder.index]) +
+                          ", an input or parameter kept as it is, was modified by an inplace operation after the "
+                          "forward (now at version " + std::to_string(holder.kept._version()) + "; expected version " +
+                          std::to_string(holder.kept_version) + "), so the backward would use other values than the "
+                          "forward's. Modify it after the backward");
+  }
+  return holder.kept;
+}
+
 at::Tensor Frame::unpack(Holder& holder) {
+  if (holder.kept.defined()) return unpack_kept(holder);
   int64_t graph_task = torch::autograd::get_current_graph_task_id();
   if (graph_task == -1) graph_task = fresh_graph_task();
   std::lock_guard<std::recursive_mutex> lock(mutex_);
@@ -175,8 +210,9 @@ at::Tensor Frame::repack(const at::Tensor& tensor, int64_t graph_task) {
                "; the segment must compute the same shapes from the same inputs (a cache or other state it changes "
                "in its forward would make its replay differ)");
   }
-  if (auto holder = holders_[index].lock()) holder->recomputed.emplace_back(graph_task, kept);
-  if (stop_early_ && replay.count == holders_.size()) {
+  auto holder = holders_[index].lock();
+  if (holder && !holder->kept.defined()) holder->recomputed.emplace_back(graph_task, kept);
+  if (stop_early_ && replay.count == recomputed_) {
     replay.stopped = true;
     throw StopRecomputation();
   }
@@ -184,7 +220,7 @@ at::Tensor Frame::repack(const at::Tensor& tensor, int64_t graph_task) {
 }
 
 void Frame::check_recomputed(const Replay& replay) const {
-  if (ignore_count_) return;
+  if (ignore_count_ || replay.stopped) return;  // a stop comes at the last tensor to recompute
   if (replay.count != holders_.size()) {
     throw CheckpointError("checkpoint: the replay of " + name_ + " saved " + std::to_string(replay.count) +
                           " tensors for backward but its forward saved " + std::to_string(holders_.size()) +

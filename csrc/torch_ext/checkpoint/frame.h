@@ -16,7 +16,16 @@
 // weighed by the elements they produce, matrix products and convolutions 64 times (kProductWeight),
 // and only a tail of at least kEarlyStopWork is worth stopping before (the stop is an exception
 // through the segment's Python frames, which costs about what that much elementwise work does).
-// The same program takes the same path on any machine: no timing decides. Nested checkpoints follow
+// The same program takes the same path on any machine: no timing decides.
+//
+// A tensor that costs nothing to keep is kept as autograd keeps it, not recomputed, where the front
+// door says the segment runs under no other saved-tensor hooks (keep_free_tensors()): one sharing
+// storage with an input the front door keeps as it is, or a leaf requiring grad (a parameter) or a
+// view of one. A segment whose backward needs only such tensors (a Linear) is never replayed, and
+// early stop ends a replay at the last tensor it must recompute. A kept tensor written in place
+// after the forward raises CheckpointError, as autograd raises for what it saves. Under other hooks
+// (an enclosing checkpoint, paged weights, a user's) those decide where a tensor lives, so every
+// tensor is recomputed. Nested checkpoints follow
 // from the front door saving a segment's inputs through the enclosing frame's hooks; a tail that
 // holds a nested checkpoint's forward is always stopped before (as torch's early stop does), so the
 // nested segment is recomputed once, by its own frame, not once more inside the enclosing replay.
@@ -41,9 +50,10 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/SmallVector.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/SmallVector.h>
 
 namespace torch_ext::checkpoint {
 
@@ -69,6 +79,9 @@ struct Holder {
   // checkpoint.
   c10::SmallVector<std::pair<int64_t, at::Tensor>, 1> recomputed;
   c10::SmallVector<int64_t, 1> unpacked;
+  size_t index = 0;  // among the tensors the forward saved
+  at::Tensor kept;   // a tensor kept as autograd keeps it (Frame::keep_free_tensors), never recomputed
+  int64_t kept_version = 0;
 };
 
 class Frame : public std::enable_shared_from_this<Frame> {
@@ -82,6 +95,11 @@ class Frame : public std::enable_shared_from_this<Frame> {
   Frame(std::string name, bool early_stop);
   void set_recompute(Recompute recompute) { recompute_ = std::move(recompute); }
   const std::string& name() const { return name_; }
+
+  // Before the forward, where the segment runs under no other saved-tensor hooks: keep the tensors
+  // that cost nothing to keep (see above); `inputs` are the segment's inputs the front door keeps as
+  // they are.
+  void keep_free_tensors(const std::vector<at::Tensor>& inputs);
 
   // Forward: the holder that replaces `tensor` in the graph.
   std::shared_ptr<Holder> pack(const at::Tensor& tensor);
@@ -136,6 +154,8 @@ class Frame : public std::enable_shared_from_this<Frame> {
     std::string error;     // the CheckpointError repack() threw, if any
   };
   void check_recomputed(const Replay& replay) const;
+  bool is_free(const at::Tensor& tensor) const;
+  at::Tensor unpack_kept(const Holder& holder) const;
 
   const std::string name_;
   const bool early_stop_;
@@ -145,6 +165,9 @@ class Frame : public std::enable_shared_from_this<Frame> {
   Recompute recompute_;
   std::recursive_mutex mutex_;
   std::vector<std::weak_ptr<Holder>> holders_;  // in the order the forward saved them
+  size_t recomputed_ = 0;  // holders up to the last one a replay refills (not kept)
+  bool keep_free_ = false;
+  std::vector<const c10::StorageImpl*> input_storages_;  // during the forward, where keep_free_
   std::vector<Meta> metas_;
   bool forward_done_ = false;
   bool ignore_count_ = false;  // a backward inside the forward saved more than the forward kept

@@ -140,6 +140,8 @@ void push(std::shared_ptr<Frame> frame, std::optional<int64_t> graph_task) {
 
 }  // namespace
 
+bool saved_tensor_hooks_active() { return !scopes.empty() || python_hooks_depth() > 0; }
+
 FrameHooks::FrameHooks(std::shared_ptr<Frame> frame) { push(std::move(frame), std::nullopt); }
 
 FrameHooks::FrameHooks(std::shared_ptr<Frame> frame, int64_t graph_task) { push(std::move(frame), graph_task); }

@@ -19,6 +19,10 @@ namespace torch_ext::checkpoint {
 // While alive, on this thread: each tensor autograd saves becomes a holder of `frame` (forward) or
 // is handed to frame.repack(·, graph_task) (a replay). Raises where saved-tensor hooks are disabled
 // (torch.autograd.graph.disable_saved_tensors_hooks), with torch's message.
+// Whether saved-tensor hooks are active on this thread: a FrameHooks scope, or hooks pushed from
+// Python (torch.autograd.graph.saved_tensors_hooks, torch's and torch_ext's checkpoints, paging).
+bool saved_tensor_hooks_active();
+
 class FrameHooks {
  public:
   explicit FrameHooks(std::shared_ptr<Frame> frame);
