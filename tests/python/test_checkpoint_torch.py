@@ -102,6 +102,23 @@ def test_a_segment_whose_backward_needs_only_its_inputs_and_parameters_is_not_re
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(layer.parameters(), reference.parameters()))
 
 
+def test_a_tensor_passed_by_keyword_is_kept_as_it_is():
+    calls = []
+
+    def scaled(x, *, scale):
+        calls.append(1)
+        return x * scale
+
+    x, scale = torch.randn(4, 3, requires_grad=True), torch.randn(3)
+    checkpoint_call(scaled, x, scale=scale).sum().backward()
+    assert len(calls) == 1 and torch.equal(x.grad, scale.expand(4, 3))
+    out = checkpoint_call(scaled, x, scale=scale)
+    scale.mul_(2)
+    changed = r"scaled: saved tensor 0 \(Float\[3\] on cpu\).* modified by an inplace operation"
+    with pytest.raises(CheckpointError, match=changed):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("enclosing", ["saved_tensors_hooks", "checkpoint"])
 def test_under_other_saved_tensor_hooks_every_saved_tensor_is_recomputed(enclosing):
     """Enclosing hooks decide where a tensor lives (an enclosing checkpoint drops the segment's
