@@ -22,7 +22,6 @@
 #include "torch_ext/checkpoint/checkpoint.h"
 #include "torch_ext/checkpoint/frame.h"
 #include "torch_ext/checkpoint/frame_hooks.h"
-#include "torch_ext/checkpoint/replay_state.h"
 #include "torch_ext/class_fields.h"
 
 namespace py = pybind11;
@@ -187,13 +186,11 @@ SavedArg save_arg(PyObject* arg, ck::StoragePolicy policy) {
   return saved;
 }
 
-// What a frame's replay needs: the segment, its inputs and the state its forward ran under.
+// What a frame's replay needs: the segment, its inputs and what its forward ran under.
 struct Call {
   std::unique_ptr<PyRef> fn, kwargs;
   std::vector<SavedArg> inputs;
-  ck::ReplayState state;
-  std::shared_ptr<const ck::SavePolicy> policy;  // the `save` option's
-  ck::SavedOutputs selective;
+  ck::SegmentRuns runs;
 };
 
 void replay(const std::shared_ptr<Call>& call, ck::Frame& frame, int64_t graph_task) {
@@ -204,18 +201,17 @@ void replay(const std::shared_ptr<Call>& call, ck::Frame& frame, int64_t graph_t
     if (value == nullptr) throw py::error_already_set();
     PyTuple_SET_ITEM(args.ptr(), static_cast<Py_ssize_t>(i), value);
   }
-  ck::ReplayState::Guard guard(call->state);
-  c10::AutoGradMode grad(true);
-  PyObject* repack = PyCFunction_New(&repack_def, capsule_of(RepackTarget{frame.shared_from_this(), graph_task}, kRepack));
-  Py_DECREF(PyCFunction_GET_SELF(repack));  // the function holds the capsule
-  PyObject* identity = module_hook(identity_def);
-  Py_INCREF(identity);
   PyObject* kwargs = call->kwargs ? call->kwargs->object : nullptr;
-  ck::SelectiveScope selective(call->policy.get(), &call->selective, ck::SelectiveScope::Mode::kServe, frame.name());
-  const ck::Frame::SteadyScriptPlans steady;
-  PyObject* result = with_hooks(repack, identity, [&] { return PyObject_Call(call->fn->object, args.ptr(), kwargs); });
-  if (result == nullptr) throw py::error_already_set();  // a stop among them: Frame::unpack() tells
-  Py_DECREF(result);
+  call->runs.replay(frame.name(), [&] {
+    PyObject* repack =
+        PyCFunction_New(&repack_def, capsule_of(RepackTarget{frame.shared_from_this(), graph_task}, kRepack));
+    Py_DECREF(PyCFunction_GET_SELF(repack));  // the function holds the capsule
+    PyObject* identity = module_hook(identity_def);
+    Py_INCREF(identity);
+    PyObject* result = with_hooks(repack, identity, [&] { return PyObject_Call(call->fn->object, args.ptr(), kwargs); });
+    if (result == nullptr) throw py::error_already_set();  // a stop among them: Frame::unpack() tells
+    Py_DECREF(result);
+  });
 }
 
 // The tensors in a segment's output: a tensor, or tuples, lists and dicts (Hugging Face's
@@ -311,23 +307,17 @@ PyObject* run(PyObject* /*module*/, PyObject* const* argv, Py_ssize_t argc) {
     if (!ck::saved_tensor_hooks_active()) frame->keep_free_tensors(inputs_kept_as_they_are(args, kwargs, *call));
     call->fn = std::make_unique<PyRef>(fn);
     if (kwargs != nullptr) call->kwargs = std::make_unique<PyRef>(kwargs);
-    call->state = ck::ReplayState::capture(devices_of(args, kwargs), options->preserve_rng_state);
-    call->selective.rng_replayed = options->preserve_rng_state;
+    call->runs = ck::SegmentRuns::begin(devices_of(args, kwargs), *options);
     frame->set_recompute([call](ck::Frame& f, int64_t graph_task) { replay(call, f, graph_task); });
-    PyObject* pack = PyCFunction_New(&pack_def, capsule_of<FramePtr>(frame, kFrame));
-    Py_DECREF(PyCFunction_GET_SELF(pack));
-    PyObject* unpack = module_hook(unpack_def);
-    Py_INCREF(unpack);
-    call->policy = options->save.policy();
-    PyObject* out = with_hooks(pack, unpack, [&] {
-      const ck::Frame::SteadyScriptPlans steady;
-      ck::SelectiveScope selective(call->policy.get(), &call->selective, ck::SelectiveScope::Mode::kRecord,
-                                   frame->name());
-      return PyObject_Call(fn, args, kwargs);
+    PyObject* out = call->runs.forward(frame->name(), [&] {
+      PyObject* pack = PyCFunction_New(&pack_def, capsule_of<FramePtr>(frame, kFrame));
+      Py_DECREF(PyCFunction_GET_SELF(pack));
+      PyObject* unpack = module_hook(unpack_def);
+      Py_INCREF(unpack);
+      return with_hooks(pack, unpack, [&] { return PyObject_Call(fn, args, kwargs); });
     });
     if (out == nullptr) return nullptr;
     frame->finish_forward(tensors_in(out));
-    call->state.forget_rng_if_untouched();
     check_inputs_unchanged(args, versions, frame->name());
     return out;
   } catch (...) {

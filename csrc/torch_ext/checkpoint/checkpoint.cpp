@@ -7,11 +7,9 @@
 #include <vector>
 
 #include <ATen/ops/empty_strided.h>
-#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include "torch_ext/checkpoint/frame_hooks.h"
-#include "torch_ext/checkpoint/replay_state.h"
 
 namespace torch_ext::checkpoint {
 
@@ -59,25 +57,21 @@ CheckpointError input_written_in_place(const std::string& segment, size_t index)
 
 namespace {
 
-// What a frame's replay needs: the segment, its inputs and the state its forward ran under.
+// What a frame's replay needs: the segment, its inputs and what its forward ran under.
 struct Call {
   Segment segment;
   std::vector<SavedInput> inputs;
-  ReplayState state;
-  std::shared_ptr<const SavePolicy> policy;  // the `save` option's
-  SavedOutputs selective;
+  SegmentRuns runs;
 };
 
 void replay(Call& call, Frame& frame, int64_t graph_task) {
   TensorList inputs;
   inputs.reserve(call.inputs.size());
   for (const auto& input : call.inputs) inputs.push_back(input.restore());
-  ReplayState::Guard state(call.state);
-  c10::AutoGradMode grad(true);
-  SelectiveScope selective(call.policy.get(), &call.selective, SelectiveScope::Mode::kServe, frame.name());
-  const Frame::SteadyScriptPlans steady;
-  const FrameHooks hooks(frame.shared_from_this(), graph_task);
-  call.segment(inputs);  // a stop ends it with an exception: Frame::unpack() tells
+  call.runs.replay(frame.name(), [&] {
+    const FrameHooks hooks(frame.shared_from_this(), graph_task);
+    call.segment(inputs);  // a stop ends it with an exception: Frame::unpack() tells
+  });
 }
 
 }  // namespace
@@ -108,23 +102,25 @@ TensorList checkpoint(const Segment& segment, const TensorList& inputs, const Ch
     }
     frame->keep_free_tensors(kept);
   }
-  call->state = ReplayState::capture(devices, options.preserve_rng_state);
-  call->selective.rng_replayed = options.preserve_rng_state;
-  call->policy = options.save.policy();
+  call->runs = SegmentRuns::begin(devices, options);
   frame->set_recompute([call](Frame& f, int64_t graph_task) { replay(*call, f, graph_task); });
-  TensorList outputs;
-  {
+  TensorList outputs = call->runs.forward(frame->name(), [&] {
     const FrameHooks hooks(frame);
-    const Frame::SteadyScriptPlans steady;
-    SelectiveScope selective(call->policy.get(), &call->selective, SelectiveScope::Mode::kRecord, frame->name());
-    outputs = segment(inputs);
-  }
+    return segment(inputs);
+  });
   frame->finish_forward(outputs);
-  call->state.forget_rng_if_untouched();
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i]._version() != versions[i]) throw input_written_in_place(frame->name(), i);
   }
   return outputs;
+}
+
+SegmentRuns SegmentRuns::begin(const std::vector<c10::Device>& devices, const CheckpointOptions& options) {
+  SegmentRuns runs;
+  runs.state = ReplayState::capture(devices, options.preserve_rng_state);
+  runs.selective.rng_replayed = options.preserve_rng_state;
+  runs.policy = options.save.policy();
+  return runs;
 }
 
 c10::SymInt boundary_bytes(const TensorList& inputs, StoragePolicy policy) {

@@ -15,9 +15,12 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/SymInt.h>
 
 #include "torch_ext/checkpoint/frame.h"
+#include "torch_ext/checkpoint/replay_state.h"
 #include "torch_ext/checkpoint/selective.h"
 #include "torch_ext/common/enum_names.h"
 #include "torch_ext/fields.h"
@@ -134,6 +137,42 @@ class SavedInput {
  private:
   std::optional<StoredCopy> copy_;
   std::unique_ptr<torch::autograd::SavedVariable> saved_;
+};
+
+// What a segment's forward and its replays run under, the same for every front door (each adds its
+// segment, its inputs and its saved-tensor hooks): the RNG and autocast state of the forward, and the
+// outputs the native policy (`save`) keeps.
+struct SegmentRuns {
+  ReplayState state;
+  std::shared_ptr<const SavePolicy> policy;
+  SavedOutputs selective;
+
+  // On the thread about to run the forward; `devices`: those of the segment's inputs.
+  static SegmentRuns begin(const std::vector<c10::Device>& devices, const CheckpointOptions& options);
+
+  // The forward, run() calling the segment under the front door's hooks: the policy records what it
+  // keeps and TorchScript functions keep their plans (Frame::SteadyScriptPlans).
+  template <class Run>
+  auto forward(const std::string& segment, Run&& run) {
+    auto out = [&] {
+      const Frame::SteadyScriptPlans steady;
+      SelectiveScope scope(policy.get(), &selective, SelectiveScope::Mode::kRecord, segment);
+      return run();
+    }();
+    state.forget_rng_if_untouched();
+    return out;
+  }
+
+  // A replay, run() calling the segment under the front door's replay hooks: the forward's RNG and
+  // autocast state, grad mode on, the policy serving what it kept, TorchScript plans held.
+  template <class Run>
+  void replay(const std::string& segment, Run&& run) {
+    ReplayState::Guard guard(state);
+    c10::AutoGradMode grad(true);
+    SelectiveScope scope(policy.get(), &selective, SelectiveScope::Mode::kServe, segment);
+    const Frame::SteadyScriptPlans steady;
+    run();
+  }
 };
 
 // Bytes the boundary of `inputs` occupies under `policy` (offloaded bytes count on the CPU);
