@@ -358,6 +358,29 @@ def test_the_torchscript_front_door_checkpoints_through_the_same_frame():
     assert torch.equal(torch.autograd.grad(grad.sum(), x)[0], torch.autograd.grad(expected.sum(), expected_x)[0])
 
 
+def test_the_torchscript_front_door_keeps_what_lives_until_backward():
+    """Outside other saved-tensor hooks, a scripted Linear's input and weight are kept, not replayed,
+    and a weight changed before the backward raises (the C++ front door's frame, as Python's)."""
+    torch.manual_seed(0)
+    eager = nn.Linear(32, 16)
+    reference = copy.deepcopy(eager)
+    block = torch.jit.script(eager)
+    x = torch.randn(8, 32, requires_grad=True)
+    out = torch.ops.torch_ext.checkpoint_module(block, [x])[0]
+    with AddmmCounter() as counter:
+        out.sum().backward()
+    assert counter.addmm == 0  # a replay would run the forward's addmm again
+    expected = x.detach().requires_grad_()
+    reference(expected).sum().backward()
+    assert torch.equal(x.grad, expected.grad) and torch.equal(eager.weight.grad, reference.weight.grad)
+    out = torch.ops.torch_ext.checkpoint_module(block, [x])[0]
+    with torch.no_grad():
+        eager.weight.add_(1)
+    # Raised in C++ inside the engine, it reaches Python as a RuntimeError (torch's translation).
+    with pytest.raises(RuntimeError, match=r"Linear.forward: saved tensor 1 .* modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_torchscript_and_python_checkpoints_nest_either_way():
     """A C++ frame (checkpoint_module) inside a Python one, and Python's saved-tensor hooks
     (memory.track) around both: each tensor goes to the innermost, and the gradients are eager's."""
