@@ -13,6 +13,8 @@ from typing import Iterator, Union
 
 import torch
 
+from . import _C
+
 DeviceLike = Union[str, torch.device, int, None]
 
 # The fields are the names of torch.ops.torch_ext.memory_stats' results (C++: MemoryStats).
@@ -112,7 +114,12 @@ def track(device: DeviceLike = None) -> Iterator[TrackResult]:
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield result
+            # pack returns each tensor as it is: checkpoints under it keep what they keep untracked.
+            _C.checkpoint.mark_hooks_transparent()
+            try:
+                yield result
+            finally:
+                _C.checkpoint.unmark_hooks_transparent()
     finally:
         with _open_tracks_lock:
             result.peak_bytes = max(result._carried_peak, stats(device).peak_bytes)

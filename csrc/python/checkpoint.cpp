@@ -366,6 +366,11 @@ void bind_checkpoint(py::module_& m) {
       "Runs fn() and lists each call of the ops `items` name as the native policy counts them: (op as "
       "'aten::mm.default', occurrence in its item's group, bytes of its outputs' storages; -1 where a later op of fn "
       "changed the output in place)");
+  sub.def("mark_hooks_transparent", &ck::mark_python_hooks_transparent,
+          "Marks the saved-tensor hooks just pushed on this thread as returning every tensor as it is "
+          "(torch_ext.memory.track's): checkpoints under them keep what they keep without them");
+  sub.def("unmark_hooks_transparent", &ck::unmark_python_hooks_transparent,
+          "Undoes mark_hooks_transparent, before those hooks are popped");
   sub.def(
       "save_rules",
       [](std::vector<std::string> items) {

@@ -142,6 +142,34 @@ def test_under_other_saved_tensor_hooks_every_saved_tensor_is_recomputed(enclosi
     assert torch.allclose(x.grad, (layer.weight.sum(0) * x.detach().exp()).expand_as(x))
 
 
+@pytest.mark.parametrize("inner_hooks", [False, True], ids=["tracked", "tracked with hooks inside"])
+def test_memory_track_leaves_the_step_as_it_runs_untracked(inner_hooks):
+    """memory.track's hooks return each tensor as it is: a Linear segment measured under them runs
+    its forward once, as untracked; other hooks inside the tracked block still make it replay."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16)
+    calls = []
+
+    def linear(x):
+        calls.append(1)
+        return layer(x)
+
+    x = torch.randn(8, 32, requires_grad=True)
+    with torch_ext.memory.track() as tracked:
+        h = x.exp()  # saves its output: tracked
+        if inner_hooks:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                out = checkpoint_call(linear, h)
+        else:
+            out = checkpoint_call(linear, h)
+        out.sum().backward()
+    assert len(calls) == (2 if inner_hooks else 1)
+    assert tracked.saved_bytes >= h.nbytes
+    assert torch.allclose(x.grad, (layer.weight.sum(0) * x.detach().exp()).expand_as(x))
+    with pytest.raises(RuntimeError, match="not the last ones marked"):
+        torch_ext._C.checkpoint.unmark_hooks_transparent()
+
+
 def test_a_kept_parameter_modified_in_place_before_backward_raises_naming_the_segment():
     layer = nn.Linear(4, 4)
     out = torch_ext.checkpoint(layer)(torch.randn(2, 4, requires_grad=True))

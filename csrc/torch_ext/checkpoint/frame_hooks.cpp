@@ -1,5 +1,6 @@
 #include "torch_ext/checkpoint/frame_hooks.h"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <optional>
@@ -58,6 +59,8 @@ struct Scope {
 thread_local std::vector<Scope> scopes;
 
 size_t python_hooks_depth() { return at::SavedTensorDefaultHooks::get_tls_state().stack.size(); }
+
+thread_local std::vector<size_t> transparent_depths;  // Python stack depths of transparent hooks, ascending
 
 // The type of parameter I of an Engine member function: the graph's nodes are held by
 // c10::intrusive_ptr in torch 2.13 and by std::shared_ptr before, and the overrides must match.
@@ -140,7 +143,25 @@ void push(std::shared_ptr<Frame> frame, std::optional<int64_t> graph_task) {
 
 }  // namespace
 
-bool saved_tensor_hooks_active() { return !scopes.empty() || python_hooks_depth() > 0; }
+bool saved_tensor_hooks_active() {
+  if (!scopes.empty()) return true;
+  const size_t depth = python_hooks_depth();
+  const auto transparent = std::upper_bound(transparent_depths.begin(), transparent_depths.end(), depth);
+  return depth > static_cast<size_t>(transparent - transparent_depths.begin());
+}
+
+void mark_python_hooks_transparent() {
+  const size_t depth = python_hooks_depth();
+  TORCH_CHECK(depth > 0 && (transparent_depths.empty() || transparent_depths.back() < depth),
+              "mark_python_hooks_transparent: no Python saved-tensor hooks pushed since the last mark");
+  transparent_depths.push_back(depth);
+}
+
+void unmark_python_hooks_transparent() {
+  TORCH_CHECK(!transparent_depths.empty() && transparent_depths.back() == python_hooks_depth(),
+              "unmark_python_hooks_transparent: the hooks on top are not the last ones marked");
+  transparent_depths.pop_back();
+}
 
 FrameHooks::FrameHooks(std::shared_ptr<Frame> frame) { push(std::move(frame), std::nullopt); }
 

@@ -19,9 +19,16 @@ namespace torch_ext::checkpoint {
 // While alive, on this thread: each tensor autograd saves becomes a holder of `frame` (forward) or
 // is handed to frame.repack(·, graph_task) (a replay). Raises where saved-tensor hooks are disabled
 // (torch.autograd.graph.disable_saved_tensors_hooks), with torch's message.
-// Whether saved-tensor hooks are active on this thread: a FrameHooks scope, or hooks pushed from
-// Python (torch.autograd.graph.saved_tensors_hooks, torch's and torch_ext's checkpoints, paging).
+// Whether saved-tensor hooks that may decide where a tensor lives are active on this thread: a
+// FrameHooks scope, or hooks pushed from Python (torch.autograd.graph.saved_tensors_hooks, torch's
+// and torch_ext's checkpoints, paging) other than those marked transparent.
 bool saved_tensor_hooks_active();
+
+// Mark (and unmark, innermost first) the Python saved-tensor hooks on top of this thread's stack
+// as transparent: they return every tensor as it is (torch_ext.memory.track only counts them), so
+// a step measured under them keeps and recomputes what it would without them.
+void mark_python_hooks_transparent();
+void unmark_python_hooks_transparent();
 
 class FrameHooks {
  public:
