@@ -1,5 +1,6 @@
 """torch_ext's checkpoint as a drop-in for torch.utils.checkpoint (non-reentrant): each behaviour
 PyTorch's own checkpoint tests check, on torch_ext, compared with the unwrapped computation."""
+import contextlib
 import copy
 import random
 
@@ -119,10 +120,16 @@ def test_a_tensor_passed_by_keyword_is_kept_as_it_is():
         out.sum().backward()
 
 
-@pytest.mark.parametrize("enclosing", ["saved_tensors_hooks", "checkpoint"])
-def test_under_other_saved_tensor_hooks_every_saved_tensor_is_recomputed(enclosing):
+def _identity_hooks():
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+@pytest.mark.parametrize("enclosing, runs", [("saved_tensors_hooks", 2), ("checkpoint", 2), ("memory.track", 1),
+                                             ("memory.track, hooks inside", 2)])
+def test_under_other_saved_tensor_hooks_every_saved_tensor_is_recomputed(enclosing, runs):
     """Enclosing hooks decide where a tensor lives (an enclosing checkpoint drops the segment's
-    input, paging drops its weights): keeping a tensor there could hold what they free."""
+    input, paging drops its weights): keeping a tensor there could hold what they free. memory.track's
+    return each tensor as it is: a step measured under them runs as it does untracked."""
     torch.manual_seed(0)
     layer = nn.Linear(32, 16)
     calls = []
@@ -134,39 +141,27 @@ def test_under_other_saved_tensor_hooks_every_saved_tensor_is_recomputed(enclosi
     x = torch.randn(8, 32, requires_grad=True)
     if enclosing == "checkpoint":
         out = checkpoint_call(lambda t: checkpoint_call(linear, t.exp()), x)
-    else:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    elif enclosing == "saved_tensors_hooks":
+        with _identity_hooks():
             out = checkpoint_call(linear, x.exp())
-    out.sum().backward()
-    assert len(calls) == 2
-    assert torch.allclose(x.grad, (layer.weight.sum(0) * x.detach().exp()).expand_as(x))
-
-
-@pytest.mark.parametrize("inner_hooks", [False, True], ids=["tracked", "tracked with hooks inside"])
-def test_memory_track_leaves_the_step_as_it_runs_untracked(inner_hooks):
-    """memory.track's hooks return each tensor as it is: a Linear segment measured under them runs
-    its forward once, as untracked; other hooks inside the tracked block still make it replay."""
-    torch.manual_seed(0)
-    layer = nn.Linear(32, 16)
-    calls = []
-
-    def linear(x):
-        calls.append(1)
-        return layer(x)
-
-    x = torch.randn(8, 32, requires_grad=True)
-    with torch_ext.memory.track() as tracked:
-        h = x.exp()  # saves its output: tracked
-        if inner_hooks:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    else:
+        with torch_ext.memory.track() as tracked:
+            h = x.exp()  # saves its output: tracked
+            with _identity_hooks() if enclosing.endswith("inside") else contextlib.nullcontext():
                 out = checkpoint_call(linear, h)
-        else:
-            out = checkpoint_call(linear, h)
-        out.sum().backward()
-    assert len(calls) == (2 if inner_hooks else 1)
-    assert tracked.saved_bytes >= h.nbytes
+        assert tracked.saved_bytes >= h.nbytes
+    out.sum().backward()
+    assert len(calls) == runs
     assert torch.allclose(x.grad, (layer.weight.sum(0) * x.detach().exp()).expand_as(x))
-    with pytest.raises(RuntimeError, match="not the last ones marked"):
+
+
+def test_transparent_hooks_are_unmarked_innermost_first():
+    with pytest.raises(RuntimeError, match="no Python saved-tensor hooks pushed since the last mark"):
+        torch_ext._C.checkpoint.mark_hooks_transparent()
+    with _identity_hooks():
+        torch_ext._C.checkpoint.mark_hooks_transparent()
+        with _identity_hooks(), pytest.raises(RuntimeError, match="not the last ones marked"):
+            torch_ext._C.checkpoint.unmark_hooks_transparent()
         torch_ext._C.checkpoint.unmark_hooks_transparent()
 
 
