@@ -340,6 +340,15 @@ void bind_checkpoint(py::module_& m) {
   Py_INCREF(checkpoint_error_type);
   stop_type = py::exception<ck::StopRecomputation>(sub, "_StopRecomputation").ptr();
   Py_INCREF(stop_type);
+  // A C++ frame's error in a backward raised as Python's CheckpointError: torch's engine keeps a
+  // python_error's exception as it is (persisted here, for whichever thread rethrows it).
+  ck::set_checkpoint_error_translator([](const ck::CheckpointError& error) {
+    py::gil_scoped_acquire gil;
+    PyErr_SetString(checkpoint_error_type, error.what());
+    python_error translated;
+    translated.persist();
+    throw translated;
+  });
   sub.add_object("run", py::reinterpret_steal<py::object>(PyCFunction_New(&run_def, nullptr)));
   sub.def(
       "native_options",

@@ -399,8 +399,8 @@ def test_the_torchscript_front_door_keeps_what_lives_until_backward():
     out = torch.ops.torch_ext.checkpoint_module(block, [x])[0]
     with torch.no_grad():
         eager.weight.add_(1)
-    # Raised in C++ inside the engine, it reaches Python as a RuntimeError (torch's translation).
-    with pytest.raises(RuntimeError, match=r"Linear.forward: saved tensor 1 .* modified by an inplace operation"):
+    # Raised in C++ inside the engine, it reaches Python with its type, as from Python's front door.
+    with pytest.raises(CheckpointError, match=r"Linear.forward: saved tensor 1 .* modified by an inplace operation"):
         out.sum().backward()
 
 

@@ -19,6 +19,8 @@ namespace {
 using torch::autograd::Engine;
 using torch::autograd::SavedVariableHooks;
 
+std::atomic<CheckpointErrorTranslator> error_translator{nullptr};
+
 // Forward: the tensor becomes a holder, which recomputes it on unpack.
 class PackHooks final : public SavedVariableHooks {
  public:
@@ -27,7 +29,14 @@ class PackHooks final : public SavedVariableHooks {
     holder_ = frame_->pack(tensor);
     frame_.reset();  // the holder keeps its frame
   }
-  at::Tensor call_unpack_hook() override { return holder_->frame->unpack(*holder_); }
+  at::Tensor call_unpack_hook() override {
+    try {
+      return holder_->frame->unpack(*holder_);
+    } catch (const CheckpointError& error) {
+      if (const auto translate = error_translator.load(std::memory_order_acquire)) translate(error);
+      throw;
+    }
+  }
 
  private:
   std::shared_ptr<Frame> frame_;
@@ -161,6 +170,10 @@ void unmark_python_hooks_transparent() {
   TORCH_CHECK(!transparent_depths.empty() && transparent_depths.back() == python_hooks_depth(),
               "unmark_python_hooks_transparent: the hooks on top are not the last ones marked");
   transparent_depths.pop_back();
+}
+
+void set_checkpoint_error_translator(CheckpointErrorTranslator translator) {
+  error_translator.store(translator, std::memory_order_release);
 }
 
 FrameHooks::FrameHooks(std::shared_ptr<Frame> frame) { push(std::move(frame), std::nullopt); }

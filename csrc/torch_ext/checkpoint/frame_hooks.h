@@ -30,6 +30,13 @@ bool saved_tensor_hooks_active();
 void mark_python_hooks_transparent();
 void unmark_python_hooks_transparent();
 
+// How a CheckpointError raised while autograd unpacks a C++ frame's tensor reaches the caller of
+// backward: thrown as it is by default. The Python bindings install a translator that raises
+// Python's torch_ext CheckpointError instead (torch's engine turns any other C++ exception into a
+// plain RuntimeError). A translator must throw.
+using CheckpointErrorTranslator = void (*)(const CheckpointError&);
+void set_checkpoint_error_translator(CheckpointErrorTranslator translator);
+
 class FrameHooks {
  public:
   explicit FrameHooks(std::shared_ptr<Frame> frame);
