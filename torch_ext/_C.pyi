@@ -25,6 +25,13 @@ class _CheckpointModule:
     def save_rules(self, items: list[str]) -> list[tuple[str, int, int, list[int]]]:
         """The `save` option's rules: (op as 'aten::mm.default', group, every, occurrences) per op."""
 
+    def mark_hooks_transparent(self) -> None:
+        """Marks the saved-tensor hooks just pushed on this thread as returning every tensor as it
+        is (torch_ext.memory.track's): checkpoints under them keep what they keep without them."""
+
+    def unmark_hooks_transparent(self) -> None:
+        """Undoes mark_hooks_transparent, before those hooks are popped."""
+
     def probe(self, fn: Callable[[], Any], items: list[str]) -> list[tuple[str, int, int]]:
         """Runs fn() listing each call of the ops items name as the native policy counts them:
         (op, occurrence in its item's group, bytes of its outputs' storages; -1 where a later op
