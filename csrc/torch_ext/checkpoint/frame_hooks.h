@@ -16,9 +16,6 @@
 
 namespace torch_ext::checkpoint {
 
-// While alive, on this thread: each tensor autograd saves becomes a holder of `frame` (forward) or
-// is handed to frame.repack(·, graph_task) (a replay). Raises where saved-tensor hooks are disabled
-// (torch.autograd.graph.disable_saved_tensors_hooks), with torch's message.
 // Whether saved-tensor hooks that may decide where a tensor lives are active on this thread: a
 // FrameHooks scope, or hooks pushed from Python (torch.autograd.graph.saved_tensors_hooks, torch's
 // and torch_ext's checkpoints, paging) other than those marked transparent.
@@ -37,6 +34,9 @@ void unmark_python_hooks_transparent();
 using CheckpointErrorTranslator = void (*)(const CheckpointError&);
 void set_checkpoint_error_translator(CheckpointErrorTranslator translator);
 
+// While alive, on this thread: each tensor autograd saves becomes a holder of `frame` (forward) or
+// is handed to frame.repack(·, graph_task) (a replay). Raises where saved-tensor hooks are disabled
+// (torch.autograd.graph.disable_saved_tensors_hooks), with torch's message.
 class FrameHooks {
  public:
   explicit FrameHooks(std::shared_ptr<Frame> frame);
