@@ -9,14 +9,14 @@
     torch_ext.checkpointing.hf       Hugging Face models: their gradient checkpointing with
                                      torch_ext's function, per-layer checkpointing by every=k or a budget
 
-Python segments are checkpointed with saved-tensor hooks in C++ (csrc/torch_ext/checkpoint/
-frame.h): the forward builds the ordinary autograd graph with placeholders instead of the tensors
-it would save; the first unpack in a backward pass replays the segment once, checks every tensor
-the replay saves against the forward's (shape, dtype, device: a mismatch raises CheckpointError
-naming the segment and the tensor), and stops once they are all recomputed where the recorded
-graph's tail is worth skipping. Gradients, double backward, nested checkpoints, hooks and
-closures behave as without checkpointing. The C++ and TorchScript front doors replay whole
-segments through an autograd Function (csrc/torch_ext/checkpoint/checkpoint.h).
+Segments are checkpointed with saved-tensor hooks in C++ (csrc/torch_ext/checkpoint/frame.h),
+one engine for every front door (Python, TorchScript's checkpoint_module, the C++ API): the
+forward builds the ordinary autograd graph with placeholders instead of the tensors it would save;
+the first unpack in a backward pass replays the segment once, checks every tensor the replay saves
+against the forward's (shape, dtype, device: a mismatch raises CheckpointError naming the segment
+and the tensor), and stops once they are all recomputed where the recorded graph's tail is worth
+skipping. Gradients, double backward, nested checkpoints, hooks and closures behave as without
+checkpointing.
 
 Every entry point takes torch's context_fn: with torch.utils.checkpoint's
 create_selective_checkpoint_contexts, selective checkpointing with torch's semantics (the forward
