@@ -31,17 +31,23 @@ CostFn = Callable[[np.ndarray], np.ndarray]
 
 def as_traffic(traffic: Union[Mapping, Iterable, Any]) -> Traffic:
     """{sizes: requests} from a mapping of sizes (an int or a tuple of ints) to counts, a PlanCache
-    or its script_object (its traffic log), or an iterable of requests' sizes (one request each)."""
+    or its script_object (its traffic log), or an iterable of requests' sizes (one request each;
+    a tensor or array of them: one row per request)."""
     if isinstance(traffic, torch.ScriptObject):
         traffic = {tuple(row[:-1]): row[-1] for row in traffic.traffic()}
     elif hasattr(traffic, "script_object"):
         traffic = traffic.traffic()
+    elif isinstance(traffic, (torch.Tensor, np.ndarray)):
+        traffic = traffic.tolist()
     pairs = traffic.items() if isinstance(traffic, Mapping) else ((sizes, 1) for sizes in traffic)
     out: Traffic = {}
     rank = None
     for sizes, count in pairs:
-        key = (sizes,) if isinstance(sizes, (int, np.integer)) else tuple(sizes)
-        if not key or any(not isinstance(s, (int, np.integer)) or s < 1 for s in key):
+        try:
+            key = tuple(sizes)
+        except TypeError:  # one dynamic dimension: a request's size alone
+            key = (sizes,)
+        if not key or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1 for s in key):
             raise ValueError(f"traffic: sizes must be positive integers, one per dynamic dimension; got {sizes!r}")
         if rank is not None and len(key) != rank:
             raise ValueError(f"traffic: every request has a size per dynamic dimension; {sizes!r} has {len(key)}, "
