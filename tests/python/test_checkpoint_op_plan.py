@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 import time
 from collections import Counter
 
@@ -345,6 +346,11 @@ def test_plan_round_trips_through_json(chain, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
     with pytest.raises(ValueError, match="not an OpPlan"):
         OpPlan.from_json('{"segments": []}')
+    for text, why in (("", "not JSON"), ("[]", "a JSON list, not an object")):
+        with open(path, "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=f"OpPlan.load: {re.escape(path)}: OpPlan.from_json: not an OpPlan .{why}"):
+            OpPlan.load(path)
     edited = json.loads(plan.to_json())
     edited["gradients"] = "kept"
     with pytest.raises(ValueError, match=r"OpPlan.from_json: gradients must be one of .*got 'kept'"):

@@ -180,7 +180,12 @@ class OpPlan:
 
     @classmethod
     def from_json(cls, text: str) -> "OpPlan":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"OpPlan.from_json: not an OpPlan (not JSON: {error})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"OpPlan.from_json: not an OpPlan (a JSON {type(data).__name__}, not an object)")
         names = set(cls.__dataclass_fields__)
         unknown, missing = set(data) - names, {"saved", "budget_bytes"} - set(data)
         if unknown or missing:
@@ -196,7 +201,11 @@ class OpPlan:
     @classmethod
     def load(cls, path: str) -> "OpPlan":
         with open(path) as f:
-            return cls.from_json(f.read())
+            text = f.read()
+        try:
+            return cls.from_json(text)
+        except ValueError as error:
+            raise ValueError(f"OpPlan.load: {path}: {error}") from None
 
     def __str__(self) -> str:
         mib = 2.0 ** 20
