@@ -141,6 +141,31 @@ def test_class_decorator_checkpoints_every_instance():
     assert isinstance(a, Counted) and list(a.state_dict()) == list(reference.state_dict())
 
 
+def test_checkpointing_a_module_again_keeps_its_options_or_refuses_others():
+    module = torch_ext.checkpoint(Counted())
+    assert torch_ext.checkpoint(module) is module  # the same options: nothing changes
+    with pytest.raises(ValueError, match=r"this Counted is already checkpointed with .*'save': None.*, not "
+                                         r".*'save': \['matmul'\].*del module.forward undoes it"):
+        torch_ext.checkpoint(module, save="matmul")
+    x = torch.randn(4, 16, requires_grad=True)
+    module(x).sum().backward()
+    assert module.calls == 2  # still one checkpoint: one replay
+    del module.forward
+    torch_ext.checkpoint(module, save="matmul")
+    assert module.forward.options.as_dict()["save"] == ["matmul"]
+
+    @torch_ext.checkpoint
+    class Block(Counted):
+        pass
+
+    assert torch_ext.checkpoint(Block) is Block
+    for again in (lambda: torch_ext.checkpoint(storage="bf16")(Block),
+                  lambda: torch_ext.checkpoint(Block(), storage="bf16")):
+        with pytest.raises(ValueError, match="class Block is already checkpointed with .*'storage': 'keep'.*, not "
+                                             ".*'storage': 'bf16'.*checkpoint instances, not the class"):
+            again()
+
+
 def test_function_with_kwargs_pytrees_non_tensors_and_inputs_without_grad():
     linear = nn.Linear(8, 8)
 

@@ -284,8 +284,13 @@ def checkpoint(target: Any = None, **options: Any) -> Any:
     if isinstance(target, type):
         return _checkpoint_class(target, resolved)
     if isinstance(target, nn.Module):
-        if isinstance(target.__dict__.get("forward"), _CheckpointedForward) or getattr(
-                type(target).forward, "_torch_ext_checkpoint", None) is not None:
+        name = type(target).__name__
+        if isinstance(target.__dict__.get("forward"), _CheckpointedForward):
+            _same_options(f"this {name}", target.__dict__["forward"].options, resolved, "del module.forward undoes it")
+            return target
+        if getattr(type(target).forward, "_torch_ext_checkpoint", None) is not None:
+            _same_options(f"class {name}", type(target).forward._torch_ext_checkpoint, resolved,
+                          "checkpoint instances, not the class, to give them options of their own")
             return target
         if "forward" in target.__dict__:
             raise TypeError(f"torch_ext.checkpoint: {type(target).__name__} instance has its own forward attribute; "
@@ -298,11 +303,21 @@ def checkpoint(target: Any = None, **options: Any) -> Any:
                     f"got {type(target).__name__}")
 
 
+def _same_options(what: str, existing: Options, requested: Options, undo: str) -> None:
+    """A module checkpointed again: with its options, nothing changes; with others, refused (a
+    second checkpoint would nest in the first, and keeping the first would drop them unseen)."""
+    if existing.as_dict() != requested.as_dict():
+        raise ValueError(f"torch_ext.checkpoint: {what} is already checkpointed with {existing.as_dict()}, not "
+                         f"{requested.as_dict()}; {undo}")
+
+
 def _checkpoint_class(target: type, options: Options) -> type:
     if not issubclass(target, nn.Module):
         raise TypeError(f"torch_ext.checkpoint: class {target.__name__} is not an nn.Module subclass")
     original = target.forward
     if getattr(original, "_torch_ext_checkpoint", None) is not None:
+        _same_options(f"class {target.__name__}", original._torch_ext_checkpoint, options,
+                      "checkpoint instances, not the class, to give them options of their own")
         return target
     name = target.__name__
 
