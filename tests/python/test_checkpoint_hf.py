@@ -182,6 +182,12 @@ def test_checkpoint_layers_refuses_what_would_checkpoint_twice_or_is_underspecif
         hf.checkpoint_layers(model, every=1)
     with pytest.raises(TypeError, match="unknown option.*stroage"):
         hf.gradient_checkpointing_enable(gpt2(), stroage="bf16")
+    with pytest.raises(TypeError, match="unknown option.*stroage"):
+        hf.gradient_checkpointing_enable(gpt2(), gradient_checkpointing_kwargs={"stroage": "bf16"})
+    with pytest.raises(TypeError, match=r"\['storage'\] given both as options and in gradient_checkpointing_kwargs"):
+        hf.gradient_checkpointing_enable(gpt2(), storage="keep", gradient_checkpointing_kwargs={"storage": "bf16"})
+    with pytest.raises(ValueError, match="determinism_check='none': torch_ext always checks its replays"):
+        hf.gradient_checkpointing_enable(gpt2(), gradient_checkpointing_kwargs={"determinism_check": "none"})
 
 
 @pytest.mark.parametrize("name", list(MODELS))

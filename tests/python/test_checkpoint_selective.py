@@ -544,15 +544,18 @@ def hf_step(model):
     return attention, [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("entry", ["gradient_checkpointing_enable", "checkpoint_layers"])
+@pytest.mark.parametrize("entry", ["gradient_checkpointing_enable", "gradient_checkpointing_kwargs",
+                                   "checkpoint_layers"])
 def test_a_hugging_face_model_with_a_policy_matches_torchs_selective_checkpointing(entry):
     reference = qwen2()
-    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                           "context_fn": SAVE_ATTENTION})
+    kwargs = {"use_reentrant": False, "context_fn": SAVE_ATTENTION}  # as TRL passes it to Hugging Face
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     torch_attention, torch_grads = hf_step(reference)
     model = qwen2()
     if entry == "gradient_checkpointing_enable":
         hf.gradient_checkpointing_enable(model, context_fn=SAVE_ATTENTION)
+    elif entry == "gradient_checkpointing_kwargs":
+        hf.gradient_checkpointing_enable(model, gradient_checkpointing_kwargs=kwargs)
     else:
         hf.checkpoint_layers(model, every=1, context_fn=SAVE_ATTENTION)
     attention, grads = hf_step(model)

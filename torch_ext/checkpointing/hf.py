@@ -36,14 +36,27 @@ def _is_checkpointing_layer(module: nn.Module) -> bool:
     return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
 
 
-def gradient_checkpointing_enable(model: nn.Module, *, every_n_layers: int = 1, **options: Any) -> nn.Module:
+def gradient_checkpointing_enable(model: nn.Module, *, every_n_layers: int = 1,
+                                  gradient_checkpointing_kwargs: Optional[dict] = None, **options: Any) -> nn.Module:
     """model.gradient_checkpointing_enable(every_n_layers=...) with torch_ext's checkpoint as the
     function Hugging Face calls for each checkpointed layer; options are torch_ext.checkpoint's
     (context_fn included: a selective checkpointing policy, as TRL injects into Hugging Face's
-    gradient_checkpointing_kwargs). Returns the model."""
+    gradient_checkpointing_kwargs). gradient_checkpointing_kwargs: Hugging Face's spelling, the
+    keywords of torch.utils.checkpoint.checkpoint as checkpoint_call takes them (use_reentrant and
+    debug accepted and ignored, determinism_check "default", context_fn) or torch_ext's options.
+    Returns the model."""
     if not hasattr(model, "gradient_checkpointing_enable"):
         raise TypeError(f"gradient_checkpointing_enable: {type(model).__name__} is not a Hugging Face model "
                         f"(it has no gradient_checkpointing_enable method)")
+    kwargs = dict(gradient_checkpointing_kwargs or {})
+    if set(kwargs) & set(options):
+        raise TypeError(f"gradient_checkpointing_enable: {sorted(set(kwargs) & set(options))} given both as "
+                        f"options and in gradient_checkpointing_kwargs")
+    torch_only = {key: kwargs.pop(key) for key in ("use_reentrant", "debug", "determinism_check") if key in kwargs}
+    if torch_only.get("determinism_check", "default") != "default":
+        raise ValueError(f"gradient_checkpointing_enable: determinism_check={torch_only['determinism_check']!r}: "
+                         f"torch_ext always checks its replays (\"default\")")
+    options = {**kwargs, **options}
     checkpoint_options("gradient_checkpointing_enable", **options)  # validated before the model changes
     # transformers 5.23 renamed it activation_checkpointing_enable (the old name warns)
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
