@@ -293,7 +293,7 @@ def checkpoint(target: Any = None, **options: Any) -> Any:
                           "checkpoint instances, not the class, to give them options of their own")
             return target
         if "forward" in target.__dict__:
-            raise TypeError(f"torch_ext.checkpoint: {type(target).__name__} instance has its own forward attribute; "
+            raise TypeError(f"torch_ext.checkpoint: {name} instance has its own forward attribute; "
                             "checkpoint its class or a function instead")
         target.forward = _CheckpointedForward(target, type(target).forward, resolved)
         return target
