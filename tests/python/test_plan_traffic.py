@@ -207,13 +207,13 @@ def test_bad_traffic_is_refused():
     for sizes in ([0], [1.5, 2], [(2.0,)], [True, 2], ["12"]):
         with pytest.raises(ValueError, match="positive integers"):
             as_traffic(sizes)
+    with pytest.raises(ValueError, match="max_plans must be a positive integer"):
+        choose_buckets({1: 1}, 0, lambda p: p[:, 0] * 1.0)
 
 
 def test_traffic_given_as_a_tensor_or_array_counts_one_request_a_row():
     assert as_traffic(torch.tensor([3, 1, 3])) == {(3,): 2, (1,): 1}
     assert as_traffic(np.array([[2, 16], [2, 16], [4, 8]])) == {(2, 16): 2, (4, 8): 1}
-    with pytest.raises(ValueError, match="max_plans must be a positive integer"):
-        choose_buckets({1: 1}, 0, lambda p: p[:, 0] * 1.0)
 
 
 def test_from_traffic_on_torchscript_builds_the_chosen_plans_and_serves_the_traffic(mlp, scripted):
