@@ -348,19 +348,25 @@ def _checkpoint_function(fn: Callable, options: Options) -> Callable:
 _TORCH_ONLY = ("use_reentrant", "debug")
 
 
-def checkpoint_call(function: Callable, *args: Any, context_fn: Any = None, determinism_check: str = "default",
-                    **kwargs: Any) -> Any:
+def _pop_torch_keywords(owner: str, keywords: dict) -> None:
+    """Takes torch.utils.checkpoint's use_reentrant, debug and determinism_check out of keywords:
+    the first two are ignored, and determinism_check must be "default"."""
+    determinism_check = keywords.pop("determinism_check", "default")
+    if determinism_check != "default":
+        raise ValueError(f"{owner}: determinism_check={determinism_check!r}: torch_ext always checks its replays "
+                         f"(\"default\")")
+    for keyword in _TORCH_ONLY:
+        keywords.pop(keyword, None)
+
+
+def checkpoint_call(function: Callable, *args: Any, context_fn: Any = None, **kwargs: Any) -> Any:
     """Drop-in for torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, ...):
     run function(*args, **kwargs) checkpointed and return its output. Takes torch's keywords
     (use_reentrant and debug are accepted and ignored: torch_ext has the non-reentrant
     implementation only; early_stop and preserve_rng_state are options) and torch_ext's options
     (storage); context_fn as torch's (selective activation checkpointing). determinism_check
     must be "default" (torch_ext always checks its replays)."""
-    if determinism_check != "default":
-        raise ValueError(f"torch_ext.checkpoint_call: determinism_check={determinism_check!r}: torch_ext always "
-                         f"checks its replays (\"default\")")
-    for keyword in _TORCH_ONLY:
-        kwargs.pop(keyword, None)
+    _pop_torch_keywords("torch_ext.checkpoint_call", kwargs)
     names = option_names()
     options = checkpoint_options("torch_ext.checkpoint_call", context_fn=context_fn,
                                  **{k: kwargs.pop(k) for k in list(kwargs) if k in names})

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import memory
-from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options
+from .api import _is_hf_cache, checkpoint, checkpoint_call, checkpoint_options, _pop_torch_keywords
 from .chains import _PLANNED_POLICY
 from .measuring import _storage_bytes, _tensor_leaves, _trainable_parameters
 from .op_planner import OpPlan, plan_recorded_ops
@@ -52,10 +52,7 @@ def gradient_checkpointing_enable(model: nn.Module, *, every_n_layers: int = 1,
     if set(kwargs) & set(options):
         raise TypeError(f"gradient_checkpointing_enable: {sorted(set(kwargs) & set(options))} given both as "
                         f"options and in gradient_checkpointing_kwargs")
-    torch_only = {key: kwargs.pop(key) for key in ("use_reentrant", "debug", "determinism_check") if key in kwargs}
-    if torch_only.get("determinism_check", "default") != "default":
-        raise ValueError(f"gradient_checkpointing_enable: determinism_check={torch_only['determinism_check']!r}: "
-                         f"torch_ext always checks its replays (\"default\")")
+    _pop_torch_keywords("gradient_checkpointing_enable", kwargs)
     options = {**kwargs, **options}
     checkpoint_options("gradient_checkpointing_enable", **options)  # validated before the model changes
     # transformers 5.23 renamed it activation_checkpointing_enable (the old name warns)
