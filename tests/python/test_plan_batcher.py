@@ -161,7 +161,7 @@ def test_a_batch_that_raises_fails_its_requests_only():
 def test_infer_waits_at_most_timeout(cache):
     _, plans = cache
     with Batcher(plans, max_batch_size=16, max_delay_ms=NEVER_MS) as batcher:
-        with pytest.raises(concurrent.futures.TimeoutError):
+        with pytest.raises(concurrent.futures.TimeoutError, match="still waits in the queue"):
             batcher.infer(torch.randn(1, 8), timeout=0.2)  # alone, its batch waits for 16 rows
 
 
@@ -307,8 +307,9 @@ def test_a_deadline_that_cannot_be_met_fails_at_once_saying_so(cache):
     with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS) as batcher:
         with pytest.raises(RuntimeError, match="deadline of 0 ms cannot be met: it has already passed"):
             batcher.infer(torch.randn(1, 8), deadline_ms=0)
-        with pytest.raises(ValueError, match="deadline_ms must be >= 0"):
-            batcher.submit(torch.randn(1, 8), deadline_ms=-1)
+        for bad in (-1, float("nan"), "5", True):
+            with pytest.raises(ValueError, match="deadline_ms must be >= 0"):
+                batcher.submit(torch.randn(1, 8), deadline_ms=bad)
         x, y = torch.randn(1, 8), torch.randn(1, 8)
         first = batcher.submit(x, deadline_ms=NEVER_MS)
         assert torch.equal(batcher.infer(y), module(y)) and torch.equal(first.result(0), module(x))

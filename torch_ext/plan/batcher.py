@@ -9,6 +9,7 @@ The queue is bounded: submit() raises at once when max_queue requests wait.
 from __future__ import annotations
 
 import concurrent.futures
+import numbers
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -75,8 +76,8 @@ def _waiting(call: Callable[..., Any], *args: Any) -> Any:
 def _deadline(deadline_ms: Optional[float]) -> float:
     if deadline_ms is None:
         return -1.0  # none
-    if not deadline_ms >= 0:
-        raise ValueError(f"Batcher: deadline_ms must be >= 0 (or None: no deadline), got {deadline_ms}")
+    if not isinstance(deadline_ms, numbers.Real) or isinstance(deadline_ms, bool) or not deadline_ms >= 0:
+        raise ValueError(f"Batcher: deadline_ms must be >= 0 (or None: no deadline), got {deadline_ms!r}")
     return float(deadline_ms)
 
 

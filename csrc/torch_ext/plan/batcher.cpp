@@ -237,7 +237,8 @@ bool BatchResult::wait(double timeout_seconds) {
 
 c10::IValue BatchResult::result(double timeout_seconds) {
   TORCH_CHECK(wait(timeout_seconds), "Batcher: no result after ", timeout_seconds,
-              " s; the batcher is still running earlier batches (wait longer, or raise max_batch_size)");
+              " s: the request still waits in the queue (a batch runs when it fills or after max_delay_ms) or its "
+              "batch still runs; wait longer, or lower max_delay_ms");
   std::lock_guard<std::mutex> lock(mutex_);
   if (error_) std::rethrow_exception(error_);
   return value_;
