@@ -673,6 +673,12 @@ def test_planner_meets_its_budget_and_prefers_no_recompute_when_memory_allows():
     peak_plan = measured_peak(chain, x)
     assert peak_plan <= budget < peak_plain
     assert_same_grads(plain, chain)
+    halved = copy.deepcopy(layers)
+    halved[3].half()  # the plan's bytes no longer hold for these layers
+    with pytest.raises(ValueError, match=rf"CheckpointedSequential: layer 3 \(\w+\) holds "
+                                         rf"{sum(p.nbytes for p in layers[3].parameters()) // 2:,} bytes .* the plan was "
+                                         rf"made for other layers"):
+        torch_ext.CheckpointedSequential(halved, boundaries=plan)
     # budget_bytes=B plans on the first forward with grad.
     auto = torch_ext.CheckpointedSequential(copy.deepcopy(layers), budget_bytes=budget, gradients="accumulated")
     auto(x)

@@ -407,6 +407,17 @@ def test_errors_name_the_problem(chain):
     torch_ext.checkpoint(checkpointed[5])
     with pytest.raises(ValueError, match=r"layer 5 \(Sequential\) is already checkpointed"):
         loose.apply(checkpointed)
+    # A saved plan applied to other layers: another width, dtype or set of trainable weights.
+    tight = loose.with_budget(loose.min_budget_bytes)
+    wider, halved, frozen = mlp_chain(width=256), copy.deepcopy(layers), copy.deepcopy(layers)
+    halved[15].to(torch.bfloat16)
+    frozen[2][0].weight.requires_grad_(False)
+    for others, index, holds in ((wider, 0, 4 * (256 * 512 * 2 + 512 + 256)), (halved, 15, 2 * (128 * 256 * 2 + 256 + 128)),
+                                 (frozen, 2, 4 * (128 * 256 + 256 + 128))):
+        with pytest.raises(ValueError, match=rf"layer {index} \(Sequential\) holds {holds:,} bytes of trainable "
+                                             rf"parameters where the plan's layer {index} held {4 * (128 * 256 * 2 + 256 + 128):,}"):
+            tight.apply(others)
+        assert not any(isinstance(layer.__dict__.get("forward"), _CheckpointedForward) for layer in others)
     with pytest.raises(IndexError, match="block 16"):
         loose.context_fn(16)
     for owner in (loose.save_items, loose.context_fn):  # the loose plan leaves every block unwrapped

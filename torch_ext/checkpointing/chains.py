@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .api import _run, checkpoint_options, option_names
-from .measuring import _call, _storage_bytes, _tensor_leaves
+from .measuring import _call, _check_parameter_bytes, _storage_bytes, _tensor_leaves
 from .planner import CheckpointPlan, _planning_gradients, plan_checkpoints
 
 def _segments_from_boundaries(n: int, boundaries: Sequence[int], owner: str) -> list[tuple[int, int, bool]]:
@@ -38,7 +38,8 @@ class CheckpointedSequential(nn.Sequential):
     Exactly one of: every=k (a checkpoint every k layers, from layer 0), boundaries=[...] (the
     layers whose inputs are kept; layers before the first run without checkpointing), or
     budget_bytes=B (planned by plan_checkpoints on the first forward with grad, with its
-    `gradients` and `head` options; see .plan). A CheckpointPlan may be given as boundaries. The
+    `gradients` and `head` options; see .plan). A CheckpointPlan may be given as boundaries (for
+    these layers: one whose trainable parameter bytes differ from the plan's is refused). The
     state_dict keys are nn.Sequential's (a head is not one of the layers).
 
     After a forward with grad the chain keeps weak references to each segment's input, for
@@ -84,6 +85,7 @@ class CheckpointedSequential(nn.Sequential):
                 if boundaries.segments[-1][1] != n:
                     raise ValueError(f"CheckpointedSequential: the plan covers {boundaries.segments[-1][1]} layers, "
                                      f"the chain has {n}")
+                _check_parameter_bytes(list(self), boundaries.layer_parameter_bytes, "CheckpointedSequential")
                 self.plan = boundaries
                 self._segments = list(boundaries.segments)
             else:

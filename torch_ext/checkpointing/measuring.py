@@ -25,6 +25,25 @@ def _trainable_parameters(module: nn.Module) -> list[torch.Tensor]:
     return params
 
 
+def _parameter_bytes(layer: Callable) -> int:
+    """The bytes of a layer's trainable parameters (0 for a function): what its gradients hold."""
+    return sum(p.nbytes for p in _trainable_parameters(layer)) if isinstance(layer, nn.Module) else 0
+
+
+def _check_parameter_bytes(layers: Sequence[Callable], measured: Sequence[int], owner: str) -> None:
+    """Raises ValueError naming the first layer whose trainable parameter bytes differ from those a
+    plan measured for it: a plan saved for other layers (another size, dtype or set of trainable
+    weights) would apply without error and miss its budget unseen. measured may be empty (a plan
+    from an older file): nothing to check."""
+    for index, (layer, held) in enumerate(zip(layers, measured)):
+        holds = _parameter_bytes(layer)
+        if holds != held:
+            raise ValueError(
+                f"{owner}: layer {index} ({type(layer).__name__}) holds {holds:,} bytes of trainable parameters "
+                f"where the plan's layer {index} held {held:,}: the plan was made for other layers (another size, "
+                f"dtype or set of trainable weights); plan these layers")
+
+
 def _call(layer: Callable, value: Any, kwargs: Optional[dict] = None, first: bool = False) -> Any:
     if first:
         return layer(*value, **(kwargs or {}))

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .api import _CheckpointedForward, checkpoint
-from .measuring import (_check_head, _measure_head, _measure_once, _state_restored, _storage_bytes, _tensor_leaves,
-                        _trainable_parameters)
+from .measuring import (_check_head, _check_parameter_bytes, _measure_head, _measure_once, _parameter_bytes,
+                        _state_restored, _storage_bytes, _tensor_leaves)
 from .op_choice import _choose, _gradient_bytes, _peak
 from .op_recording import _KEPT_DRAWS, _record_ops
 from .op_storage import _check_storage, _rounded_bytes, _rounding_seconds
@@ -162,6 +162,7 @@ class OpPlan:
             if isinstance(layer.__dict__.get("forward"), _CheckpointedForward) or getattr(
                     type(layer).forward, "_torch_ext_checkpoint", None) is not None:
                 raise ValueError(f"OpPlan.apply: layer {index} ({type(layer).__name__}) is already checkpointed")
+        _check_parameter_bytes(layers, self.block_parameter_bytes, "OpPlan.apply")
         for index, layer in enumerate(layers):
             if not self.is_checkpointed(index):
                 continue
@@ -328,8 +329,7 @@ def _measure_blocks(layers: list, repeat: int, progress: Optional[Callable], sto
             m["workspace"].append(samples[-1][3])
             out = _tensor_leaves(samples[-1][4])
             m["outputs"].append(_storage_bytes(out[:1] if recorded is not None else out, set()))
-            m["params"].append(sum(p.nbytes for p in _trainable_parameters(layer))
-                               if isinstance(layer, nn.Module) else 0)
+            m["params"].append(_parameter_bytes(layer))
             value = samples[-1][4]
     _pool_alike_blocks(m)
     return m, value

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from .api import checkpoint_options
-from .measuring import (_check_head, _measure_head, _measure_layers, _measure_once, _state_restored, _tensor_leaves,
-                        _trainable_parameters)
+from .measuring import (_check_head, _measure_head, _measure_layers, _measure_once, _parameter_bytes, _state_restored,
+                        _tensor_leaves)
 from .op_choice import _gradient_bytes
 
 _GRADIENTS = ("accumulated", "held")
@@ -319,8 +319,7 @@ def _plan(layers: list, measured: tuple, budget_bytes: float, max_segment: Optio
           around_bytes: int = 0) -> CheckpointPlan:
     fwd, bwd, saved, out_bytes, workspace, input_bytes = measured
     n = len(layers)
-    param_bytes = [sum(p.nbytes for p in _trainable_parameters(layer)) if isinstance(layer, nn.Module) else 0
-                   for layer in layers]
+    param_bytes = [_parameter_bytes(layer) for layer in layers]
     shape = (saved, out_bytes, workspace, _gradient_bytes(param_bytes, gradients, other_gradient_bytes), input_bytes)
     seen = {"head": head_bytes, "around": around_bytes}  # what follows and surrounds the chain
     least = _solve(n, fwd, *shape, None, max_segment, **seen)
