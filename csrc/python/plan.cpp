@@ -168,8 +168,10 @@ std::optional<std::vector<c10::IValue>> request_of(const py::handle& inputs) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = is_tuple ? PyTuple_GET_ITEM(inputs.ptr(), i) : PyList_GET_ITEM(inputs.ptr(), i);
     if (!THPVariable_CheckExact(item)) return std::nullopt;
-    values.emplace_back(THPVariable_Unpack(item).detach());
+    values.emplace_back(THPVariable_Unpack(item));
   }
+  plan::PlanCache::check_no_autograd(values);  // before detaching hides what it checks
+  for (auto& value : values) value = value.toTensor().detach();
   return values;
 }
 

@@ -445,6 +445,22 @@ TEST(Plan, BadInputsGetClearErrorsAndTheCacheStaysUsable) {
   EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
 }
 
+TEST(Plan, AnInputThatRequiresGradIsRefusedUnlessGradModeIsOff) {
+  // Plans record no autograd: with grad mode on, such an input would silently get no gradient.
+  auto m = rowwise();
+  PlanCache cache(m, options());
+  const auto x = input(4).requires_grad_();
+  try {
+    run(cache, x);
+    FAIL() << "expected an error";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("input 0 requires grad"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cache.stats().calls, 0);
+  c10::AutoGradMode no_grad(false);
+  EXPECT_TRUE(at::equal(run(cache, x), reference(m, x)));
+}
+
 TEST(Plan, InputsWithDifferentBatchSizesAreRejected) {
   torch::jit::Module m("Add");
   m.register_attribute("training", c10::BoolType::get(), false);

@@ -220,6 +220,21 @@ def test_bad_inputs_get_clear_errors_and_the_cache_stays_usable(rowwise):
     assert torch.equal(cache(good), reference(rowwise, good))
 
 
+def test_an_input_that_requires_grad_is_refused_where_grad_mode_would_expect_a_gradient(rowwise):
+    # Plans record no autograd: served with grad mode on, such an input would silently get no gradient.
+    cache = PlanCache(rowwise, warmup_calls=1, miss_mode="pad")
+    wants_grad = x(3).requires_grad_()
+    for call in (cache, cache.infer_batch, lambda t: cache.script_object.infer([t])):
+        with pytest.raises(ValueError, match="input 0 requires grad, but plans serve inference"):
+            call(wants_grad)
+    assert cache.stats().calls == 0
+    with torch.no_grad():
+        assert torch.equal(cache(wants_grad), reference(rowwise, wants_grad))
+    with torch.inference_mode():
+        assert torch.equal(cache(wants_grad), reference(rowwise, wants_grad))
+    assert torch.equal(cache(wants_grad.detach()), reference(rowwise, wants_grad))
+
+
 class TwoAdd(torch.nn.Module):
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b

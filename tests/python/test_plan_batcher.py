@@ -127,6 +127,9 @@ def test_bad_requests_fail_at_submit_and_never_join_a_batch(cache):
             batcher.submit(torch.randn(1, 9))
         with pytest.raises(RuntimeError, match="batch size 5 is above max_batch_size 4"):
             batcher.submit(torch.randn(5, 8))
+        for call in (batcher.submit, batcher.infer):
+            with pytest.raises(ValueError, match="input 0 requires grad, but plans serve inference"):
+                call(torch.randn(1, 8, requires_grad=True))
         assert batcher.stats().requests == 0
 
 

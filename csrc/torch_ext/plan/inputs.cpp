@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
 
 namespace torch_ext::plan {
 
@@ -27,9 +28,19 @@ struct PlanCache::Signature {
 };
 
 Bucket PlanCache::check_request(const std::vector<c10::IValue>& inputs) const {
+  check_no_autograd(inputs);
   const Bucket sizes = layout_->sizes_of(inputs);
   check_signature(inputs, sizes);
   return sizes;
+}
+
+void PlanCache::check_no_autograd(const std::vector<c10::IValue>& inputs) {
+  if (!c10::GradMode::is_enabled()) return;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK_VALUE(!(inputs[i].isTensor() && inputs[i].toTensor().requires_grad()), "PlanCache: input ", i,
+                      " requires grad, but plans serve inference and record no autograd: no gradient would reach it "
+                      "through the output. Serve under torch.no_grad() or torch.inference_mode(), or pass it detached");
+  }
 }
 
 void PlanCache::check_signature(const std::vector<c10::IValue>& inputs, const Bucket& sizes) const {

@@ -236,6 +236,7 @@ c10::IValue PlanCache::run_request(const Bucket& sizes, const std::vector<c10::I
   const Bucket bucket = layout_->bucket_of(sizes);
   std::shared_ptr<Plan> plan = table_->find(bucket);
   std::shared_ptr<SizeRecord> rec;
+  check_no_autograd(inputs);
   check_signature(inputs, sizes);
   c10::IValue output;
   if (plan) {

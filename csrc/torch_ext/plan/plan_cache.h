@@ -477,6 +477,9 @@ class PlanCache : public torch::CustomClassHolder, private ForkParticipant {
   // The checks infer() makes before running a request (sizes in range, the inputs' signature),
   // and the request's sizes; where its dynamic dimensions are (layout.h).
   Bucket check_request(const std::vector<c10::IValue>& inputs) const;
+  // Plans serve inference and record no autograd: with grad mode on, an input that requires grad
+  // would silently get no gradient through the output, so such a request is refused.
+  static void check_no_autograd(const std::vector<c10::IValue>& inputs);
   const Layout& layout() const { return *layout_; }
 
   // Internal to the plan cache's sources (plan.h).
