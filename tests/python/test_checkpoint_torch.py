@@ -480,6 +480,10 @@ def test_torchs_keywords_are_accepted_and_unsupported_ones_are_refused():
     out.sum().backward()
     with pytest.raises(ValueError, match="always checks its replays"):
         checkpoint_call(torch.sin, x, determinism_check="none")
+    layers = [torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)]
+    torch_ext.checkpoint_sequential(layers, 2, x, use_reentrant=False, debug=False, determinism_check="default")
+    with pytest.raises(ValueError, match="checkpoint_sequential: determinism_check='none': torch_ext always checks"):
+        torch_ext.checkpoint_sequential(layers, 2, x, determinism_check="none")
 
 
 def test_a_non_deterministic_segment_raises_the_named_error():

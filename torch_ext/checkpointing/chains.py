@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .api import _run, checkpoint_options, option_names
+from .api import _pop_torch_keywords, _run, checkpoint_options, option_names
 from .measuring import _call, _check_parameter_bytes, _storage_bytes, _tensor_leaves
 from .planner import CheckpointPlan, _planning_gradients, plan_checkpoints
 
@@ -236,11 +236,6 @@ _PLANNED_POLICY = ("budget_bytes with context_fn or save: the planner measures l
                    "checkpointing policy, so its plan would not account for the outputs the policy keeps; choose the "
                    "layers (every / boundaries), plan without the policy, or plan ops (ops=True / plan_ops)")
 
-# torch.utils.checkpoint.checkpoint_sequential's own keywords, accepted for drop-in use and ignored:
-# there is one implementation.
-_TORCH_KEYWORDS = ("use_reentrant", "determinism_check", "debug")
-
-
 def _boundary_bytes(tensors: list[torch.Tensor], storage: str) -> int:
     return int(torch.ops.torch_ext.checkpoint_boundary_bytes(tensors, storage))
 
@@ -251,11 +246,9 @@ def checkpoint_sequential(functions: Any, segments: int, *inputs: Any, **kwargs:
     segments functions; all but the last are checkpointed, and the last runs plainly with the rest
     (its activations are needed right away by backward), as torch does. Unlike torch's, the first
     function may take several inputs, and the keyword arguments that are not options. Options are
-    torch_ext.checkpoint's, context_fn (selective checkpointing) included; torch's use_reentrant,
-    determinism_check and debug are accepted and ignored: there is one implementation, whose
-    replays are always checked."""
-    for keyword in _TORCH_KEYWORDS:
-        kwargs.pop(keyword, None)
+    torch_ext.checkpoint's, context_fn (selective checkpointing) included; torch's keywords as
+    checkpoint_call takes them (use_reentrant and debug ignored, determinism_check "default")."""
+    _pop_torch_keywords("checkpoint_sequential", kwargs)
     names = option_names()
     options = checkpoint_options("checkpoint_sequential", **{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if isinstance(functions, nn.Sequential):
