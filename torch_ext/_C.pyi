@@ -62,6 +62,8 @@ class _BatchHandle:
     def result(self, timeout_seconds: float) -> Any:
         """The output, waiting at most timeout_seconds with the GIL released."""
     def done(self) -> bool: ...
+    def running(self) -> bool: ...
+    def cancelled(self) -> bool: ...
     def future(self) -> torch.futures.Future:
         """A torch.futures.Future completed with the result."""
 
@@ -96,6 +98,8 @@ class _PlanModule:
         """batcher.submit(inputs, deadline_ms=-1) for tensor inputs (a tuple or list) called directly, without
         TorchScript's method dispatch; the GIL is released while it runs batches. Returns the request's
         BatchHandle, or None (nothing queued) when an input is not exactly a torch.Tensor."""
+    def batcher_cancel(self, batcher: torch.ScriptObject) -> Callable[[_BatchHandle], bool]:
+        """batcher.cancel(handle), holding the batcher weakly (False once it is gone)."""
     def batch_handle(self, result: torch.ScriptObject) -> _BatchHandle:
         """The BatchHandle of a torch.classes.torch_ext.BatchResult."""
 

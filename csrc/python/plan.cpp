@@ -213,6 +213,17 @@ py::cpp_function batcher_submit(const py::object& script_object) {
       py::arg("inputs"), py::arg("deadline_ms") = -1.0);
 }
 
+// Batcher.cancel(handle) of a torch.classes.torch_ext.Batcher, holding it weakly: a future that
+// outlives its batcher must not keep the batcher's thread alive.
+py::cpp_function batcher_cancel(const py::object& script_object) {
+  return py::cpp_function(
+      [batcher = c10::weak_intrusive_ptr<plan::Batcher>(batcher_of(script_object))](const BatchHandle& handle) {
+        const auto alive = batcher.lock();
+        return alive && alive->cancel(handle.result);
+      },
+      py::arg("handle"));
+}
+
 BatchHandle batch_handle(const py::object& script_object) {
   static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::BatchResult>>();
   return BatchHandle{torch::jit::toIValue(script_object, type).toCustomClass<plan::BatchResult>()};
@@ -245,6 +256,9 @@ void bind_plan(py::module_& m) {
           "directly (no TorchScript method dispatch; the GIL held while it queues, released while it runs batches); "
           "inputs: a tuple or list; returns a BatchHandle, or None (nothing queued) when an input is not exactly a "
           "torch.Tensor");
+  sub.def("batcher_cancel", &batcher_cancel, py::arg("batcher"),
+          "Batcher.cancel(handle) of a torch.classes.torch_ext.Batcher for a BatchHandle, holding the batcher weakly "
+          "(false once it is gone)");
   py::class_<BatchHandle>(sub, "BatchHandle", "a batcher request's result (a torch_ext BatchResult)")
       .def(
           "result",
@@ -256,6 +270,8 @@ void bind_plan(py::module_& m) {
           },
           py::arg("timeout_seconds"), "the output, waiting at most timeout_seconds with the GIL released")
       .def("done", [](const BatchHandle& handle) { return handle.result->done(); })
+      .def("running", [](const BatchHandle& handle) { return handle.result->running(); })
+      .def("cancelled", [](const BatchHandle& handle) { return handle.result->cancelled(); })
       .def(
           "future", [](const BatchHandle& handle) { return torch::jit::toPyObject(c10::IValue(handle.result->future())); },
           "a torch.futures.Future completed with the result");

@@ -26,6 +26,7 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/randn.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/ScopeExit.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/frontend/resolver.h>
@@ -105,6 +106,24 @@ at::Tensor gate_op(const at::Tensor& x) {
     g.changed.wait(lock, [&] { return g.open; });
   }
   return x.clone();
+}
+
+// Opens or closes the gate; closing it begins a new wait (nothing has entered yet).
+void set_gate_open(bool open) {
+  Gate& g = gate();
+  {
+    std::lock_guard lock(g.mutex);
+    g.open = open;
+    if (!open) g.entered = false;
+  }
+  g.changed.notify_all();
+}
+
+// Whether a run entered the closed gate within 60 s (the wait only bounds a hang).
+bool gate_entered() {
+  Gate& g = gate();
+  std::unique_lock lock(g.mutex);
+  return g.changed.wait_for(lock, std::chrono::seconds(60), [&] { return g.entered; });
 }
 
 // TorchScript's C++ compiler resolves `torch` only; this adds `torch_ext_test`, this file's ops.
@@ -500,25 +519,11 @@ TEST(Plan, AMissDoesNotBlockHitsAtOtherSizes) {
   auto small = input(1);
   const auto want = reference(m, small);
   run(cache, small);
-  Gate& g = gate();
-  const auto set_open = [&](bool open) {
-    {
-      std::lock_guard lock(g.mutex);
-      g.open = open;
-      if (!open) g.entered = false;  // closing it begins a new wait
-    }
-    g.changed.notify_all();
-  };
-  set_open(false);
+  set_gate_open(false);
   // The miss at 40 builds on its own thread and stays inside the module until the gate opens.
   auto miss = std::async(std::launch::async, [&] { return run(cache, input(40)); });
-  bool entered = false;
-  {
-    std::unique_lock lock(g.mutex);
-    entered = g.changed.wait_for(lock, std::chrono::seconds(60), [&] { return g.entered; });
-  }
-  if (!entered) {
-    set_open(true);
+  if (!gate_entered()) {
+    set_gate_open(true);
     FAIL() << "the miss never ran the module";
   }
   auto hits = std::async(std::launch::async, [&] {
@@ -529,7 +534,7 @@ TEST(Plan, AMissDoesNotBlockHitsAtOtherSizes) {
   });
   // Five hits end while the build is held (the wait only bounds a hang).
   const bool hits_ended_during_build = hits.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
-  set_open(true);
+  set_gate_open(true);
   EXPECT_TRUE(hits_ended_during_build) << "a hit waited for the build";
   EXPECT_TRUE(hits.get());
   EXPECT_EQ(miss.get().size(0), 40);
@@ -734,6 +739,55 @@ TEST(Plan, BatcherGathersConcurrentRequestsAndHandsEachCallerItsRows) {
   EXPECT_EQ(s.batches, kRounds);  // every round's 8 requests ran as one batch
   EXPECT_EQ(s.max_batch_rows, 8);
   EXPECT_EQ(cache->stats().calls, kRounds);
+}
+
+TEST(Plan, BatcherCancelTakesAQueuedRequestOutAndLeavesARunningOneToFinish) {
+  auto m = gated_at_large_sizes();
+  PlanCacheOptions o = options(MissMode::pad);
+  o.max_batch_size = 64;
+  auto cache = c10::make_intrusive<PlanCache>(m, o);
+  auto b = full_batches_of(40);
+  b.submit_runs_batch = false;  // the batcher's thread runs it: this one stays free to look
+  plan::Batcher batcher(cache, b);
+  set_gate_open(false);
+  auto opens = c10::make_scope_exit([] { set_gate_open(true); });  // a failed assertion must not leave it shut
+  const auto big = input(40);
+  auto running = batcher.submit({big});  // fills its batch, which holds at the gate
+  ASSERT_TRUE(gate_entered()) << "the batch never ran the module";
+  EXPECT_TRUE(running->running());
+  EXPECT_FALSE(batcher.cancel(running));  // taken by a batch: it runs to the end
+
+  auto queued = batcher.submit({input(1)});
+  int callbacks = 0;
+  queued->future()->addCallback([&](c10::ivalue::Future& f) { callbacks += f.hasError(); });
+  EXPECT_FALSE(queued->running());
+  EXPECT_TRUE(batcher.cancel(queued));
+  EXPECT_TRUE(queued->done());
+  EXPECT_TRUE(queued->cancelled());
+  EXPECT_FALSE(queued->running());
+  EXPECT_EQ(callbacks, 1);
+  try {
+    queued->result(0);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the request was cancelled before a batch took it"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(batcher.cancel(queued));  // no longer queued
+  EXPECT_EQ(batcher.stats().cancelled, 1);
+  EXPECT_EQ(batcher.stats().queued, 0);
+
+  const auto small = input(1);
+  auto last = batcher.submit({small});
+  set_gate_open(true);
+  ASSERT_TRUE(running->wait(60));
+  EXPECT_TRUE(at::equal(running->result(0).toTensor(), reference(m, big)));
+  EXPECT_FALSE(running->running());
+  EXPECT_FALSE(running->cancelled());
+  batcher.close();  // runs the last request, alone: the cancelled one left no rows behind
+  EXPECT_TRUE(at::equal(last->result(0).toTensor(), reference(m, small)));
+  EXPECT_EQ(batcher.stats().batches, 2);
+  EXPECT_EQ(batcher.stats().rows, 41);
 }
 
 TEST(Plan, BatcherQueueIsBoundedAndAFullQueueRaises) {

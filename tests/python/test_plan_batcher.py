@@ -88,6 +88,31 @@ def test_futures_and_requests_of_several_rows_keep_their_rows(cache):
         assert len(called) == 1 and torch.equal(called[0], module(inputs[0]))
 
 
+def test_a_queued_request_can_be_cancelled_and_never_runs(cache):
+    module, plans = cache
+    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
+        kept, dropped = batcher.submit(torch.randn(2, 8)), batcher.submit(torch.randn(1, 8))
+        seen = []
+        dropped.add_done_callback(lambda f: seen.append(f.cancelled()))
+        assert not dropped.running() and not dropped.cancelled()  # queued: 3 rows of 4
+        assert dropped.cancel() and dropped.cancel()  # True again once cancelled, as concurrent.futures says
+        assert dropped.cancelled() and dropped.done() and not dropped.running() and seen == [True]
+        with pytest.raises(concurrent.futures.CancelledError, match="cancelled before a batch took it"):
+            dropped.result()
+        with pytest.raises(concurrent.futures.CancelledError):
+            dropped.exception()
+        assert batcher.stats().cancelled == 1 and batcher.stats().queued == 1
+        # TorchScript's face of the same: Batcher.cancel(BatchResult)
+        result = batcher.script_object.submit((torch.randn(1, 8),))
+        assert batcher.script_object.cancel(result) and result.cancelled() and result.done()
+        x = torch.randn(2, 8)
+        last = batcher.submit(x)  # 4 rows: the batch fills and runs; the cancelled requests left no rows
+        assert torch.equal(last.result(60), module(x)) and kept.done()
+        assert not kept.cancel() and not kept.cancelled() and not kept.running()
+        stats = batcher.stats()
+        assert (stats.batches, stats.rows, stats.cancelled, stats.requests) == (1, 4, 2, 4)
+
+
 class Scaled(torch.nn.Module):
     def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         return x * scale

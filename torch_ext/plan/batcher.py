@@ -23,24 +23,25 @@ __all__ = ["Batcher"]
 
 class BatchFuture:
     """A request's result, concurrent.futures-style: result(timeout), exception(timeout), done(),
-    add_done_callback(fn). Waiting happens in C++ with the GIL released, and the thread that runs
-    the batch never needs the GIL unless a callback is added."""
+    cancel(), cancelled(), running(), add_done_callback(fn). Waiting happens in C++ with the GIL
+    released, and the thread that runs the batch never needs the GIL unless a callback is added."""
 
-    __slots__ = ("_handle", "_structure", "_timeout")  # one is made per request
+    __slots__ = ("_handle", "_structure", "_timeout", "_cancel")  # one is made per request
 
-    def __init__(self, handle: Any, structure: Any, timeout_seconds: float) -> None:
-        self._handle, self._structure, self._timeout = handle, structure, timeout_seconds
+    def __init__(self, handle: Any, structure: Any, timeout_seconds: float, cancel: Callable[[Any], bool]) -> None:
+        self._handle, self._structure, self._timeout, self._cancel = handle, structure, timeout_seconds, cancel
 
     def result(self, timeout: Optional[float] = None) -> Any:
-        """The output; raises the batch's error, or concurrent.futures.TimeoutError after timeout
-        seconds (default: the batcher's timeout_seconds)."""
+        """The output; raises the batch's error, concurrent.futures.CancelledError once cancelled,
+        or concurrent.futures.TimeoutError after timeout seconds (default: the batcher's
+        timeout_seconds)."""
         wait = self._timeout if timeout is None else timeout
         return self._structure(_waiting(self._handle.result, wait))
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         try:
             self.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             raise
         except Exception as error:  # noqa: BLE001 - that is what is asked for
             return error
@@ -50,13 +51,17 @@ class BatchFuture:
         return bool(self._handle.done())
 
     def cancel(self) -> bool:
-        return False  # a queued request runs with its batch
+        """Takes the request out of the batcher's queue if no batch has taken it yet (then it never
+        runs, result() raises CancelledError and the callbacks run here); False once its batch runs
+        or has run. True again for a request already cancelled, as concurrent.futures answers."""
+        return self._handle.cancelled() or self._cancel(self._handle)
 
     def cancelled(self) -> bool:
-        return False
+        return bool(self._handle.cancelled())
 
     def running(self) -> bool:
-        return not self.done()
+        """Whether its batch runs now (false while it is queued, and once it is done)."""
+        return bool(self._handle.running())
 
     def add_done_callback(self, fn: Callable[["BatchFuture"], Any]) -> None:
         """fn(self) once the result is in: at once if it is, else on the batcher's thread."""
@@ -64,12 +69,15 @@ class BatchFuture:
 
 
 def _waiting(call: Callable[..., Any], *args: Any) -> Any:
-    """call(*args), a wait that ran out raised as concurrent.futures.TimeoutError."""
+    """call(*args), a wait that ran out raised as concurrent.futures.TimeoutError, a cancelled
+    request's result as concurrent.futures.CancelledError."""
     try:
         return call(*args)
     except RuntimeError as error:
         if "Batcher: no result after" in str(error):
             raise concurrent.futures.TimeoutError(str(error)) from None
+        if "Batcher: the request was cancelled" in str(error):
+            raise concurrent.futures.CancelledError(str(error)) from None
         raise
 
 
@@ -109,6 +117,7 @@ class Batcher(ScriptObjectFace):
         # submit) and a future's result are called directly.
         self._submit, self._infer_tensors = self.script_object.submit, _C.plan.batcher_infer(self.script_object)
         self._submit_tensors = _C.plan.batcher_submit(self.script_object)
+        self._cancel = _C.plan.batcher_cancel(self.script_object)
         self._timeout = self.script_object.timeout_seconds
         self._scripted = cache._in_spec is None  # inputs by position, outputs as they are
         self._structure = cache._structured
@@ -129,7 +138,7 @@ class Batcher(ScriptObjectFace):
         if handle is None:  # not all tensors. A tuple: TorchScript infers a list of mixed values as no type at all
             handle = _C.plan.batch_handle(self._submit(tuple(flat), deadline))
         self.cache._count_request()
-        return BatchFuture(handle, self._structure, self._timeout)
+        return BatchFuture(handle, self._structure, self._timeout, self._cancel)
 
     def infer(self, *inputs: Any, timeout: Optional[float] = None, deadline_ms: Optional[float] = None,
               **kwargs: Any) -> Any:

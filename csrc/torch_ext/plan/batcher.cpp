@@ -249,6 +249,16 @@ bool BatchResult::done() {
   return done_;
 }
 
+bool BatchResult::running() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return taken_.load(std::memory_order_relaxed) && !done_;
+}
+
+bool BatchResult::cancelled() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cancelled_;
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> BatchResult::future() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!future_) {
@@ -269,6 +279,26 @@ c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_secon
   auto result = c10::make_intrusive<BatchResult>();
   enqueue(std::move(inputs), result, deadline_ms, /*run_if_full=*/true);
   return result->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
+}
+
+bool Batcher::cancel(const c10::intrusive_ptr<BatchResult>& result) {
+  TORCH_CHECK_VALUE(result, "Batcher.cancel: no request given");
+  Request request;  // dropped unlocked, as a batch's requests are
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = std::find_if(queue_.begin(), queue_.end(), [&](const Request& r) { return r.result == result; });
+    if (it == queue_.end()) return false;
+    queued_rows_ -= it->sizes[0];
+    ++stats_.cancelled;
+    request = std::move(*it);
+    queue_.erase(it);
+    std::lock_guard<std::mutex> result_lock(result->mutex_);
+    result->cancelled_ = true;  // before it is done: whoever sees it done sees it cancelled
+  }
+  // A batcher's thread waiting for this request's due time wakes then and looks at the queue again.
+  result->complete(c10::IValue(), std::make_exception_ptr(c10::Error(
+                                      "Batcher: the request was cancelled before a batch took it; it was not run")));
+  return true;
 }
 
 bool Batcher::joins(const Layout& layout, const Request& first, const Bucket& first_bucket, const Request& other) const {
@@ -313,6 +343,7 @@ Batcher::Batch Batcher::take_batch_locked(std::vector<Request>& expired) {
       if (batch.requests.empty() && options_.group_by_bucket) first_bucket = layout.bucket_of(it->sizes);
       rows += it->sizes[0];
       queued_rows_ -= it->sizes[0];
+      it->result->taken_.store(true, std::memory_order_relaxed);
       batch.requests.push_back(std::move(*it));
       it = queue_.erase(it);
     } else {

@@ -19,6 +19,7 @@
 // bounded: submit() raises at once when max_queue requests wait. Every wait is bounded (infer()
 // by timeout_seconds). A forked child gets an error from submit() (the batcher's thread is not in
 // it) and may destroy the batcher.
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -86,6 +87,7 @@ struct BatcherStats {
   double batch_seconds = 0;
   int64_t client_batches = 0;
   int64_t expired = 0;
+  int64_t cancelled = 0;
 
   static constexpr auto fields() {
     return std::make_tuple(
@@ -102,7 +104,8 @@ struct BatcherStats {
         field("client_batches", &BatcherStats::client_batches,
               "batches run by the client whose request filled them (the rest ran on the batcher's thread)"),
         field("expired", &BatcherStats::expired,
-              "requests failed for their deadline: refused at submit (it could not be met) or passed in the queue"));
+              "requests failed for their deadline: refused at submit (it could not be met) or passed in the queue"),
+        field("cancelled", &BatcherStats::cancelled, "requests taken out of the queue by cancel() before they ran"));
   }
 };
 
@@ -131,9 +134,16 @@ class BatchResult : public torch::CustomClassHolder {
   // The output, or the error of the request's batch; raises if it is not in after timeout_seconds.
   c10::IValue result(double timeout_seconds);
   bool done();
+  // Whether a batch has taken the request and not yet handed its result back (false while queued).
+  bool running();
+  // Whether Batcher::cancel() took it out of the queue (result() then raises saying so).
+  bool cancelled();
   c10::intrusive_ptr<c10::ivalue::Future> future();
 
  private:
+  friend class Batcher;
+  std::atomic<bool> taken_{false};  // set by the batch that takes the request
+  bool cancelled_ = false;          // guarded by mutex_
   std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -163,6 +173,10 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   // request fills runs on this thread (it would wait anyway): no hand-off. Either call, once it
   // runs a batch, goes on to run those that filled meanwhile (see max_running_batches).
   c10::IValue infer(std::vector<c10::IValue> inputs, double timeout_seconds = -1, double deadline_ms = -1);
+  // Takes a request submit() queued out of the queue, if no batch has taken it yet: its result is
+  // then done and cancelled (result() raises, callbacks run here) and true is returned. False when
+  // it runs or has run, or is not this batcher's.
+  bool cancel(const c10::intrusive_ptr<BatchResult>& result);
 
   BatcherStats stats() const;
   const BatcherOptions& options() const { return options_; }

@@ -64,6 +64,10 @@ void register_batcher(torch::Library& m) {
       .def("result", [](const Result& self, double timeout_seconds) { return self->result(timeout_seconds); },
            "The output (or the batch's error), waiting at most timeout_seconds")
       .def("done", [](const Result& self) { return self->done(); })
+      .def("running", [](const Result& self) { return self->running(); },
+           "Whether a batch has taken the request and not yet handed its result back (false while queued)")
+      .def("cancelled", [](const Result& self) { return self->cancelled(); },
+           "Whether Batcher.cancel took the request out of the queue")
       .def("future", [](const Result& self) { return c10::IValue(self->future()); },
            "A torch Future completed with the result (torch.jit.wait, callbacks)");
   torch_ext::register_stats<BatcherStats>(m, "BatcherStats");
@@ -95,6 +99,9 @@ void register_batcher(torch::Library& m) {
            },
            "infer() for tensor-only inputs (no type inference of an Any argument)",
            {torch::arg("inputs"), torch::arg("timeout_seconds") = -1.0, torch::arg("deadline_ms") = -1.0})
+      .def("cancel", [](const c10::intrusive_ptr<Batcher>& self, const Result& result) { return self->cancel(result); },
+           "Takes a queued request (submit's BatchResult) out of the queue before a batch takes it: its result() "
+           "then raises; false when it runs, has run, or is not this batcher's")
       .def("stats", [](const c10::intrusive_ptr<Batcher>& self) { return torch_ext::box(self->stats()); })
       .def("follow", [](const c10::intrusive_ptr<Batcher>& self, const Self& cache) { self->follow(cache); },
            "Later batches run on this cache (a re-plan of the one the batcher was made with)")
