@@ -312,11 +312,6 @@ def test_at_most_max_running_batches_run_at_once_and_the_first_runner_to_finish_
         assert (s.batches, s.client_batches) == (2, 2)
 
 
-class Scaled(torch.nn.Module):
-    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        return x * scale
-
-
 def test_a_request_with_an_input_that_is_not_a_tensor_takes_torchscripts_path_and_gets_its_rows():
     # The scale is not batched: requests join a batch only where they agree on it.
     module = torch.jit.script(Scaled().eval())
