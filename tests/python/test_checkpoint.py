@@ -367,6 +367,9 @@ def test_unknown_options_are_refused_naming_the_options():
         torch_ext.checkpoint(nn.Linear(2, 2), stroage="bf16")
     with pytest.raises(TypeError, match="CheckpointedSequential: unknown option.*every_k"):
         torch_ext.CheckpointedSequential([nn.Linear(2, 2)], every_k=1)
+    # A known option of the wrong type is named with its type, not with torch's whole constructor schema.
+    with pytest.raises(TypeError, match=r"^torch_ext.checkpoint: option early_stop takes bool, got 'yes' \(str\)$"):
+        torch_ext.checkpoint(nn.Linear(2, 2), early_stop="yes")
 
 
 def test_error_for_bad_targets():

@@ -254,6 +254,10 @@ def test_pager_bad_arguments(tmp_path):
         torch_ext.LayerPager(path, budget_bytes=1, policy="fifo")
     with pytest.raises(ValueError, match="prefetch"):
         torch_ext.LayerPager(path, budget_bytes=1, prefetch=-1)
+    with pytest.raises(TypeError, match=r"^LayerPager: option prefetch takes int, got '2' \(str\)$"):
+        torch_ext.LayerPager(path, budget_bytes=1, prefetch="2")
+    with pytest.raises(TypeError, match=r"^SafetensorsSource: option direct_io takes bool, got 'yes' \(str\)$"):
+        torch_ext.SafetensorsSource(path, direct_io="yes")
     with pytest.raises(RuntimeError, match="nodevice"):
         torch_ext.LayerPager(path, budget_bytes=1, device="nodevice")
     with pytest.raises(RuntimeError, match="device meta cannot be a target"):

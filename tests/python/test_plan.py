@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_ext
-from torch_ext import PlanCache
+from torch_ext import Batcher, PlanCache
 
 
 def by_size(stats):
@@ -218,6 +218,11 @@ def test_bad_inputs_get_clear_errors_and_the_cache_stays_usable(rowwise):
     with pytest.raises(RuntimeError, match="different batch sizes"):
         PlanCache(scripted(TwoAdd()))(torch.randn(3, 2), torch.randn(4, 2))
     assert torch.equal(cache(good), reference(rowwise, good))
+    # An option of the wrong type is named with its type (the buckets are a list per dynamic dimension).
+    with pytest.raises(TypeError, match=r"^PlanCache: option buckets takes List\[List\[int\]\], got \[2, 4\] \(list\)$"):
+        PlanCache(rowwise, buckets=[2, 4])
+    with pytest.raises(TypeError, match=r"^Batcher: option max_batch_size takes int, got 2.5 \(float\)$"):
+        Batcher(cache, max_batch_size=2.5)
 
 
 def test_an_input_that_requires_grad_is_refused_where_grad_mode_would_expect_a_gradient(rowwise):

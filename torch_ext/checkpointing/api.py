@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import _CachingTorchDispatchMode
 
 from .. import _C
+from .._script import construct
 from .forward_log import ForwardLog
 from .selective import compiled_context_fn, save_items
 
@@ -122,7 +123,7 @@ def _resolved_options(owner: str, key: tuple) -> Options:
     if unknown:
         raise TypeError(f"{owner}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(option_names())}")
     save = options.get("save")
-    script = torch.classes.torch_ext.CheckpointOptions(**dict(options, save=list(save) if save else None))
+    script = construct(owner, torch.classes.torch_ext.CheckpointOptions, **dict(options, save=list(save) if save else None))
     resolved = Options(script, _C.checkpoint.native_options(script), _compiled(_plain_of(script), save))
     _OPTIONS_CACHE[key] = resolved
     return resolved

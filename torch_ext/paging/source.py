@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .._script import ScriptObjectFace
+from .._script import ScriptObjectFace, construct
 
 __all__ = ["SafetensorsSource", "LayerPager", "resolve_budget"]
 
@@ -27,7 +27,8 @@ class SafetensorsSource(ScriptObjectFace):
     def __init__(self, path: str | os.PathLike, **options: Any) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"SafetensorsSource: path must be a str or os.PathLike, got {type(path).__name__}")
-        self.script_object = torch.classes.torch_ext.SafetensorsSource(os.fspath(path), **options)
+        self.script_object = construct("SafetensorsSource", torch.classes.torch_ext.SafetensorsSource, os.fspath(path),
+                                       **options)
 
     def dtype(self, name: str) -> torch.dtype:
         return self.script_object.meta(name).dtype
@@ -71,7 +72,8 @@ class LayerPager(ScriptObjectFace):
         if isinstance(options.get("dtype"), torch.dtype):
             options["dtype"] = str(options["dtype"]).removeprefix("torch.")
         options = {name: _as_script_value(value) for name, value in options.items()}
-        self.script_object = torch.classes.torch_ext.LayerPager(self.source.script_object, **options)
+        self.script_object = construct("LayerPager", torch.classes.torch_ext.LayerPager, self.source.script_object,
+                                       **options)
         stats = self.script_object.stats()
         if stats.budget_below_largest_tensor:  # C++ warns on stderr (TORCH_WARN); Python users get a warning
             warnings.warn(f"LayerPager({self.source.path()}): budget_bytes={self.script_object.budget_bytes} is "

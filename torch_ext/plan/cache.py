@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .. import _C
-from .._script import ScriptObjectFace
+from .._script import ScriptObjectFace, construct
 from . import _planning
 from . import export as _export
 from . import traffic as _traffic
@@ -89,7 +89,8 @@ class PlanCache(ScriptObjectFace):
                                 "programs; a TorchScript module's cache takes neither")
             if path is not None and not os.path.isfile(path):
                 raise FileNotFoundError(f"PlanCache: no saved scripted module at {path}")
-            self.script_object = torch.classes.torch_ext.PlanCache(path if path is not None else module, **options)
+            self.script_object = construct("PlanCache", torch.classes.torch_ext.PlanCache,
+                                           path if path is not None else module, **options)
         elif isinstance(module, (torch.export.ExportedProgram, torch.nn.Module, _export.Exported)) or path is not None:
             self._init_export(module, path, example_inputs, dynamic_shapes, inductor_configs, options)
         else:
@@ -113,7 +114,7 @@ class PlanCache(ScriptObjectFace):
             if not os.path.isfile(program.path):
                 raise FileNotFoundError(f"PlanCache: {folder} holds no program.pt2: not a saved cache of an exported "
                                         "program")
-            self.script_object = torch.classes.torch_ext.PlanCache(folder, **options)
+            self.script_object = construct("PlanCache", torch.classes.torch_ext.PlanCache, folder, **options)
             example = None
         else:
             if path is not None and not os.path.isfile(path):
@@ -121,7 +122,7 @@ class PlanCache(ScriptObjectFace):
             exported = _export.as_exported(path if path is not None else module, example_inputs, dynamic_shapes)
             program, example = _export.Program(exported.path(), exported), exported.example
             options = {**program.layout().options(), "fingerprint": exported.fingerprint(), **options}
-            self.script_object = torch.classes.torch_ext.PlanCache(program.path, **options)
+            self.script_object = construct("PlanCache", torch.classes.torch_ext.PlanCache, program.path, **options)
         _C.plan.set_compiler(self.script_object, _export.Compiler(program, inductor_configs))
         specs = self.script_object.call_spec()
         if specs:
@@ -370,7 +371,7 @@ class PlanCache(ScriptObjectFace):
         """A torch.classes.torch_ext.Batcher in front of this cache, whose later batches run on each
         re-plan's new cache."""
         with _swap_lock:
-            batcher = torch.classes.torch_ext.Batcher(self.script_object, **options)
+            batcher = construct("Batcher", torch.classes.torch_ext.Batcher, self.script_object, **options)
             self.__dict__.setdefault("_batchers", weakref.WeakSet()).add(batcher)
             return batcher
 
