@@ -189,8 +189,11 @@ def test_a_batch_that_raises_fails_its_requests_only():
 def test_infer_waits_at_most_timeout(cache):
     _, plans = cache
     with Batcher(plans, max_batch_size=16, max_delay_ms=NEVER_MS) as batcher:
-        with pytest.raises(concurrent.futures.TimeoutError, match="still waits in the queue"):
+        with pytest.raises(concurrent.futures.TimeoutError, match="still waited in the queue .* taken out of it"):
             batcher.infer(torch.randn(1, 8), timeout=0.2)  # alone, its batch waits for 16 rows
+        # Nobody could collect it: it left the queue and never runs.
+        assert (batcher.stats().queued, batcher.stats().cancelled) == (0, 1)
+    assert batcher.stats().batches == 0
 
 
 def test_a_forked_child_gets_an_error_and_destroys_the_batcher_without_joining(cache):

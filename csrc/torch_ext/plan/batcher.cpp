@@ -278,7 +278,15 @@ c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs,
 c10::IValue Batcher::infer(std::vector<c10::IValue> inputs, double timeout_seconds, double deadline_ms) {
   auto result = c10::make_intrusive<BatchResult>();
   enqueue(std::move(inputs), result, deadline_ms, /*run_if_full=*/true);
-  return result->result(timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds);
+  const double wait = timeout_seconds < 0 ? options_.timeout_seconds : timeout_seconds;
+  if (!result->wait(wait)) {
+    // Nobody can collect a result this call gives up on: a request still queued is taken out.
+    TORCH_CHECK(!cancel(result), "Batcher: no result after ", wait, " s: the request still waited in the queue (a "
+                "batch runs when it fills or after max_delay_ms) and was taken out of it, not run; wait longer, or "
+                "lower max_delay_ms");
+    TORCH_CHECK(result->done(), "Batcher: no result after ", wait, " s: its batch still runs; wait longer");
+  }
+  return result->result(0);
 }
 
 bool Batcher::cancel(const c10::intrusive_ptr<BatchResult>& result) {

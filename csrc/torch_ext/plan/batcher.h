@@ -169,8 +169,9 @@ class Batcher : public torch::CustomClassHolder, private ForkParticipant {
   // max_running_batches run, it waits for the first of them to finish.
   void submit(std::vector<c10::IValue> inputs, Callback callback, double deadline_ms = -1);
   c10::intrusive_ptr<BatchResult> submit(std::vector<c10::IValue> inputs, double deadline_ms = -1);
-  // submit() and wait for the result, at most timeout_seconds (< 0: the option's). A batch the
-  // request fills runs on this thread (it would wait anyway): no hand-off. Either call, once it
+  // submit() and wait for the result, at most timeout_seconds (< 0: the option's); a request still
+  // queued then is taken out of the queue as the call raises. A batch the request fills runs on
+  // this thread (it would wait anyway): no hand-off. Either call, once it
   // runs a batch, goes on to run those that filled meanwhile (see max_running_batches).
   c10::IValue infer(std::vector<c10::IValue> inputs, double timeout_seconds = -1, double deadline_ms = -1);
   // Takes a request submit() queued out of the queue, if no batch has taken it yet: its result is
