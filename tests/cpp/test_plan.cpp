@@ -717,6 +717,25 @@ plan::BatcherOptions full_batches_of(int64_t rows) {
   return b;
 }
 
+TEST(Plan, BatcherRefusesAnInputThatRequiresGradOnlyWhereGradModeIsOnWhenItComes) {
+  auto m = rowwise();
+  auto cache = padding_cache(m);
+  plan::Batcher batcher(cache, full_batches_of(2));
+  const auto x = input(1).requires_grad_();
+  EXPECT_THROW(batcher.submit({x}), c10::ValueError);
+  c10::intrusive_ptr<plan::BatchResult> first;
+  {
+    c10::AutoGradMode no_grad(false);
+    first = batcher.submit({x});
+  }
+  // The batch runs on this thread, grad mode on: its requests were checked as they came.
+  const auto y = input(1);
+  auto second = batcher.submit({y});
+  EXPECT_TRUE(at::equal(first->result(60).toTensor(), reference(m, x)));
+  EXPECT_TRUE(at::equal(second->result(60).toTensor(), reference(m, y)));
+  EXPECT_EQ(batcher.stats().failed, 0);
+}
+
 TEST(Plan, BatcherGathersConcurrentRequestsAndHandsEachCallerItsRows) {
   auto m = rowwise();
   auto cache = padding_cache(m);

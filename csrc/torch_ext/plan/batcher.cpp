@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/equal.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 #include "torch_ext/common/thread_name.h"
@@ -430,6 +431,9 @@ void Batcher::run_batch(Batch& batch) {
   c10::IValue output;
   std::exception_ptr error;
   try {
+    // Each request's grad mode was checked as it came (PlanCache::check_request); the batch runs on
+    // whichever thread fills it, whose own grad mode is not the requests'.
+    c10::AutoGradMode no_grad(false);
     std::vector<std::vector<c10::IValue>> inputs;
     for (const auto& request : batch.requests) {
       Bucket target = padded;
