@@ -113,6 +113,36 @@ def test_a_queued_request_can_be_cancelled_and_never_runs(cache):
         assert (stats.batches, stats.rows, stats.cancelled, stats.requests) == (1, 4, 2, 4)
 
 
+@pytest.mark.parametrize("max_delay_ms", [0.0, 5.0])
+def test_cancels_racing_batches_from_many_threads_lose_no_request_and_run_none_cancelled(cache, max_delay_ms):
+    # Which requests a batch takes first depends on timing; what must hold does not: every request
+    # either ran with its own rows or was cancelled (and then its cancel() said True), never both.
+    module, plans = cache
+    outcomes, lock = [], threading.Lock()
+
+    def client(seed: int) -> None:
+        for i in range(100):
+            x = torch.randn(1 + (seed + i) % 3, 8)
+            future = batcher.submit(x)
+            said = (seed + i) % 2 == 0 and future.cancel()
+            with lock:
+                outcomes.append((x, future, said))
+
+    with Batcher(plans, max_batch_size=8, max_delay_ms=max_delay_ms) as batcher:
+        threads = [threading.Thread(target=client, args=(seed,)) for seed in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    ran = [(x, future) for x, future, said in outcomes if not said]
+    assert all(future.cancelled() for _, future, said in outcomes if said)
+    for x, future in ran:
+        assert not future.cancelled() and torch.equal(future.result(60), module(x))
+    stats = batcher.stats()
+    assert (stats.requests, stats.cancelled, stats.failed) == (600, 600 - len(ran), 0)
+    assert stats.rows == sum(x.shape[0] for x, _ in ran)
+
+
 class Scaled(torch.nn.Module):
     def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         return x * scale
