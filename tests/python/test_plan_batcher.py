@@ -1,6 +1,7 @@
 """The dynamic batcher in front of a PlanCache: concurrent single requests gathered into batches,
 each caller handed its own rows; a bounded queue; errors that stay with their requests.
 (test_plan_export.py runs it over an exported program's batch x sequence buckets.)"""
+import asyncio
 import concurrent.futures
 import gc
 import os
@@ -111,6 +112,33 @@ def test_a_queued_request_can_be_cancelled_and_never_runs(cache):
         assert not kept.cancel() and not kept.cancelled() and not kept.running()
         stats = batcher.stats()
         assert (stats.batches, stats.rows, stats.cancelled, stats.requests) == (1, 4, 2, 4)
+
+
+def test_an_event_loop_awaits_its_requests_and_a_cancelled_task_takes_its_request_out(cache):
+    module, plans = cache
+    xs = [torch.randn(1, 8) for _ in range(8)]
+
+    async def serve(batcher: Batcher) -> None:
+        # Eight requests from one loop, none blocking it: the eighth fills the batch, which the
+        # batcher's thread runs.
+        outputs = await asyncio.gather(*(batcher.submit(x) for x in xs))
+        assert all(torch.equal(out, module(x)) for out, x in zip(outputs, xs))
+        alone = batcher.submit(torch.randn(1, 8))  # its batch waits for 7 more rows
+
+        async def client() -> torch.Tensor:
+            return await alone
+
+        task = asyncio.ensure_future(client())
+        await asyncio.sleep(0)  # the task now awaits the request
+        task.cancel()  # a client that went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert alone.cancelled()
+
+    with Batcher(plans, max_batch_size=8, max_delay_ms=NEVER_MS, submit_runs_batch=False) as batcher:
+        asyncio.run(serve(batcher))
+        stats = batcher.stats()
+        assert (stats.batches, stats.client_batches, stats.cancelled, stats.queued) == (1, 0, 1, 0)
 
 
 @pytest.mark.parametrize("max_delay_ms", [0.0, 5.0])

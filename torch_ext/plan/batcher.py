@@ -8,9 +8,11 @@ The queue is bounded: submit() raises at once when max_queue requests wait.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import numbers
-from typing import Any, Callable, Optional, Sequence
+import threading
+from typing import Any, Callable, Generator, Optional, Sequence
 
 import torch
 
@@ -23,8 +25,9 @@ __all__ = ["Batcher"]
 
 class BatchFuture:
     """A request's result, concurrent.futures-style: result(timeout), exception(timeout), done(),
-    cancel(), cancelled(), running(), add_done_callback(fn). Waiting happens in C++ with the GIL
-    released, and the thread that runs the batch never needs the GIL unless a callback is added."""
+    cancel(), cancelled(), running(), add_done_callback(fn); and awaitable in an asyncio event loop.
+    Waiting happens in C++ with the GIL released, and the thread that runs the batch never needs
+    the GIL unless a callback is added."""
 
     __slots__ = ("_handle", "_structure", "_timeout", "_cancel")  # one is made per request
 
@@ -66,6 +69,33 @@ class BatchFuture:
     def add_done_callback(self, fn: Callable[["BatchFuture"], Any]) -> None:
         """fn(self) once the result is in: at once if it is, else on the batcher's thread."""
         self._handle.future().add_done_callback(lambda _: fn(self))
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """`await future` in an asyncio event loop: the loop goes on while the request waits. A
+        task cancelled while it awaits takes its request out of the queue if no batch has taken it.
+        (The submit() that fills a batch runs it on the loop's thread unless submit_runs_batch=False.)"""
+        if not self.done():
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+            loop_thread = threading.get_ident()
+
+            def wake(_: BatchFuture) -> None:  # on the thread that ran the batch
+                if threading.get_ident() == loop_thread:  # a submit() on the loop's thread ran it
+                    if not waiter.done():
+                        waiter.set_result(None)
+                    return
+                try:
+                    loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+                except RuntimeError:  # the loop has closed: nobody awaits any more
+                    pass
+
+            self.add_done_callback(wake)
+            try:
+                yield from waiter.__await__()
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+        return self.result(0)
 
 
 def _waiting(call: Callable[..., Any], *args: Any) -> Any:
