@@ -10,6 +10,8 @@ rows; one torch thread), REQUESTS single requests (one row each) are served four
   handing off the same, with submit_runs_batch=False: full batches run on the batcher's thread
   waiting    8 client threads, each sending its share one after another and waiting for each
              result (batcher(x)): every client is in every batch, a closed loop
+  awaiting   the same closed loop as 8 tasks of one asyncio event loop (await batcher.submit(x)),
+             as an async server's handlers; and with submit_runs_batch=False
   singles    the requests one at a time from one thread
 the batchers are Batcher(max_batch_size=8, max_delay_ms=2). In ROUNDS interleaved rounds (the order rotated each round), so drift on the shared machine hits
 all alike; a round's ratio compares that round's runs, the table shows the round with the median ratio of
@@ -83,6 +85,29 @@ def run_batcher(cache, requests: list, waiting: bool = True, **options) -> dict:
                 mean_rows=s.rows / s.batches, mean_batch_seconds=s.batch_seconds / s.batches)
 
 
+def run_awaiting(cache, requests: list, **options) -> dict:
+    """CLIENTS tasks of one asyncio event loop, each awaiting its share of single requests one
+    after another (await batcher.submit(x)). options: the Batcher's others."""
+    import asyncio
+    from torch_ext import Batcher
+    with Batcher(cache, max_batch_size=CLIENTS, max_delay_ms=MAX_DELAY_MS, max_queue=len(requests),
+                 **options) as batcher:
+        async def client(k: int) -> None:
+            for i in range(k, len(requests), CLIENTS):
+                await batcher.submit(requests[i])
+
+        async def serve() -> float:
+            start = time.perf_counter()
+            await asyncio.gather(*(client(k) for k in range(CLIENTS)))
+            return time.perf_counter() - start
+
+        with torch.no_grad():
+            wall = asyncio.run(serve())
+        s = batcher.stats()
+    return dict(wall=wall, batches=s.batches, client_batches=s.client_batches,
+                mean_rows=s.rows / s.batches, mean_batch_seconds=s.batch_seconds / s.batches)
+
+
 class Doubling(torch.nn.Module):
     """A model that does next to nothing: the batcher's own round trip, measured without compute."""
 
@@ -123,17 +148,22 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
     cache.preload([1, 2, 4, 8], example_inputs=(requests[0],), progress=False)
     run_one_thread(cache, batches[:20]), run_one_thread(cache, requests[:50]), run_batcher(cache, requests[:80])  # warm-up
     run_batcher(cache, requests[:80], waiting=False)
-    runs: dict = {"preformed": [], "submitting": [], "handing off": [], "waiting": [], "singles": []}
+    run_awaiting(cache, requests[:80])  # warm-up
+    runs: dict = {"preformed": [], "submitting": [], "handing off": [], "waiting": [], "awaiting": [],
+                  "awaiting, handing off": [], "singles": []}
     serve = {"preformed": lambda: run_one_thread(cache, batches),
              "submitting": lambda: run_batcher(cache, requests, waiting=False),
              "handing off": lambda: run_batcher(cache, requests, waiting=False, submit_runs_batch=False),
-             "waiting": lambda: run_batcher(cache, requests), "singles": lambda: run_one_thread(cache, requests)}
+             "waiting": lambda: run_batcher(cache, requests), "awaiting": lambda: run_awaiting(cache, requests),
+             "awaiting, handing off": lambda: run_awaiting(cache, requests, submit_runs_batch=False),
+             "singles": lambda: run_one_thread(cache, requests)}
     order = list(runs)
     for r in range(rounds):
         for variant in order[r % len(order):] + order[:r % len(order)]:
             runs[variant].append(serve[variant]())
     wall = {v: [x["wall"] for x in runs[v]] for v in runs}
-    ratios = {v: [p / w for p, w in zip(wall["preformed"], wall[v])] for v in ("submitting", "handing off", "waiting")}
+    ratios = {v: [p / w for p, w in zip(wall["preformed"], wall[v])]
+              for v in ("submitting", "handing off", "waiting", "awaiting", "awaiting, handing off")}
     median_round = sorted(range(rounds), key=lambda i: ratios["submitting"][i])[rounds // 2]
     rate = {v: n_requests / wall[v][median_round] for v in runs}
     # Latencies: every waiting request of every round (one round's p99 is its 8th-slowest request, and a
@@ -147,6 +177,8 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
              "submitting": f"Batcher, {CLIENTS} clients submitting single requests, then waiting for them",
              "handing off": "the same, full batches handed to the batcher's thread (submit_runs_batch=False)",
              "waiting": f"Batcher, {CLIENTS} clients each waiting for its result before the next request",
+             "awaiting": f"the same as {CLIENTS} tasks of one asyncio event loop (await batcher.submit(x))",
+             "awaiting, handing off": "the same, full batches handed to the batcher's thread (submit_runs_batch=False)",
              "singles": "single requests, one thread"}
     for variant in runs:
         b = runs[variant][median_round] if variant in ratios else None
@@ -175,6 +207,11 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
         f"ones (batches filled by different clients run at once, at most max_running_batches: one a core, "
         f"{runs['submitting'][median_round]['max_running_batches']} here) and "
         f"{format_seconds(runs['handing off'][median_round]['mean_batch_seconds'])} handed to the batcher's thread.")
+    report.notes.append(
+        f"- {short}: the closed loop as {CLIENTS} tasks of one asyncio event loop reached "
+        f"{statistics.median(ratios['awaiting']):.2f}x of the limit (the median of {rounds} rounds), "
+        f"{statistics.median(ratios['awaiting, handing off']):.2f}x with submit_runs_batch=False, against "
+        f"{statistics.median(ratios['waiting']):.2f}x for {CLIENTS} waiting client threads.")
     checks.append((f"{short}: p99 at most max_delay + 2x one batch's service time (waiting clients): "
                    f"{format_seconds(p99)} vs {MAX_DELAY_MS:g} ms + 2 x {format_seconds(batch_seconds)} (every round's "
                    f"requests, {len(latencies):,})",
@@ -201,7 +238,9 @@ def main(argv: list[str]) -> None:
         "whose request fills a batch runs it, the GIL released, while the other clients go on; handing off: "
         "submit_runs_batch=False, full batches run on the batcher's thread), then wait for their futures; or "
         f"{CLIENTS} threads each send one request and wait for its result before the next (batcher(x): the call "
-        "whose request fills a batch runs it). The clients' wall time starts when all of them are ready "
+        f"whose request fills a batch runs it); and that closed loop as {CLIENTS} tasks of one asyncio event loop, "
+        "each awaiting batcher.submit(x) before its next request (the submit that fills a batch runs it on the "
+        "loop's thread; handing off: submit_runs_batch=False). The clients' wall time starts when all of them are ready "
         "(started, at a barrier), as a server's handler threads are before its requests come. Latencies: each waiting client's request from call to result, over "
         "every round (a submitting client's wait is the queue its own burst made). Rows show the round with the "
         "median ratio of the submitting clients. The round trip: the waiting clients serving a model that only "
