@@ -123,7 +123,8 @@ def _resolved_options(owner: str, key: tuple) -> Options:
     if unknown:
         raise TypeError(f"{owner}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(option_names())}")
     save = options.get("save")
-    script = construct(owner, torch.classes.torch_ext.CheckpointOptions, **dict(options, save=list(save) if save else None))
+    script = construct(owner, torch.classes.torch_ext.CheckpointOptions,
+                       **dict(options, save=list(save) if save else None))
     resolved = Options(script, _C.checkpoint.native_options(script), _compiled(_plain_of(script), save))
     _OPTIONS_CACHE[key] = resolved
     return resolved
