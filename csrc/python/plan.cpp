@@ -275,6 +275,15 @@ void bind_plan(py::module_& m) {
       .def(
           "future", [](const BatchHandle& handle) { return torch::jit::toPyObject(c10::IValue(handle.result->future())); },
           "a torch.futures.Future completed with the result");
+  py::class_<plan::Completions>(sub, "Completions",
+                                "which awaited requests are done, for an event loop woken by a pipe (plan::Completions)")
+      .def(py::init<int>(), py::arg("fd"), "fd: the write end of a non-blocking pipe, which the caller closes")
+      .def(
+          "watch", [](plan::Completions& completions, const BatchHandle& handle,
+                      int64_t key) { completions.watch(*handle.result, key); },
+          py::arg("handle"), py::arg("key"), "lists key once the request is done (at once if it is)")
+      .def("take", &plan::Completions::take, "the keys listed since the last take()")
+      .def("close", &plan::Completions::close, "no more writes to fd (then it may be closed)");
   sub.def("batch_handle", &batch_handle, py::arg("result"),
           "the BatchHandle of a torch.classes.torch_ext.BatchResult (what a Batcher's TorchScript submit returns)");
   // Joins and waits on threads that may be inside Python (a compiler, a future's callback) release

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <ATen/core/Tensor.h>
@@ -963,6 +964,41 @@ TEST(Plan, BatcherStoresEveryResultOfABatchBeforeWakingAnyWaiter) {
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(results[i]->result(60).toTensor(), reference(m, xs[i])));
   EXPECT_TRUE(at::equal(filling->result(60).toTensor(), reference(m, last)));
   EXPECT_EQ(done_when_first_announced.load(), 3);
+}
+
+TEST(Plan, CompletionsListEveryWatchedRequestOfABatchAndWriteThePipeOnceForThem) {
+  auto m = rowwise();
+  auto cache = padding_cache(m);
+  plan::Batcher batcher(cache, full_batches_of(4));
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  auto closes = c10::make_scope_exit([&] {
+    ::close(fds[0]);
+    ::close(fds[1]);
+  });
+  plan::Completions completions(fds[1]);
+  std::vector<c10::intrusive_ptr<plan::BatchResult>> results;
+  for (int64_t key = 0; key < 3; ++key) {
+    results.push_back(batcher.submit({input(1)}));
+    completions.watch(*results.back(), 10 + key);
+  }
+  EXPECT_TRUE(completions.take().empty());  // queued: none is done
+  results.push_back(batcher.submit({input(1)}));  // fills the batch and runs it here
+  completions.watch(*results.back(), 13);       // done already: listed at once, no second byte
+  char bytes[8];
+  EXPECT_EQ(::read(fds[0], bytes, sizeof(bytes)), 1);
+  EXPECT_EQ(completions.take(), (std::vector<int64_t>{10, 11, 12, 13}));
+  EXPECT_TRUE(completions.take().empty());
+
+  // Once closed, a request done later is neither listed nor written.
+  auto late = batcher.submit({input(1)});
+  completions.watch(*late, 20);
+  completions.close();
+  for (int i = 0; i < 3; ++i) batcher.submit({input(1)});  // the batch of `late` runs
+  ASSERT_TRUE(late->wait(60));
+  EXPECT_TRUE(completions.take().empty());
+  ASSERT_EQ(::fcntl(fds[0], F_SETFL, O_NONBLOCK), 0);
+  EXPECT_EQ(::read(fds[0], bytes, sizeof(bytes)), -1);  // nothing written: EAGAIN
 }
 
 TEST(Plan, BatcherCallsACallbackOnceTheBatchIsStoredAndOneThatRaisesStopsNothing) {

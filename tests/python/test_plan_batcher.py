@@ -141,6 +141,99 @@ def test_an_event_loop_awaits_its_requests_and_a_cancelled_task_takes_its_reques
         assert (stats.batches, stats.client_batches, stats.cancelled, stats.queued) == (1, 0, 1, 0)
 
 
+def test_a_batch_run_on_the_loops_thread_hands_its_awaited_requests_in_and_wakes_the_loop_once(cache, monkeypatch):
+    from torch_ext.plan import batcher as batcher_module
+    module, plans = cache
+    wakes = []
+    wake = batcher_module._AwaitedRequests._wake
+    monkeypatch.setattr(batcher_module._AwaitedRequests, "_wake", lambda self: wakes.append(1) or wake(self))
+    xs = [torch.randn(1, 8) for _ in range(8)]
+
+    async def client(x: torch.Tensor) -> torch.Tensor:
+        return await batcher.submit(x)
+
+    async def serve() -> list:
+        # The eighth task's submit fills the batch and runs it on the loop's thread, while the
+        # other seven await: their results are listed together and the pipe written once.
+        return await asyncio.gather(*(client(x) for x in xs))
+
+    with Batcher(plans, max_batch_size=8, max_delay_ms=NEVER_MS) as batcher:
+        outputs = asyncio.run(serve())
+        assert batcher.stats().client_batches == 1
+    assert all(torch.equal(out, module(x)) for out, x in zip(outputs, xs))
+    assert len(wakes) == 1
+
+
+def test_two_event_loops_in_two_threads_each_get_their_rows_of_one_batch(cache):
+    module, plans = cache
+    xs = [torch.randn(1, 8) for _ in range(8)]
+    results, errors = {}, []
+    started = threading.Barrier(2)
+
+    def loop_thread(part: int) -> None:
+        async def serve() -> list:
+            futures = [batcher.submit(x) for x in xs[part::2]]  # the second thread's last one fills the batch
+            return await asyncio.gather(*futures)
+
+        try:
+            started.wait(60)
+            if part == 1:
+                give_up = time.monotonic() + 60
+                while batcher.stats().queued < 4 and time.monotonic() < give_up:  # the first loop's are in
+                    time.sleep(0.001)
+            results[part] = asyncio.run(serve())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    with Batcher(plans, max_batch_size=8, max_delay_ms=NEVER_MS) as batcher:
+        threads = [threading.Thread(target=loop_thread, args=(part,)) for part in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert batcher.stats().batches == 1
+    assert not errors
+    for part in (0, 1):
+        assert all(torch.equal(out, module(x)) for out, x in zip(results[part], xs[part::2]))
+
+
+def test_the_pipe_an_event_loop_is_woken_by_is_closed_with_the_loop(cache):
+    _, plans = cache
+    with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS, submit_runs_batch=False) as batcher:
+        async def serve() -> None:
+            await asyncio.gather(batcher.submit(torch.randn(1, 8)), batcher.submit(torch.randn(1, 8)))
+
+        asyncio.run(serve())
+        gc.collect()
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            asyncio.run(serve())
+        gc.collect()
+        assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_awaiting_in_a_loop_that_cannot_watch_a_file_descriptor_says_how_to_wait_instead(cache):
+    _, plans = cache
+
+    class NoReaders(asyncio.SelectorEventLoop):
+        def add_reader(self, fd, callback, *args):
+            raise NotImplementedError
+
+    with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS) as batcher:
+        future = batcher.submit(torch.randn(1, 8))
+
+        async def wait() -> None:
+            await future
+
+        loop = NoReaders()
+        try:
+            with pytest.raises(TypeError, match="run_in_executor"):
+                loop.run_until_complete(wait())
+        finally:
+            loop.close()
+        assert future.cancel()
+
+
 @pytest.mark.parametrize("max_delay_ms", [0.0, 5.0])
 def test_cancels_racing_batches_from_many_threads_lose_no_request_and_run_none_cancelled(cache, max_delay_ms):
     # Which requests a batch takes first depends on timing; what must hold does not: every request

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import numbers
+import os
 import threading
+import weakref
 from typing import Any, Callable, Generator, Optional, Sequence
 
 import torch
@@ -75,27 +78,81 @@ class BatchFuture:
         task cancelled while it awaits takes its request out of the queue if no batch has taken it.
         (The submit() that fills a batch runs it on the loop's thread unless submit_runs_batch=False.)"""
         if not self.done():
-            loop = asyncio.get_running_loop()
-            waiter = loop.create_future()
-            loop_thread = threading.get_ident()
-
-            def wake(_: BatchFuture) -> None:  # on the thread that ran the batch
-                if threading.get_ident() == loop_thread:  # a submit() on the loop's thread ran it
-                    if not waiter.done():
-                        waiter.set_result(None)
-                    return
-                try:
-                    loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
-                except RuntimeError:  # the loop has closed: nobody awaits any more
-                    pass
-
-            self.add_done_callback(wake)
+            awaited = _AwaitedRequests.of(asyncio.get_running_loop())
+            key, waiter = awaited.wait(self._handle)
             try:
                 yield from waiter.__await__()
             except asyncio.CancelledError:
+                awaited.forget(key)
                 self.cancel()
                 raise
         return self.result(0)
+
+
+class _AwaitedRequests:
+    """The requests one event loop awaits, and how it hears they are done: the thread that runs a
+    batch lists their keys (in C++, without the GIL) and writes one byte to a pipe the loop reads,
+    so a batch wakes the loop once, however many of its requests the loop awaits."""
+
+    _of_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AwaitedRequests]" = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_AwaitedRequests":
+        awaited = cls._of_loop.get(loop)
+        if awaited is None:
+            with cls._lock:
+                awaited = cls._of_loop.get(loop)
+                if awaited is None:
+                    awaited = cls._of_loop[loop] = cls(loop)
+        return awaited
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Holds no reference to the loop (the loop is this object's key in _of_loop).
+        self._read, write = os.pipe()
+        for fd in (self._read, write):
+            os.set_blocking(fd, False)
+        self._completions = _C.plan.Completions(write)
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._keys = itertools.count()
+        try:
+            loop.add_reader(self._read, self._wake)
+        except NotImplementedError:
+            _close_pipe(self._completions, self._read, write)
+            raise TypeError(f"BatchFuture: awaiting needs an event loop that watches file descriptors "
+                            f"(loop.add_reader); {type(loop).__name__} does not. Wait in a thread instead: "
+                            f"await loop.run_in_executor(None, future.result)") from None
+        weakref.finalize(loop, _close_pipe, self._completions, self._read, write)
+
+    def wait(self, handle: Any) -> tuple[int, asyncio.Future]:
+        key = next(self._keys)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[key] = waiter
+        self._completions.watch(handle, key)  # lists the key at once if the request is done
+        return key, waiter
+
+    def forget(self, key: int) -> None:
+        self._waiters.pop(key, None)
+
+    def _wake(self) -> None:
+        try:
+            os.read(self._read, 4096)
+        except BlockingIOError:
+            pass
+        self.settle()
+
+    def settle(self) -> None:
+        """Hands the results in to their waiters (their tasks resume in the loop's next round)."""
+        for key in self._completions.take():
+            waiter = self._waiters.pop(key, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+
+def _close_pipe(completions: Any, read: int, write: int) -> None:
+    completions.close()  # nothing is written to the pipe after this
+    os.close(read)
+    os.close(write)
 
 
 def _waiting(call: Callable[..., Any], *args: Any) -> Any:
@@ -168,6 +225,11 @@ class Batcher(ScriptObjectFace):
         if handle is None:  # not all tensors. A tuple: TorchScript infers a list of mixed values as no type at all
             handle = _C.plan.batch_handle(self._submit(tuple(flat), deadline))
         self.cache._count_request()
+        loop = asyncio._get_running_loop()
+        if loop is not None and (awaited := _AwaitedRequests._of_loop.get(loop)) is not None:
+            # A batch this call ran on the loop's thread: its awaited requests resume without
+            # waiting for the loop to read its pipe first.
+            awaited.settle()
         return BatchFuture(handle, self._structure, self._timeout, self._cancel)
 
     def infer(self, *inputs: Any, timeout: Optional[float] = None, deadline_ms: Optional[float] = None,

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/equal.h>
@@ -268,6 +270,36 @@ c10::intrusive_ptr<c10::ivalue::Future> BatchResult::future() {
     if (done_ && !error_) future_->markCompleted(value_);
   }
   return future_;
+}
+
+Completions::Completions(int fd) : state_(std::make_shared<State>()) {
+  TORCH_CHECK_VALUE(fd >= 0, "Completions: expected a file descriptor, got ", fd);
+  state_->fd = fd;
+}
+
+void Completions::watch(BatchResult& result, int64_t key) {
+  result.future()->addCallback(
+      [state = state_, key](c10::ivalue::Future&) {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        if (state->closed) return;
+        state->done.push_back(key);
+        if (state->done.size() == 1) {
+          const char byte = 0;
+          (void)!::write(state->fd, &byte, 1);  // full (EAGAIN): the loop is already due to wake
+        }
+      },
+      /*uses_future=*/false);
+}
+
+std::vector<int64_t> Completions::take() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return std::exchange(state_->done, {});
+}
+
+void Completions::close() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->closed = true;
+  state_->done.clear();
 }
 
 c10::intrusive_ptr<BatchResult> Batcher::submit(std::vector<c10::IValue> inputs, double deadline_ms) {

@@ -153,6 +153,29 @@ class BatchResult : public torch::CustomClassHolder {
   const Callback callback_;
 };
 
+// Tells an event loop (asyncio's, or a C++ server's poll) which of the requests it awaits are
+// done, waking it once for any number of them: watch(result, key) lists the key when the result
+// is in, and writes one byte to fd when the list was empty; the loop, woken by fd, reads it and
+// take()s the list. The thread that completes a result only appends to the list (no GIL, no call
+// into the loop), so a batch of n awaited requests wakes the loop once, not n times.
+class Completions {
+ public:
+  explicit Completions(int fd);  // the write end of a non-blocking pipe; the caller owns it
+  void watch(BatchResult& result, int64_t key);
+  std::vector<int64_t> take();
+  // Nothing is written to fd once this returns (the caller may close it).
+  void close();
+
+ private:
+  struct State {
+    std::mutex mutex;
+    std::vector<int64_t> done;
+    int fd;
+    bool closed = false;
+  };
+  std::shared_ptr<State> state_;  // shared with the watches' callbacks, which may outlive this
+};
+
 class Batcher : public torch::CustomClassHolder, private ForkParticipant {
  public:
   using Callback = BatchResult::Callback;
