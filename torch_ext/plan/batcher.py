@@ -91,8 +91,8 @@ class BatchFuture:
 
 class _AwaitedRequests:
     """The requests one event loop awaits, and how it hears they are done: the thread that runs a
-    batch lists their keys (in C++, without the GIL) and writes one byte to a pipe the loop reads,
-    so a batch wakes the loop once, however many of its requests the loop awaits."""
+    batch lists their keys (in C++, without the GIL) and writes one byte to a pipe the loop reads
+    when the list was empty, so the results a batch completes together wake the loop once."""
 
     _of_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AwaitedRequests]" = weakref.WeakKeyDictionary()
     _lock = threading.Lock()

@@ -154,10 +154,11 @@ class BatchResult : public torch::CustomClassHolder {
 };
 
 // Tells an event loop (asyncio's, or a C++ server's poll) which of the requests it awaits are
-// done, waking it once for any number of them: watch(result, key) lists the key when the result
-// is in, and writes one byte to fd when the list was empty; the loop, woken by fd, reads it and
-// take()s the list. The thread that completes a result only appends to the list (no GIL, no call
-// into the loop), so a batch of n awaited requests wakes the loop once, not n times.
+// done, waking it once for all that complete before it looks: watch(result, key) lists the key
+// when the result is in, and writes one byte to fd when the list was empty; the loop, woken by
+// fd, reads it and take()s the list. The thread that completes a result only appends to the list
+// (no GIL, no call into the loop); a batch completes its results one after another at once, so
+// its n awaited requests wake the loop once, not n times (unless the loop takes the list between).
 class Completions {
  public:
   explicit Completions(int fd);  // the write end of a non-blocking pipe; the caller owns it
@@ -170,7 +171,7 @@ class Completions {
   struct State {
     std::mutex mutex;
     std::vector<int64_t> done;
-    int fd;
+    int fd = -1;
     bool closed = false;
   };
   std::shared_ptr<State> state_;  // shared with the watches' callbacks, which may outlive this
