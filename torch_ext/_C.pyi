@@ -67,8 +67,20 @@ class _BatchHandle:
     def future(self) -> torch.futures.Future:
         """A torch.futures.Future completed with the result."""
 
+class _Completions:
+    """Which awaited requests are done, for an event loop woken by a pipe (plan::Completions)."""
+    def __init__(self, fd: int) -> None:
+        """fd: the write end of a non-blocking pipe, which the caller closes."""
+    def watch(self, handle: _BatchHandle, key: int) -> None:
+        """Lists key once the request is done (at once if it is)."""
+    def take(self) -> list[int]:
+        """The keys listed since the last take()."""
+    def close(self) -> None:
+        """No more writes to fd (then it may be closed)."""
+
 class _PlanModule:
     BatchHandle: type[_BatchHandle]
+    Completions: type[_Completions]
     def set_compiler(
         self,
         cache: torch.ScriptObject,
