@@ -212,6 +212,25 @@ def test_the_pipe_an_event_loop_is_woken_by_is_closed_with_the_loop(cache):
         assert len(os.listdir("/proc/self/fd")) <= before
 
 
+def test_loops_closed_but_still_referenced_give_their_pipes_back_when_another_loop_awaits(cache):
+    _, plans = cache
+    with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS, submit_runs_batch=False) as batcher:
+        async def serve() -> None:
+            await asyncio.gather(batcher.submit(torch.randn(1, 8)), batcher.submit(torch.randn(1, 8)))
+
+        def served_loop() -> asyncio.AbstractEventLoop:
+            loop = asyncio.new_event_loop()
+            loop.run_until_complete(serve())
+            loop.close()
+            return loop
+
+        served_loop()  # warm-up; this loop is collected, its pipe closed by its finalizer
+        gc.collect()
+        before = len(os.listdir("/proc/self/fd"))
+        kept = [served_loop() for _ in range(10)]  # each closed, none collected
+        assert len(os.listdir("/proc/self/fd")) <= before + 2  # the last one's pipe is still open
+        assert all(loop.is_closed() for loop in kept)
+
 def test_awaiting_in_a_loop_that_cannot_watch_a_file_descriptor_says_how_to_wait_instead(cache):
     _, plans = cache
 

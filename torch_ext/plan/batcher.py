@@ -104,8 +104,24 @@ class _AwaitedRequests:
             with cls._lock:
                 awaited = cls._of_loop.get(loop)
                 if awaited is None:
+                    cls._forget_closed_loops()
                     awaited = cls._of_loop[loop] = cls(loop)
         return awaited
+
+    @classmethod
+    def _forget_closed_loops(cls) -> None:
+        """Closes the pipes of loops that were closed but are still referenced (asyncio has no hook
+        for close(); a collected loop's pipe is closed by its finalizer)."""
+        for loop in [loop for loop in cls._of_loop.keys() if loop.is_closed()]:
+            cls._of_loop.pop(loop)._close()
+
+    @classmethod
+    def settle_running_loop(cls) -> None:
+        """Hands the running loop's completed requests in, if it awaits any: a batch the caller just
+        ran on the loop's thread resumes its awaiting tasks without the loop reading its pipe first."""
+        loop = asyncio._get_running_loop()
+        if loop is not None and (awaited := cls._of_loop.get(loop)) is not None:
+            awaited.settle()
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         # Holds no reference to the loop (the loop is this object's key in _of_loop).
@@ -122,7 +138,7 @@ class _AwaitedRequests:
             raise TypeError(f"BatchFuture: awaiting needs an event loop that watches file descriptors "
                             f"(loop.add_reader); {type(loop).__name__} does not. Wait in a thread instead: "
                             f"await loop.run_in_executor(None, future.result)") from None
-        weakref.finalize(loop, _close_pipe, self._completions, self._read, write)
+        self._close = weakref.finalize(loop, _close_pipe, self._completions, self._read, write)
 
     def wait(self, handle: Any) -> tuple[int, asyncio.Future]:
         key = next(self._keys)
@@ -225,11 +241,7 @@ class Batcher(ScriptObjectFace):
         if handle is None:  # not all tensors. A tuple: TorchScript infers a list of mixed values as no type at all
             handle = _C.plan.batch_handle(self._submit(tuple(flat), deadline))
         self.cache._count_request()
-        loop = asyncio._get_running_loop()
-        if loop is not None and (awaited := _AwaitedRequests._of_loop.get(loop)) is not None:
-            # A batch this call ran on the loop's thread: its awaited requests resume without
-            # waiting for the loop to read its pipe first.
-            awaited.settle()
+        _AwaitedRequests.settle_running_loop()
         return BatchFuture(handle, self._structure, self._timeout, self._cancel)
 
     def infer(self, *inputs: Any, timeout: Optional[float] = None, deadline_ms: Optional[float] = None,
