@@ -13,6 +13,8 @@ rows; one torch thread), REQUESTS single requests (one row each) are served four
   awaiting   the same closed loop as 8 tasks of one asyncio event loop (await batcher.submit(x)),
              as an async server's handlers; and with submit_runs_batch=False
   singles    the requests one at a time from one thread
+  waiting, one CPU  the waiting clients with the process on one CPU, against pre-formed batches on
+             that CPU (where there are several; a VM's wake-ups across virtual CPUs, measured apart)
 the batchers are Batcher(max_batch_size=8, max_delay_ms=2). In ROUNDS interleaved rounds (the order rotated each round), so drift on the shared machine hits
 all alike; a round's ratio compares that round's runs, the table shows the round with the median ratio of
 the submitting clients.
@@ -22,6 +24,7 @@ the submitting clients.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -35,6 +38,9 @@ from harness import Report, format_seconds, run_threads  # noqa: E402
 
 CLIENTS = 8
 MAX_DELAY_MS = 2.0
+# The waiting clients' closed loop is also run with the process on one CPU: on a VM, a thread woken on
+# another virtual CPU can compute slowly for a while, and the closed loop wakes one for every request.
+PINNABLE = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1
 
 
 def models() -> dict:
@@ -83,6 +89,19 @@ def run_batcher(cache, requests: list, waiting: bool = True, **options) -> dict:
     return dict(wall=wall, latencies=latencies, batches=s.batches, client_batches=s.client_batches,
                 max_running_batches=batcher.max_running_batches,
                 mean_rows=s.rows / s.batches, mean_batch_seconds=s.batch_seconds / s.batches)
+
+
+def on_one_cpu(run, limit) -> dict:
+    """run() (the closed loop) and limit() (its pre-formed batches) with this process on its first CPU:
+    threads made meanwhile (the clients, the batcher's) inherit the affinity. run's result, with
+    limit's wall time as "limit_wall"."""
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        limit_wall = limit()["wall"]
+        return dict(run(), limit_wall=limit_wall)
+    finally:
+        os.sched_setaffinity(0, cpus)
 
 
 def run_awaiting(cache, requests: list, **options) -> dict:
@@ -157,6 +176,10 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
              "waiting": lambda: run_batcher(cache, requests), "awaiting": lambda: run_awaiting(cache, requests),
              "awaiting, handing off": lambda: run_awaiting(cache, requests, submit_runs_batch=False),
              "singles": lambda: run_one_thread(cache, requests)}
+    if PINNABLE:
+        runs["waiting, one CPU"] = []
+        serve["waiting, one CPU"] = lambda: on_one_cpu(lambda: run_batcher(cache, requests),
+                                                       lambda: run_one_thread(cache, batches))
     order = list(runs)
     for r in range(rounds):
         for variant in order[r % len(order):] + order[:r % len(order)]:
@@ -164,6 +187,8 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
     wall = {v: [x["wall"] for x in runs[v]] for v in runs}
     ratios = {v: [p / w for p, w in zip(wall["preformed"], wall[v])]
               for v in ("submitting", "handing off", "waiting", "awaiting", "awaiting, handing off")}
+    if PINNABLE:  # against its own pre-formed batches, on the same CPU
+        ratios["waiting, one CPU"] = [x["limit_wall"] / x["wall"] for x in runs["waiting, one CPU"]]
     median_round = sorted(range(rounds), key=lambda i: ratios["submitting"][i])[rounds // 2]
     rate = {v: n_requests / wall[v][median_round] for v in runs}
     # Latencies: every waiting request of every round (one round's p99 is its 8th-slowest request, and a
@@ -179,12 +204,15 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
              "waiting": f"Batcher, {CLIENTS} clients each waiting for its result before the next request",
              "awaiting": f"the same as {CLIENTS} tasks of one asyncio event loop (await batcher.submit(x))",
              "awaiting, handing off": "the same, full batches handed to the batcher's thread (submit_runs_batch=False)",
-             "singles": "single requests, one thread"}
+             "singles": "single requests, one thread",
+             "waiting, one CPU": (f"{CLIENTS} clients each waiting, the process on one CPU (vs the limit: against "
+                                  "pre-formed batches on that CPU, the same round)")}
     for variant in runs:
         b = runs[variant][median_round] if variant in ratios else None
         report.add_row({
             "model": name, "variant": names[variant],
-            "requests/s": f"{rate[variant]:,.0f}", "vs the limit": f"{rate[variant] / rate['preformed']:.2f}x",
+            "requests/s": f"{rate[variant]:,.0f}",
+            "vs the limit": f"{ratios[variant][median_round] if variant == 'waiting, one CPU' else rate[variant] / rate['preformed']:.2f}x",
             "p50": format_seconds(p50) if variant == "waiting" else "-",
             "p99": format_seconds(p99) if variant == "waiting" else "-",
             "batches": (f"{b['batches']} of {b['mean_rows']:.1f} rows ({b['client_batches']} run by a client), "
@@ -212,6 +240,17 @@ def bench_model(name: str, make, request, n_requests: int, rounds: int, report: 
         f"{statistics.median(ratios['awaiting']):.2f}x of the limit (the median of {rounds} rounds), "
         f"{statistics.median(ratios['awaiting, handing off']):.2f}x with submit_runs_batch=False, against "
         f"{statistics.median(ratios['waiting']):.2f}x for {CLIENTS} waiting client threads.")
+    if PINNABLE:
+        pinned = runs["waiting, one CPU"]
+        batch_vs_limit = [x["mean_batch_seconds"] / (x["limit_wall"] / len(batches)) for x in pinned]
+        waiting_vs_limit = [x["mean_batch_seconds"] / (p / len(batches))
+                            for x, p in zip(runs["waiting"], wall["preformed"])]
+        report.notes.append(
+            f"- {short}: the waiting clients' closed loop with the process on one CPU reached "
+            f"{statistics.median(ratios['waiting, one CPU']):.2f}x of pre-formed batches on that CPU (the median of "
+            f"{rounds} rounds), its batches running at {statistics.median(batch_vs_limit):.2f}x of one pre-formed "
+            f"batch's time, against {statistics.median(ratios['waiting']):.2f}x and "
+            f"{statistics.median(waiting_vs_limit):.2f}x on all {len(os.sched_getaffinity(0))} CPUs.")
     checks.append((f"{short}: p99 at most max_delay + 2x one batch's service time (waiting clients): "
                    f"{format_seconds(p99)} vs {MAX_DELAY_MS:g} ms + 2 x {format_seconds(batch_seconds)} (every round's "
                    f"requests, {len(latencies):,})",
