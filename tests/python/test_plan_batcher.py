@@ -231,6 +231,7 @@ def test_loops_closed_but_still_referenced_give_their_pipes_back_when_another_lo
         assert len(os.listdir("/proc/self/fd")) <= before + 2  # the last one's pipe is still open
         assert all(loop.is_closed() for loop in kept)
 
+
 def test_awaiting_in_a_loop_that_cannot_watch_a_file_descriptor_says_how_to_wait_instead(cache):
     _, plans = cache
 

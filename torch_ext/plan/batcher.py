@@ -78,8 +78,9 @@ class BatchFuture:
         task cancelled while it awaits takes its request out of the queue if no batch has taken it.
         (The submit() that fills a batch runs it on the loop's thread unless submit_runs_batch=False.)"""
         if not self.done():
-            awaited = _AwaitedRequests.of(asyncio.get_running_loop())
-            key, waiter = awaited.wait(self._handle)
+            loop = asyncio.get_running_loop()
+            awaited = _AwaitedRequests.of(loop)
+            key, waiter = awaited.wait(loop, self._handle)
             try:
                 yield from waiter.__await__()
             except asyncio.CancelledError:
@@ -140,9 +141,9 @@ class _AwaitedRequests:
                             f"await loop.run_in_executor(None, future.result)") from None
         self._close = weakref.finalize(loop, _close_pipe, self._completions, self._read, write)
 
-    def wait(self, handle: Any) -> tuple[int, asyncio.Future]:
+    def wait(self, loop: asyncio.AbstractEventLoop, handle: Any) -> tuple[int, asyncio.Future]:
         key = next(self._keys)
-        waiter = asyncio.get_running_loop().create_future()
+        waiter = loop.create_future()
         self._waiters[key] = waiter
         self._completions.watch(handle, key)  # lists the key at once if the request is done
         return key, waiter
