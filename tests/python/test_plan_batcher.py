@@ -114,6 +114,59 @@ def test_a_queued_request_can_be_cancelled_and_never_runs(cache):
         assert (stats.batches, stats.rows, stats.cancelled, stats.requests) == (1, 4, 2, 4)
 
 
+def test_futures_are_concurrent_futures_that_wait_as_completed_and_wrap_future_take(cache):
+    module, plans = cache
+    xs = [torch.randn(1, 8) for _ in range(3)] + [torch.randn(2, 8)]
+    with Batcher(plans, max_batch_size=4, max_delay_ms=NEVER_MS) as batcher:
+        futures = [batcher.submit(x) for x in xs[:3]]  # 3 rows of 4: the batch waits
+        assert all(isinstance(f, concurrent.futures.Future) for f in futures)
+        done, pending = concurrent.futures.wait(futures, timeout=0)
+        assert not done and len(pending) == 3
+        assert futures[1].cancel()  # a cancelled request is done for wait()
+        done, pending = concurrent.futures.wait(futures, timeout=0, return_when=concurrent.futures.FIRST_COMPLETED)
+        assert done == {futures[1]} and pending == {futures[0], futures[2]}
+
+        waited = []
+        waiter = threading.Thread(target=lambda: waited.append(concurrent.futures.wait(futures, timeout=60)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not futures[0]._waiters and time.monotonic() < deadline:  # its waiter is installed
+            time.sleep(0.001)
+        assert futures[0]._waiters and waiter.is_alive()
+        last = batcher.submit(xs[3])  # 4 rows: the batch runs here, and the waiting thread hears of it
+        waiter.join(60)
+        assert not waiter.is_alive() and len(waited[0].done) == 3 and not waited[0].not_done
+
+        completed = list(concurrent.futures.as_completed(futures + [last], timeout=60))
+        assert len(completed) == 4 and set(completed) == set(futures) | {last}
+        for x, future in zip(xs, futures + [last]):
+            assert future.cancelled() if future is futures[1] else torch.equal(future.result(0), module(x))
+
+        async def awaited() -> torch.Tensor:
+            return await asyncio.wrap_future(batcher.submit(xs[3]))
+        slow = batcher.submit(torch.randn(2, 8))  # with the wrapped request's 2 rows: one batch
+        assert torch.equal(asyncio.run(awaited()), module(xs[3])) and slow.done()
+
+        untouched = batcher.submit(torch.randn(4, 8))
+        untouched.result(60)  # a future only waited on keeps none of Future's fields, nor a callback for them
+        assert not untouched.__dict__ and "finished" in repr(untouched)
+        with pytest.raises(RuntimeError, match="its batcher sets the result"):
+            untouched.set_result(None)
+
+
+def test_wait_first_exception_returns_at_a_failed_request():
+    plans = PlanCache(torch.jit.script(Poisoned().eval()), max_batch_size=4, warmup_calls=1)
+    plans(torch.randn(2, 8))
+    with Batcher(plans, max_batch_size=2, max_delay_ms=NEVER_MS) as batcher:
+        queued = batcher.submit(torch.randn(1, 8))
+        bad, neighbour = batcher.submit(torch.full((1, 8), 5000.0)), batcher.submit(torch.randn(1, 8))
+        done, pending = concurrent.futures.wait([queued, bad, neighbour], timeout=60,
+                                                return_when=concurrent.futures.FIRST_EXCEPTION)
+        # queued and bad made one batch, which failed; neighbour waits alone for a second row
+        assert done == {queued, bad} and pending == {neighbour}
+        assert "poisoned row" in str(bad.exception(0))
+
+
 def test_an_event_loop_awaits_its_requests_and_a_cancelled_task_takes_its_request_out(cache):
     module, plans = cache
     xs = [torch.randn(1, 8) for _ in range(8)]

@@ -15,6 +15,7 @@ import numbers
 import os
 import threading
 import weakref
+from concurrent.futures._base import CANCELLED_AND_NOTIFIED, FINISHED, PENDING  # Future's states
 from typing import Any, Callable, Generator, Optional, Sequence
 
 import torch
@@ -26,16 +27,62 @@ from .cache import PlanCache
 __all__ = ["Batcher"]
 
 
-class BatchFuture:
-    """A request's result, concurrent.futures-style: result(timeout), exception(timeout), done(),
-    cancel(), cancelled(), running(), add_done_callback(fn); and awaitable in an asyncio event loop.
-    Waiting happens in C++ with the GIL released, and the thread that runs the batch never needs
-    the GIL unless a callback is added."""
+class BatchFuture(concurrent.futures.Future):
+    """A request's result: a concurrent.futures.Future (result(timeout), exception(timeout), done(),
+    cancel(), cancelled(), running(), add_done_callback(fn); concurrent.futures.wait and
+    as_completed, asyncio.wrap_future take it), and awaitable in an asyncio event loop. Waiting
+    happens in C++ with the GIL released, and the thread that runs the batch never needs the GIL
+    unless a callback is added, or the future is handed to concurrent.futures' wait or as_completed
+    (their bookkeeping is set up, and kept by a callback, only for a future that is)."""
 
     __slots__ = ("_handle", "_structure", "_timeout", "_cancel")  # one is made per request
 
     def __init__(self, handle: Any, structure: Any, timeout_seconds: float, cancel: Callable[[Any], bool]) -> None:
+        # Future.__init__ is not called: its condition and state are made on first use (__getattr__).
         self._handle, self._structure, self._timeout, self._cancel = handle, structure, timeout_seconds, cancel
+
+    def __getattr__(self, name: str) -> Any:
+        """Future's own fields (_condition, _state, _waiters, ...), which concurrent.futures.wait and
+        as_completed read: made on first use, then kept by a callback when the request completes."""
+        if name not in _FUTURE_FIELDS:
+            raise AttributeError(f"'BatchFuture' object has no attribute {name!r}")
+        with _BRIDGE_LOCK:
+            if "_state" not in self.__dict__:
+                fields = dict(_condition=threading.Condition(), _state=PENDING, _result=None, _exception=None,
+                              _waiters=[], _done_callbacks=[])
+                self.__dict__.update(fields)  # all at once: another thread sees none of them or all
+                self.add_done_callback(BatchFuture._settle)  # at once if the request is done
+        return self.__dict__[name]
+
+    def _settle(self) -> None:
+        """Future's fields and waiters told that the request completed (the callback __getattr__ adds)."""
+        with self._condition:
+            if self._state in (CANCELLED_AND_NOTIFIED, FINISHED):
+                return
+            if self.cancelled():
+                self._state = CANCELLED_AND_NOTIFIED
+                for waiter in self._waiters:
+                    waiter.add_cancelled(self)
+            else:
+                self._exception = self.exception(0)
+                self._state = FINISHED
+                for waiter in self._waiters:
+                    (waiter.add_result if self._exception is None else waiter.add_exception)(self)
+            self._condition.notify_all()
+
+    def __repr__(self) -> str:
+        state = ("cancelled" if self.cancelled() else "finished" if self.done() else
+                 "running" if self.running() else "pending")
+        return f"<BatchFuture at {id(self):#x} state={state}>"
+
+    def set_running_or_notify_cancel(self) -> bool:
+        raise RuntimeError("BatchFuture: its batcher runs the request; set_running_or_notify_cancel is an executor's")
+
+    def set_result(self, result: Any) -> None:
+        raise RuntimeError("BatchFuture: its batcher sets the result; set_result is an executor's")
+
+    def set_exception(self, exception: Optional[BaseException]) -> None:
+        raise RuntimeError("BatchFuture: its batcher sets the result; set_exception is an executor's")
 
     def result(self, timeout: Optional[float] = None) -> Any:
         """The output; raises the batch's error, concurrent.futures.CancelledError once cancelled,
@@ -88,6 +135,10 @@ class BatchFuture:
                 self.cancel()
                 raise
         return self.result(0)
+
+
+_FUTURE_FIELDS = frozenset(("_condition", "_state", "_result", "_exception", "_waiters", "_done_callbacks"))
+_BRIDGE_LOCK = threading.Lock()
 
 
 class _AwaitedRequests:
