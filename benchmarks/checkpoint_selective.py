@@ -243,8 +243,8 @@ def run_model(label: str, build, quick: bool, device, report: harness.Report, ch
                                            before_each=zero, alternate=True)
         ratio, low, high = harness.paired_ratio(pair[half], pair[NONE])
         # What the plan's own op timings predict: the least recompute it found at this budget; and
-        # the least any exact op-level plan could recompute if a replay cost nothing but its recomputed
-        # ops (no Python, no views): what the op costs alone allow on this machine.
+        # what the planner chooses at this budget when a replay costs nothing but its recomputed ops
+        # (no Python, no views): what the op costs alone allow on this machine.
         predicted = plans[half].predicted_recompute_seconds
         free_replay = dataclasses.replace(plans[half], block_replay_seconds=[0.0] * len(plans[half].ops))
         floor = free_replay.with_budget(budgets[half]).predicted_recompute_seconds
