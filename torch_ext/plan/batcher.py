@@ -42,14 +42,13 @@ class BatchFuture(concurrent.futures.Future):
         self._handle, self._structure, self._timeout, self._cancel = handle, structure, timeout_seconds, cancel
 
     def __getattr__(self, name: str) -> Any:
-        """Future's own fields (_condition, _state, _waiters, ...), which concurrent.futures.wait and
-        as_completed read: made on first use, then kept by a callback when the request completes."""
+        """The Future fields concurrent.futures.wait and as_completed read (_condition, _state,
+        _waiters): made on first use, then kept by a callback when the request completes."""
         if name not in _FUTURE_FIELDS:
             raise AttributeError(f"'BatchFuture' object has no attribute {name!r}")
         with _BRIDGE_LOCK:
             if "_state" not in self.__dict__:
-                fields = dict(_condition=threading.Condition(), _state=PENDING, _result=None, _exception=None,
-                              _waiters=[], _done_callbacks=[])
+                fields = dict(_condition=threading.Condition(), _state=PENDING, _waiters=[])
                 self.__dict__.update(fields)  # all at once: another thread sees none of them or all
                 self.add_done_callback(BatchFuture._settle)  # at once if the request is done
         return self.__dict__[name]
@@ -64,10 +63,10 @@ class BatchFuture(concurrent.futures.Future):
                 for waiter in self._waiters:
                     waiter.add_cancelled(self)
             else:
-                self._exception = self.exception(0)
+                failed = self.exception(0) is not None
                 self._state = FINISHED
                 for waiter in self._waiters:
-                    (waiter.add_result if self._exception is None else waiter.add_exception)(self)
+                    (waiter.add_exception if failed else waiter.add_result)(self)
             self._condition.notify_all()
 
     def __repr__(self) -> str:
@@ -137,7 +136,7 @@ class BatchFuture(concurrent.futures.Future):
         return self.result(0)
 
 
-_FUTURE_FIELDS = frozenset(("_condition", "_state", "_result", "_exception", "_waiters", "_done_callbacks"))
+_FUTURE_FIELDS = frozenset(("_condition", "_state", "_waiters"))
 _BRIDGE_LOCK = threading.Lock()
 
 
