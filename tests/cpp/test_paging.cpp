@@ -20,10 +20,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
 #include "torch_ext/paging/layer_pager.h"
@@ -133,6 +135,43 @@ TEST(PagingSource, ReadsNamesShapesDataAndMetadata) {
   source.reset();
   EXPECT_TRUE(at::equal(view, values(6, 1).view({2, 3})));
   expect_error([&] { open(path)->info("zz"); }, {"m.safetensors", "zz"});
+}
+
+TEST(PagingSource, CompositionsStackAndConcatenateStoredTensorsAndPageLikeThem) {
+  TempDir dir;
+  const auto path = dir.file("m.safetensors");
+  // two experts' gate (w1) and up (w3) projections, stored one tensor each, as Mixtral's checkpoints
+  std::vector<std::pair<std::string, at::Tensor>> stored;
+  for (int e = 0; e < 2; ++e) {
+    stored.emplace_back("e" + std::to_string(e) + ".w1", values(6, 100.0f * e).view({2, 3}));
+    stored.emplace_back("e" + std::to_string(e) + ".w3", values(6, 100.0f * e + 50).view({2, 3}));
+  }
+  stored.emplace_back("norm", values(3, -1));
+  write_bytes(path, safetensors_bytes(stored));
+  auto composed = open(path)->composed(
+      {{"gate_up", {"tensor e0.w1", "tensor e1.w1", "stack 0 2", "tensor e0.w3", "tensor e1.w3", "stack 0 2", "cat 1 2"}},
+       {"up_t", {"tensor e1.w3", "transpose 0 1"}}});
+  const at::Tensor gate_up = at::cat({at::stack({stored[0].second, stored[2].second}),
+                                      at::stack({stored[1].second, stored[3].second})}, 1);
+  EXPECT_EQ(composed->names(), (std::vector<std::string>{"gate_up", "up_t", "norm"}));
+  EXPECT_EQ(composed->info("gate_up").shape, (std::vector<int64_t>{2, 4, 3}));
+  EXPECT_FALSE(composed->has_view("gate_up"));
+  EXPECT_TRUE(composed->has_view("norm"));
+  EXPECT_TRUE(at::equal(composed->load("gate_up"), gate_up));
+  EXPECT_TRUE(at::equal(composed->load("up_t"), stored[3].second.t()));
+  expect_error([&] { composed->view("gate_up"); }, {"gate_up", "composition"});
+  for (const bool zero_copy : {false, true}) {
+    pg::PagerOptions options;
+    options.budget_bytes = composed->info("gate_up").nbytes;
+    options.zero_copy = zero_copy;
+    auto pager = c10::make_intrusive<pg::LayerPager>(composed, options);
+    EXPECT_TRUE(at::equal(pager->acquire("gate_up"), gate_up));
+    EXPECT_TRUE(at::equal(pager->acquire("norm"), stored[4].second));
+    EXPECT_TRUE(at::equal(pager->acquire("gate_up"), gate_up));
+    EXPECT_LE(pager->resident_bytes(), composed->info("gate_up").nbytes);
+  }
+  expect_error([&] { open(path)->composed({{"x", {"tensor e0.w1", "tensor norm", "cat 0 2"}}}); },
+               {"composition \"x\"", "does not apply"});
 }
 
 TEST(PagingSource, DirectIoReadsTheSameBytes) {

@@ -1,8 +1,8 @@
 """load_paged over the checkpoints people download (issue 24): a sweep of transformers
 architectures, each built from a small config, saved sharded by save_pretrained and loaded with
 torch_ext.load_paged (no key_map, no other option) against from_pretrained in the same dtype;
-tensors transformers fuses while loading are refused by name; a bf16 checkpoint served as fp32
-and fp16."""
+experts transformers fuses while loading are paged as compositions of the stored tensors; a bf16
+checkpoint served as fp32 and fp16."""
 import warnings
 
 import pytest
@@ -37,6 +37,13 @@ ARCHITECTURES = {
     "olmo": ("OlmoForCausalLM", {}, "causal"),
     "starcoder2": ("Starcoder2ForCausalLM", KV, "causal"),
     "granitemoe": ("GraniteMoeForCausalLM", dict(KV, num_local_experts=4, num_experts_per_tok=2), "causal"),
+    # transformers stacks (and concatenates) these experts' stored tensors while loading
+    "mixtral": ("MixtralForCausalLM", dict(KV, num_local_experts=4, num_experts_per_tok=2), "causal"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(KV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=32), "causal"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(KV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              head_dim=8), "causal"),
+    "olmoe": ("OlmoeForCausalLM", dict(KV, num_experts=4, num_experts_per_tok=2), "causal"),
     "bert": ("BertForMaskedLM", {}, "masked"),
     "roberta": ("RobertaForMaskedLM", dict(pad_token_id=1), "masked"),
     "distilbert": ("DistilBertForMaskedLM", dict(dim=32, n_heads=4, hidden_dim=64, n_layers=2), "masked"),
@@ -48,14 +55,6 @@ ARCHITECTURES = {
                                                   encoder_ffn_dim=64, decoder_ffn_dim=64), "seq2seq"),
     "vit": ("ViTForImageClassification", dict(image_size=32, patch_size=8, num_labels=3), "image"),
 }
-# transformers fuses these experts' tensors while loading (a WeightConverter): refused, named.
-FUSED_WHILE_LOADING = {
-    "mixtral": ("MixtralForCausalLM", dict(KV, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(KV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                shared_expert_intermediate_size=32)),
-}
-
-
 @pytest.fixture(autouse=True)
 def one_intra_op_thread():
     """The comparisons are bit for bit. With two intra-op threads, torch's CPU matmul sometimes
@@ -131,12 +130,13 @@ def test_load_paged_equals_from_pretrained(folders, model_type, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["as-fp32", "as-fp16"])
-@pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "t5"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "t5", "mixtral"])
 def test_a_bf16_checkpoint_converts_as_it_is_paged_in(folders, model_type, dtype):
     cls, _, kind = ARCHITECTURES[model_type]
     folder = folders(model_type, torch.bfloat16)
     loaded = getattr(transformers, cls).from_pretrained(folder, dtype=dtype).eval()
-    paged = torch_ext.load_paged(folder, "30%", dtype=dtype)
+    budget = "60%" if model_type == "mixtral" else "30%"  # a fused gate_up_proj is half this small model
+    paged = torch_ext.load_paged(folder, budget, dtype=dtype)
     pager = torch_ext.pager_of(paged)
     assert paged.dtype == dtype and pager.dtype == str(dtype)[6:]
     assert not pager.is_resident(pager.source.names()[0]) and pager.stats().bytes_loaded == 0
@@ -161,18 +161,57 @@ def test_an_fp32_checkpoint_serves_bf16_and_the_budget_counts_converted_bytes(fo
     assert pager.resident_bytes() * 2 == pager.source.total_bytes() - pager.source.nbytes(embedding)
 
 
-@pytest.mark.parametrize("model_type", sorted(FUSED_WHILE_LOADING))
-def test_tensors_transformers_fuses_while_loading_are_refused_by_name(tmp_path, model_type):
-    cls, changes = FUSED_WHILE_LOADING[model_type]
-    build(model_type, cls, changes).save_pretrained(tmp_path, max_shard_size="20KB")
-    with pytest.raises(ValueError, match=r"parameter 'model\.layers\.\d\.mlp\.experts\.\w+' .* is made by "
-                                         r"transformers' checkpoint conversion .*save_original_format=False"):
-        torch_ext.load_paged(tmp_path, "30%")
+FUSED_WHILE_LOADING = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
-@pytest.mark.parametrize("model_type", sorted(FUSED_WHILE_LOADING))
+@pytest.mark.parametrize("model_type", FUSED_WHILE_LOADING)
+def test_experts_fused_while_loading_are_compositions_of_the_stored_tensors(folders, tmp_path, model_type):
+    cls, _, kind = ARCHITECTURES[model_type]
+    folder = folders(model_type, torch.float32)
+    stored = torch_ext.SafetensorsSource(folder)
+    assert any(".experts.0." in name for name in stored.names())       # the file holds one tensor per expert
+    paged = torch_ext.load_paged(folder, "30%")
+    source = torch_ext.pager_of(paged).source
+    fused = [name for name in source.names() if not source.has_view(name)]
+    assert fused and all(".experts." in name for name in fused)
+    assert not any(".experts.0." in name for name in source.names())
+    assert set(fused) <= set(dict(paged.named_parameters()))               # one pager entry per fused parameter
+    # state_dict() reads them through the source; save_pretrained writes transformers' original format
+    paged.save_pretrained(tmp_path)
+    assert any(".experts.0." in name for name in torch_ext.SafetensorsSource(tmp_path).names())
+    again = getattr(transformers, cls).from_pretrained(tmp_path).eval()
+    check_equal(paged, again, kind)
+
+
+class Doubled(transformers.core_model_loading.ConversionOps):
+    """A conversion that computes (not a layout op)."""
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        return {target_patterns[0]: torch.mul(next(iter(input_dict.values())), 2)}
+
+
+def test_a_conversion_that_computes_is_refused_naming_the_parameter_and_the_op(folders, monkeypatch):
+    import transformers.conversion_mapping as mapping
+
+    original = mapping.get_model_conversion_mapping
+
+    def computing(model, *args, **kwargs):
+        transforms = original(model, *args, **kwargs)
+        converters = [t for t in transforms if isinstance(t, transformers.core_model_loading.WeightConverter)]
+        down = next(c for c in converters if len(c.source_patterns) == 1)
+        down.operations = [*down.operations, Doubled()]
+        return transforms
+
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", computing)
+    with pytest.raises(ValueError, match=r"parameter 'model\.layers\.0\.mlp\.experts\.down_proj' of "
+                                         r"MixtralForCausalLM is made by transformers' checkpoint conversion .*"
+                                         r"which applies .*mul.*save_original_format=False"):
+        torch_ext.load_paged(folders("mixtral", torch.float32), "30%")
+
+
+@pytest.mark.parametrize("model_type", FUSED_WHILE_LOADING[:2])
 def test_a_folder_saved_in_the_converted_format_pages(tmp_path, model_type):
-    cls, changes = FUSED_WHILE_LOADING[model_type]
+    cls, changes, _ = ARCHITECTURES[model_type]
     model = build(model_type, cls, changes)
     model.save_pretrained(tmp_path, max_shard_size="20KB", save_original_format=False)
     paged = torch_ext.load_paged(tmp_path, "30%")

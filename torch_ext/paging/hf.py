@@ -6,6 +6,7 @@ only when no model_fn is given."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 from pathlib import Path
@@ -36,9 +37,11 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
     options: page_weights' (pinned, buffers, key_map, strip_prefix, add_prefix) and the pager's
     (prefetch, zero_copy, policy, ...). A transformers model's checkpoint keys are mapped to its
     parameters by transformers' own loading machinery (its renames and checkpoint conversion
-    mappings, with or without the base_model_prefix); a parameter transformers builds by
-    transforming tensors (fusing or splitting them) cannot be paged from the file and is refused,
-    naming it and the conversion. Tied weights are one pager entry, the file may omit the tied
+    mappings, with or without the base_model_prefix). A parameter transformers builds by
+    converting stored tensors (a layer's experts stacked and concatenated into one, a fused
+    projection split) is paged as a composition of them (SafetensorsSource.composed), read from
+    the file part by part each time it is paged in; a conversion that computes rather than lays
+    tensors out is refused, naming the parameter and the conversion. Tied weights are one pager entry, the file may omit the tied
     copy. A file stored in another dtype than `dtype` is converted as it is paged in. Nothing but
     the files' headers (and persistent buffers) is read."""
     source_path, folder = _locate(path)
@@ -57,7 +60,9 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
         if not isinstance(model, nn.Module):
             raise TypeError(f"load_paged: model_fn returned {type(model).__name__}, not an nn.Module")
     if not any(key in options for key in ("key_map", "strip_prefix", "add_prefix")) and _is_transformers_model(model):
-        options["key_map"] = transformers_checkpoint_keys(model, source)
+        options["key_map"], programs = transformers_checkpoint_keys(model, source)
+        if programs:
+            source = source.composed(programs)
     _load_buffers(model, source, options.get("key_map"), torch.device(device), read=not options.get("buffers"))
     page_weights(model, source, budget_bytes, device=device, **options)
     return model.eval()
@@ -156,40 +161,155 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource) -> dict[str, str]:
-    """{parameter or buffer name: checkpoint key} as from_pretrained maps them: each key of the
-    source is renamed by transformers' own machinery (the model's checkpoint conversion mapping,
-    legacy renames, base_model_prefix added or removed). Names not in the result keep their own
-    name. Raises naming the parameter and the conversion when the model's tensors are made by a
-    conversion that transforms stored tensors (a fused or split tensor is not one stored tensor)."""
+def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource
+                                 ) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """({parameter or buffer name: checkpoint key}, {parameter name: composition program}) as
+    from_pretrained maps them: each key of the source is renamed by transformers' own machinery
+    (the model's checkpoint conversion mapping, legacy renames, base_model_prefix added or
+    removed), in the order from_pretrained reads them. A parameter transformers makes by converting
+    stored tensors (a layer's experts stacked and concatenated into one, a fused projection split)
+    gets the program of a SafetensorsSource composition: transformers' own conversion ops are run
+    on stand-ins that record them (_Layout). Names in neither keep their own name. Raises naming
+    the parameter and the conversion when a conversion does more than lay tensors out."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, rename_source_key
+    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     expected = model.state_dict(keep_vars=True)
     prefix = getattr(model, "base_model_prefix", "") or None
     keys: dict[str, str] = {}
-    converted: dict[str, tuple[Any, list[str]]] = {}
-    for key in source.names():
+    converting: dict[str, tuple[WeightConverter, list[str]]] = {}
+    for key in sorted(source.names(), key=dot_natural_key):
         name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
         if pattern is None:
             if name in expected:
                 keys.setdefault(name, key)
-        else:
-            converted.setdefault(name, (next(c for c in converters if pattern in c.source_patterns), []))[1].append(key)
+        elif name in expected:
+            # as from_pretrained: a converter of its own per parameter, its tensors in sorted key order
+            converter, from_keys = converting.setdefault(name, (copy.deepcopy(by_pattern[pattern]), []))
+            converter.add_tensor(name, key, pattern, _Layout.stored(source, key))
+            from_keys.append(key)
     stored = set(keys) | {name for name in expected if name in source}
-    for name, (converter, from_keys) in converted.items():
-        if name in expected and name not in stored:
-            shown = ", ".join(repr(k) for k in from_keys[:4]) + (", ..." if len(from_keys) > 4 else "")
-            raise ValueError(
-                f"load_paged: parameter {name!r} of {type(model).__name__} is made by transformers' checkpoint "
-                f"conversion {converter!r} from {shown} of {source.path()}: a tensor transformers fuses or splits "
-                f"while loading is not stored in the file, so it cannot be paged from it. Load the model with "
-                f"from_pretrained and save it with save_pretrained(folder, save_original_format=False), whose "
-                f"files hold the converted tensors, then load_paged that folder")
-    return keys
+    programs: dict[str, list[str]] = {}
+    for name, (converter, from_keys) in converting.items():
+        if name not in stored:
+            programs.update(_compositions(model, source, name, converter, from_keys, expected))
+    return keys, programs
+
+
+def _compositions(model: nn.Module, source: SafetensorsSource, name: str, converter: Any, from_keys: list[str],
+                  expected: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """The programs of the parameters `converter` makes (one, or several for a split), checked
+    against the model's shapes."""
+    shown = ", ".join(repr(k) for k in from_keys[:4]) + (", ..." if len(from_keys) > 4 else "")
+    what = (f"load_paged: parameter {name!r} of {type(model).__name__} is made by transformers' checkpoint "
+            f"conversion {converter!r} from {shown} of {source.path()}")
+    advice = ("Load the model with from_pretrained and save it with save_pretrained(folder, "
+              "save_original_format=False), whose files hold the converted tensors, then load_paged that folder")
+    try:
+        converted = converter.convert(name, model=model, config=getattr(model, "config", None))
+    except _Inexpressible as error:
+        raise ValueError(f"{what}, which {error}: torch_ext pages tensors made from stored ones by stacking, "
+                         f"concatenating, slicing, transposing and reshaping them, nothing else. {advice}") from None
+    except Exception as error:  # the conversion needs a real tensor (arithmetic, a type check)
+        raise ValueError(f"{what}, which does more than lay the stored tensors out ({type(error).__name__}: "
+                         f"{error}). {advice}") from error
+    programs = {}
+    for target, layout in converted.items():
+        if not isinstance(layout, _Layout) or target not in expected:
+            raise ValueError(f"{what}, which made {target!r} ({type(layout).__name__}), not a parameter of the "
+                             f"model laid out from stored tensors. {advice}")
+        if tuple(layout.shape) != tuple(expected[target].shape):
+            raise ValueError(f"{what}: it lays them out as {tuple(layout.shape)} where the model's {target!r} is "
+                             f"{tuple(expected[target].shape)}")
+        programs[target] = layout.program
+    return programs
+
+
+class _Inexpressible(Exception):
+    """A conversion applied something other than a layout op; the message says what."""
+
+
+class _Layout:
+    """A stand-in for a stored tensor, or for layout ops over stored tensors, that transformers'
+    conversion ops (MergeModulelist, Concatenate, Chunk, Split, Transpose, Interleave) take for a
+    tensor: torch.stack / cat / chunk / split / transpose / reshape and .contiguous() record
+    themselves as a composition program (SafetensorsSource.composed) and give shapes through meta
+    tensors; anything else raises _Inexpressible, naming it."""
+
+    def __init__(self, meta: torch.Tensor, program: list[str]) -> None:
+        self.meta = meta
+        self.program = program
+
+    @classmethod
+    def stored(cls, source: SafetensorsSource, key: str) -> _Layout:
+        return cls(source.meta(key), [f"tensor {key}"])
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.meta.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.meta.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.meta.ndim
+
+    def dim(self) -> int:
+        return self.meta.dim()
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.meta.size() if dim is None else self.meta.size(dim)
+
+    def contiguous(self, *args: Any, **kwargs: Any) -> _Layout:
+        return self  # the composition's result is contiguous, whatever the ops before
+
+    def transpose(self, dim0: int, dim1: int) -> _Layout:
+        return _Layout(self.meta.transpose(dim0, dim1), [*self.program, f"transpose {dim0} {dim1}"])
+
+    def reshape(self, *shape: Any) -> _Layout:
+        meta = self.meta.reshape(*shape)
+        return _Layout(meta, [*self.program, "reshape " + " ".join(str(size) for size in meta.shape)])
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[_Layout, ...]:
+        return self._pieces(torch.chunk(self.meta, chunks, dim), dim)
+
+    def split(self, split_size: Any, dim: int = 0) -> tuple[_Layout, ...]:
+        return self._pieces(torch.split(self.meta, split_size, dim), dim)
+
+    def _pieces(self, metas: tuple[torch.Tensor, ...], dim: int) -> tuple[_Layout, ...]:
+        pieces, start = [], 0
+        for meta in metas:
+            pieces.append(_Layout(meta, [*self.program, f"narrow {dim} {start} {meta.shape[dim]}"]))
+            start += meta.shape[dim]
+        return tuple(pieces)
+
+    def __getattr__(self, name: str) -> Any:
+        raise _Inexpressible(f"uses Tensor.{name}")
+
+    @staticmethod
+    def _joined(tensors: Any, dim: int = 0, *, op: str, join: Callable[..., torch.Tensor]) -> _Layout:
+        tensors = list(tensors)
+        if not all(isinstance(t, _Layout) for t in tensors):
+            raise _Inexpressible(f"applies torch.{op} to tensors not read from the file")
+        program = [item for t in tensors for item in t.program]
+        return _Layout(join([t.meta for t in tensors], dim), [*program, f"{op} {dim} {len(tensors)}"])
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.stack:
+            return cls._joined(*args, **kwargs, op="stack", join=torch.stack)
+        if func in (torch.cat, torch.concat, torch.concatenate):
+            return cls._joined(*args, **kwargs, op="cat", join=torch.cat)
+        if func in (torch.chunk, torch.split, torch.transpose, torch.reshape) and isinstance(args[0], _Layout):
+            return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+        raise _Inexpressible(f"applies {getattr(func, '__qualname__', func)}")
 
 
 def _load_buffers(model: nn.Module, source: SafetensorsSource, key_map: Any, device: torch.device, read: bool) -> None:

@@ -38,10 +38,12 @@ class _PagingState:
     stored: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
 
     def stored_tensor(self, key: str) -> torch.Tensor:
-        """The weight as stored: a zero-copy view of the source's file (CPU; the budget is not used)."""
+        """The weight as stored: a zero-copy view of the source's file, or for a composition (experts
+        stacked while loading) a copy (CPU; the budget is not used)."""
         t = self.stored.get(key)
         if t is None:
-            t = self.stored[key] = self.pager.source.view(key)
+            source = self.pager.source
+            t = self.stored[key] = source.view(key) if source.has_view(key) else source.load(key)
         return t
 
 

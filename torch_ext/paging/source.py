@@ -6,7 +6,7 @@ import numbers
 import operator
 import os
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -29,6 +29,20 @@ class SafetensorsSource(ScriptObjectFace):
             raise TypeError(f"SafetensorsSource: path must be a str or os.PathLike, got {type(path).__name__}")
         self.script_object = construct("SafetensorsSource", torch.classes.torch_ext.SafetensorsSource, os.fspath(path),
                                        **options)
+
+    def composed(self, programs: Mapping[str, Sequence[str]]) -> SafetensorsSource:
+        """This source, also serving compositions: {name: program}, each a tensor made from stored
+        tensors by layout ops (stack, cat, narrow, transpose, reshape; the program's spelling is in
+        csrc/torch_ext/paging/source.h). load_paged makes them from transformers' checkpoint
+        conversions (a layer's experts stacked into one tensor). A composition has no zero-copy
+        view; the stored tensors it reads leave names()."""
+        if not isinstance(programs, Mapping):
+            raise TypeError(f"SafetensorsSource.composed: programs must be a mapping of names to programs, got "
+                            f"{type(programs).__name__}")
+        face = object.__new__(SafetensorsSource)
+        face.script_object = self.script_object.composed({str(name): [str(op) for op in program]
+                                                          for name, program in programs.items()})
+        return face
 
     def dtype(self, name: str) -> torch.dtype:
         return self.script_object.meta(name).dtype

@@ -172,7 +172,7 @@ LayerPager::LayerPager(c10::intrusive_ptr<PagerSource> source, PagerOptions opti
     } else if (c10::isFloatingType(info.dtype) && options_.dtype) {
       e.dtype = *options_.dtype;
     }
-    e.view = *options_.zero_copy && e.dtype == info.dtype;
+    e.view = *options_.zero_copy && e.dtype == info.dtype && source_->has_view(name);
     copies = copies || !e.view;
     e.file_nbytes = info.nbytes;
     e.nbytes = e.dtype == info.dtype ? info.nbytes : info.nbytes / c10::elementSize(info.dtype) * c10::elementSize(e.dtype);
@@ -378,7 +378,7 @@ std::vector<at::Tensor> LayerPager::acquire_many(const std::vector<std::string>&
 }
 
 bool LayerPager::gathers_rows(const std::string& id) const {
-  return options_.device.type() == c10::kCPU && source_->supports_views() && source_->info(id).shape.size() == 2;
+  return options_.device.type() == c10::kCPU && source_->has_view(id) && source_->info(id).shape.size() == 2;
 }
 
 at::Tensor LayerPager::gather_rows(const std::string& id, const at::Tensor& indices) {
@@ -470,7 +470,7 @@ at::Tensor LayerPager::load_on_cpu(const Entry& e, at::Tensor recycled) {
     // Converted from the mapped file's pages, which go back to the system afterwards; a source
     // without views reads a copy in the stored dtype first.
     if (!out.defined()) out = at::empty(info.shape, at::TensorOptions().dtype(e.dtype));
-    if (source_->supports_views()) {
+    if (source_->has_view(e.id)) {
       out.copy_(source_->view(e.id));
       source_->release_pages(e.id);
     } else {

@@ -1,6 +1,7 @@
 // torch.classes.torch_ext.SafetensorsSource / LayerPager / PagerStats: weight paging for
 // TorchScript, Python and C++ programs that reach it through the dispatcher. Constructors take
 // the options of SourceOptions / PagerOptions as keywords, with those structs' defaults.
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -70,6 +71,16 @@ void register_source(torch::Library& m) {
           "A meta tensor with the stored tensor's dtype and shape (no data)")
       .def("nbytes", [](const Source& self, const std::string& name) { return self->info(name).nbytes; })
       .def("view", &SafetensorsSource::view, "Zero-copy view of the mapped file (writes stay private to this process)")
+      .def("has_view", &SafetensorsSource::has_view, "Whether view(name) is zero-copy (a composition has none)")
+      .def(
+          "composed",
+          [](const Source& self, const c10::Dict<std::string, std::vector<std::string>>& programs) {
+            std::map<std::string, std::vector<std::string>> by_name;
+            for (const auto& item : programs) by_name.emplace(item.key(), item.value());
+            return self->composed(by_name);
+          },
+          "This source also serving compositions {name: program} of its stored tensors (source.h: the program "
+          "ops); the tensors they read leave names()")
       .def(
           "load", [](const Source& self, const std::string& name) { return self->load(name, /*pin_memory=*/false); },
           "A copy in memory the caller owns")

@@ -7,14 +7,19 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 #include <tuple>
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
 #include "torch_ext/common/json.h"
@@ -167,6 +172,66 @@ struct SafetensorsSource::File {
                   ": the file was replaced after it was opened, reading tensor \"", tensor,
                   "\"; open it again (a SafetensorsSource requires its files to stay unchanged while in use)");
     }
+  }
+};
+
+// A composition's program as a tree: the stored tensors at its leaves, layout ops above them.
+struct SafetensorsSource::Composition {
+  enum class Op { kTensor, kStack, kCat, kNarrow, kTranspose, kReshape };
+  Op op = Op::kTensor;
+  std::string tensor;          // kTensor: the stored tensor's name
+  std::vector<int64_t> args;   // stack/cat: dim; narrow: dim, start, length; transpose: dims; reshape: shape
+  std::vector<Composition> parts;
+
+  // The result, each stored tensor given by `stored` (lazy views: nothing is copied but where an
+  // op must, as reshape of a non-contiguous tensor).
+  template <typename Stored>
+  at::Tensor value(const Stored& stored) const {
+    switch (op) {
+      case Op::kTensor: return stored(tensor);
+      case Op::kStack:
+      case Op::kCat: {
+        std::vector<at::Tensor> values;
+        for (const auto& part : parts) values.push_back(part.value(stored));
+        return op == Op::kStack ? at::stack(values, args[0]) : at::cat(values, args[0]);
+      }
+      case Op::kNarrow: return parts[0].value(stored).narrow(args[0], args[1], args[2]);
+      case Op::kTranspose: return parts[0].value(stored).transpose(args[0], args[1]);
+      case Op::kReshape: return parts[0].value(stored).reshape(args);
+    }
+    return {};
+  }
+
+  // The result written into `out` (its shape): a stack or concatenation writes each part into its
+  // slice of `out`, so no intermediate as large as the result is made.
+  template <typename Stored>
+  void write(const Stored& stored, const at::Tensor& out) const {
+    if (op == Op::kStack) {
+      const int64_t dim = c10::maybe_wrap_dim(args[0], out.dim());
+      for (size_t i = 0; i < parts.size(); ++i) parts[i].write(stored, out.select(dim, static_cast<int64_t>(i)));
+    } else if (op == Op::kCat) {
+      const int64_t dim = c10::maybe_wrap_dim(args[0], out.dim());
+      int64_t offset = 0;
+      for (const auto& part : parts) {
+        const int64_t size = part.size(dim);
+        part.write(stored, out.narrow(dim, offset, size));
+        offset += size;
+      }
+    } else {
+      out.copy_(value(stored));
+    }
+  }
+
+  std::vector<int64_t> shape;  // of the result, set when the program is checked
+  int64_t size(int64_t dim) const { return shape[static_cast<size_t>(dim)]; }
+
+  std::vector<std::string> leaves() const {
+    if (op == Op::kTensor) return {tensor};
+    std::vector<std::string> out;
+    for (const auto& part : parts) {
+      for (auto& leaf : part.leaves()) out.push_back(std::move(leaf));
+    }
+    return out;
   }
 };
 
@@ -460,14 +525,23 @@ std::vector<std::string> SafetensorsSource::files() const {
 
 void SafetensorsSource::read_into(const std::string& name, void* dst) const {
   const Entry& e = entry(name);
+  if (e.composition) {
+    compose_into(e, at::from_blob(dst, e.info.shape, at::TensorOptions().dtype(e.info.dtype)));
+    return;
+  }
   e.file->check_unchanged(name);
   pread_exact(e.file->fd, dst, e.info.nbytes, e.offset, e.file->path);
 }
 
 at::Tensor SafetensorsSource::load(const std::string& name, bool pin_memory) const {
   const Entry& e = entry(name);
-  e.file->check_unchanged(name);
   const auto options = at::TensorOptions().dtype(e.info.dtype).pinned_memory(pin_memory);
+  if (e.composition) {
+    at::Tensor out = at::empty(e.info.shape, options);
+    compose_into(e, out);
+    return out;
+  }
+  e.file->check_unchanged(name);
   if (!options_.direct_io || e.info.nbytes == 0) {
     at::Tensor out = at::empty(e.info.shape, options);
     advise_huge_pages(out.data_ptr(), e.info.nbytes);
@@ -507,6 +581,8 @@ at::Tensor SafetensorsSource::load(const std::string& name, bool pin_memory) con
 
 at::Tensor SafetensorsSource::view(const std::string& name) const {
   const Entry& e = entry(name);
+  TORCH_CHECK(!e.composition, path_, ": \"", name, "\" is a composition of stored tensors, not stored itself: it has ",
+              "no zero-copy view (load() it)");
   if (e.info.nbytes == 0) return at::empty(e.info.shape, at::TensorOptions().dtype(e.info.dtype));
   e.file->check_unchanged(name);
   char* data = e.file->map + e.offset;
@@ -517,6 +593,10 @@ at::Tensor SafetensorsSource::view(const std::string& name) const {
 
 void SafetensorsSource::populate(const std::string& name) const {
   const Entry& e = entry(name);
+  if (e.composition) {
+    for (const auto& leaf : e.composition->leaves()) populate(leaf);
+    return;
+  }
   if (e.info.nbytes == 0) return;
   e.file->check_unchanged(name);
   const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
@@ -534,11 +614,162 @@ void SafetensorsSource::populate(const std::string& name) const {
 
 void SafetensorsSource::release_pages(const std::string& name) const {
   const Entry& e = entry(name);
+  if (e.composition) {
+    for (const auto& leaf : e.composition->leaves()) release_pages(leaf);
+    return;
+  }
   const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   // Only pages wholly inside the tensor: its neighbours may still be in use.
   const auto begin = (reinterpret_cast<uintptr_t>(e.file->map + e.offset) + page - 1) & ~(page - 1);
   const auto end = reinterpret_cast<uintptr_t>(e.file->map + e.offset + e.info.nbytes) & ~(page - 1);
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+
+namespace {
+
+std::vector<int64_t> program_integers(const std::string& text, const std::string& what) {
+  std::vector<int64_t> out;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] == ' ' || text[i] == ',') {
+      ++i;
+      continue;
+    }
+    int64_t value = 0;
+    const auto [end, ec] = std::from_chars(text.data() + i, text.data() + text.size(), value);
+    TORCH_CHECK_VALUE(ec == std::errc() && (end == text.data() + text.size() || *end == ' ' || *end == ','), what,
+                      ": expected integers, got \"", text, "\"");
+    out.push_back(value);
+    i = static_cast<size_t>(end - text.data());
+  }
+  return out;
+}
+
+// Parses a postfix program into its tree; raises ValueError naming `what` and the op.
+SafetensorsSource::Composition parse_program(const std::vector<std::string>& program, const std::string& what) {
+  using Composition = SafetensorsSource::Composition;
+  using Op = Composition::Op;
+  std::vector<Composition> stack;
+  for (const auto& item : program) {
+    const auto space = item.find(' ');
+    const std::string op = item.substr(0, space);
+    const std::string rest = space == std::string::npos ? "" : item.substr(space + 1);
+    const std::string where = what + ": \"" + item + "\"";
+    Composition node;
+    if (op == "tensor") {
+      TORCH_CHECK_VALUE(!rest.empty(), where, ": names no tensor");
+      node.tensor = rest;
+      stack.push_back(std::move(node));
+      continue;
+    }
+    node.args = program_integers(rest, where);
+    size_t pops = 1;
+    if (op == "stack" || op == "cat") {
+      node.op = op == "stack" ? Op::kStack : Op::kCat;
+      TORCH_CHECK_VALUE(node.args.size() == 2 && node.args[1] >= 1, where, ": expected \"", op, " DIM N\" with N >= 1");
+      pops = static_cast<size_t>(node.args[1]);
+      node.args.resize(1);
+    } else if (op == "narrow") {
+      node.op = Op::kNarrow;
+      TORCH_CHECK_VALUE(node.args.size() == 3, where, ": expected \"narrow DIM START LENGTH\"");
+    } else if (op == "transpose") {
+      node.op = Op::kTranspose;
+      TORCH_CHECK_VALUE(node.args.size() == 2, where, ": expected \"transpose DIM0 DIM1\"");
+    } else if (op == "reshape") {
+      node.op = Op::kReshape;
+    } else {
+      TORCH_CHECK_VALUE(false, where, ": unknown op \"", op,
+                        "\" (expected tensor, stack, cat, narrow, transpose or reshape)");
+    }
+    TORCH_CHECK_VALUE(stack.size() >= pops, where, ": needs ", pops, " tensor(s), the program has ", stack.size(),
+                      " before it");
+    node.parts.assign(std::make_move_iterator(stack.end() - static_cast<std::ptrdiff_t>(pops)),
+                      std::make_move_iterator(stack.end()));
+    stack.resize(stack.size() - pops);
+    stack.push_back(std::move(node));
+  }
+  TORCH_CHECK_VALUE(stack.size() == 1, what, ": a program must leave one tensor, it leaves ", stack.size());
+  return std::move(stack.back());
+}
+
+// Sets the shape of every node, running the ops on meta tensors.
+at::Tensor check_shapes(SafetensorsSource::Composition& node, const std::function<at::Tensor(const std::string&)>& stored) {
+  at::Tensor result;
+  if (node.op == SafetensorsSource::Composition::Op::kTensor) {
+    result = stored(node.tensor);
+  } else {
+    for (auto& part : node.parts) check_shapes(part, stored);
+    result = node.value(stored);
+  }
+  node.shape = result.sizes().vec();
+  return result;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<SafetensorsSource> SafetensorsSource::composed(
+    const std::map<std::string, std::vector<std::string>>& programs) const {
+  auto out = c10::make_intrusive<SafetensorsSource>(*this);
+  std::unordered_map<std::string, std::vector<std::string>> readers;  // stored tensor -> the compositions reading it
+  for (const auto& [name, program] : programs) {
+    const std::string what = path_ + ": composition \"" + name + "\"";
+    TORCH_CHECK_VALUE(entries_.count(name) == 0, what, ": the file holds a tensor of that name");
+    auto composition = std::make_shared<Composition>(parse_program(program, what));
+    std::optional<at::ScalarType> dtype;
+    for (const auto& leaf : composition->leaves()) {
+      const auto stored = entries_.find(leaf);
+      TORCH_CHECK_VALUE(stored != entries_.end() && !stored->second.composition, what, ": reads \"", leaf,
+                        "\", which the file does not hold");
+      TORCH_CHECK_VALUE(!dtype || *dtype == stored->second.info.dtype, what, ": reads \"", leaf, "\" stored as ",
+                        stored->second.info.dtype, " and other tensors stored as ", *dtype,
+                        " (a composition's tensors have one dtype)");
+      dtype = stored->second.info.dtype;
+      readers[leaf].push_back(name);
+    }
+    at::Tensor meta;
+    try {
+      meta = check_shapes(*composition, [this](const std::string& leaf) {
+        const TensorInfo& info = entries_.at(leaf).info;
+        return at::empty(info.shape, at::TensorOptions().dtype(info.dtype).device(c10::kMeta));
+      });
+    } catch (const c10::Error& error) {
+      TORCH_CHECK_VALUE(false, what, ": its program does not apply to the stored tensors' shapes: ",
+                        error.what_without_backtrace());
+    } catch (const std::exception& error) {  // a meta kernel written in Python (torch._meta_registrations)
+      TORCH_CHECK_VALUE(false, what, ": its program does not apply to the stored tensors' shapes: ", error.what());
+    }
+    Entry e;
+    e.info.name = name;
+    e.info.dtype = meta.scalar_type();
+    e.info.shape = meta.sizes().vec();
+    e.info.nbytes = meta.numel() * static_cast<int64_t>(meta.element_size());
+    e.composition = std::move(composition);
+    out->entries_[name] = std::move(e);
+  }
+  // Each composition goes where the first tensor it reads was (in file order).
+  out->order_.clear();
+  std::unordered_set<std::string> listed;
+  for (const auto& name : order_) {
+    const auto it = readers.find(name);
+    if (it == readers.end()) {
+      out->order_.push_back(name);
+      continue;
+    }
+    for (const auto& composition : it->second) {
+      if (listed.insert(composition).second) out->order_.push_back(composition);
+    }
+  }
+  return out;
+}
+
+bool SafetensorsSource::has_view(const std::string& name) const { return !entry(name).composition; }
+
+void SafetensorsSource::compose_into(const Entry& e, at::Tensor out) const {
+  e.composition->write([this](const std::string& leaf) { return view(leaf); }, out);
+  // The parts were read through the mapping: give their pages back, as a copy read with pread
+  // leaves none mapped (another reader of a part faults its pages in again from the file).
+  for (const auto& leaf : e.composition->leaves()) release_pages(leaf);
 }
 
 }  // namespace torch_ext::paging

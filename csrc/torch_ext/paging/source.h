@@ -49,6 +49,8 @@ class PagerSource : public torch::CustomClassHolder {
   // Zero-copy sources (a mapped file): view() aliases the stored bytes; populate() maps them in
   // ahead of use; release_pages() returns their memory to the system (the data stays stored).
   virtual bool supports_views() const { return false; }
+  // Whether view(name) is zero-copy for this tensor (a source with views may hold some without).
+  virtual bool has_view(const std::string& name) const { return supports_views(); }
   virtual at::Tensor view(const std::string& name) const {
     TORCH_CHECK(false, describe(), ": this source serves no zero-copy views");
   }
@@ -93,14 +95,35 @@ class SafetensorsSource : public PagerSource {
   const SourceOptions& options() const { return options_; }
   const std::string& path() const { return path_; }
 
-  struct File;  // one mapped .safetensors file
+  // This source, also serving compositions: tensors a model needs that the file holds in parts
+  // (transformers' checkpoint conversions: experts stacked into one tensor, projections
+  // concatenated, split or transposed). programs: {name: its program}, postfix layout ops over
+  // stored tensors, one op per item:
+  //   "tensor NAME"                            push the stored tensor NAME
+  //   "stack DIM N", "cat DIM N"               pop N, push them stacked / concatenated along DIM
+  //   "narrow DIM START LENGTH"                pop 1, push that slice
+  //   "transpose DIM0 DIM1", "reshape S0 S1 ..."  pop 1, push it transposed / reshaped
+  // Each program is run on meta tensors here: one result, its tensors of one dtype, every op valid,
+  // else ValueError naming the composition and the op. names() lists each composition in place of
+  // the first tensor it reads, and no longer the stored tensors compositions read (contains(),
+  // info() and view() still take them). load() and read_into() of a composition write each stored
+  // part from the mapped file straight to its place in the result (direct_io does not apply: the parts
+  // are read through the mapping); a composition has no view (has_view false).
+  c10::intrusive_ptr<SafetensorsSource> composed(const std::map<std::string, std::vector<std::string>>& programs) const;
+  bool has_view(const std::string& name) const override;
+
+  struct File;         // one mapped .safetensors file
+  struct Composition;  // a parsed program
 
  private:
   struct Entry {
     TensorInfo info;
-    std::shared_ptr<File> file;
-    int64_t offset = 0;  // absolute offset of the data in the file
+    std::shared_ptr<File> file;  // null for a composition
+    int64_t offset = 0;          // absolute offset of the data in the file
+    std::shared_ptr<const Composition> composition;
   };
+  // The composition's result written into `out` (its shape and dtype), part by part.
+  void compose_into(const Entry& e, at::Tensor out) const;
   const Entry& entry(const std::string& name) const;
   void add_file(const std::string& file_path, const std::vector<std::string>* expected);
   void map_file(File& file) const;
