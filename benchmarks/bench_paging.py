@@ -290,6 +290,9 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true",
                         help="only Hugging Face GPT-2 from a folder against accelerate, and adapter training over it "
                              "(benchmarks/paging_hf.py): results/paging_hf, paging_hf_train")
+    parser.add_argument("--moe", action="store_true",
+                        help="only a Mixtral stored per expert against the same saved fused "
+                             "(benchmarks/paging_moe.py): results/paging_moe")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -300,6 +303,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         child(args)
+        return
+    if args.moe:  # experts fused while loading, paged as compositions (benchmarks/paging_moe.py)
+        import paging_moe
+
+        paging_moe.run(args, "python benchmarks/bench_paging.py " + " ".join(sys.argv[1:]))
         return
     if args.hf:  # issue 18's benchmark (benchmarks/paging_hf.py)
         import paging_hf
