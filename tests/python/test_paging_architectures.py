@@ -44,6 +44,10 @@ ARCHITECTURES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(KV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                               head_dim=8), "causal"),
     "olmoe": ("OlmoeForCausalLM", dict(KV, num_experts=4, num_experts_per_tok=2), "causal"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                                                  kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                                  qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1), "causal"),
     "bert": ("BertForMaskedLM", {}, "masked"),
     "roberta": ("RobertaForMaskedLM", dict(pad_token_id=1), "masked"),
     "distilbert": ("DistilBertForMaskedLM", dict(dim=32, n_heads=4, hidden_dim=64, n_layers=2), "masked"),
@@ -161,7 +165,7 @@ def test_an_fp32_checkpoint_serves_bf16_and_the_budget_counts_converted_bytes(fo
     assert pager.resident_bytes() * 2 == pager.source.total_bytes() - pager.source.nbytes(embedding)
 
 
-FUSED_WHILE_LOADING = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FUSED_WHILE_LOADING = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("model_type", FUSED_WHILE_LOADING)
