@@ -111,5 +111,6 @@ def run(args, command: str) -> None:
     report.notes.append(f"Largest tensor {format_bytes(largest)} (a layer's fused gate_up_proj). \"Read per forward\" "
                         f"is the pager's bytes_loaded per round over the {rounds} rounds (warm-up included): bytes "
                         f"paged in, copied from the file (compositions) or mapped (views).")
-    report.add_checks([("every paged model's logits equal from_pretrained's from the same folder", all(equal.values()))])
+    report.add_checks([("every paged model's logits equal from_pretrained's from the same folder",
+                        all(equal.values()))])
     report.write()

@@ -149,7 +149,8 @@ TEST(PagingSource, CompositionsStackAndConcatenateStoredTensorsAndPageLikeThem) 
   stored.emplace_back("norm", values(3, -1));
   write_bytes(path, safetensors_bytes(stored));
   auto composed = open(path)->composed(
-      {{"gate_up", {"tensor e0.w1", "tensor e1.w1", "stack 0 2", "tensor e0.w3", "tensor e1.w3", "stack 0 2", "cat 1 2"}},
+      {{"gate_up",
+        {"tensor e0.w1", "tensor e1.w1", "stack 0 2", "tensor e0.w3", "tensor e1.w3", "stack 0 2", "cat 1 2"}},
        {"up_t", {"tensor e1.w3", "transpose 0 1"}}});
   const at::Tensor gate_up = at::cat({at::stack({stored[0].second, stored[2].second}),
                                       at::stack({stored[1].second, stored[3].second})}, 1);

@@ -213,6 +213,31 @@ def test_a_conversion_that_computes_is_refused_naming_the_parameter_and_the_op(f
         torch_ext.load_paged(folders("mixtral", torch.float32), "30%")
 
 
+@pytest.mark.parametrize("damage", ["an expert of another shape", "an expert missing"])
+def test_experts_that_do_not_fit_the_model_are_refused_naming_the_parameter(folders, tmp_path, damage):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "mixtral"
+    shutil.copytree(folders("mixtral", torch.float32), folder)
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    key = next(k for k in index["weight_map"] if ".layers.1." in k and ".experts.3.w1." in k)
+    shard = folder / index["weight_map"][key]
+    tensors = load_file(shard)
+    if damage == "an expert missing":
+        del tensors[key], index["weight_map"][key]
+        index_file.write_text(json.dumps(index))
+    else:
+        tensors[key] = torch.zeros(tensors[key].shape[0] + 1, tensors[key].shape[1])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"parameter 'model\.layers\.1\.mlp\.experts\.gate_up_proj' of "
+                                         r"MixtralForCausalLM is made by transformers' checkpoint conversion"):
+        torch_ext.load_paged(folder, "30%")
+
+
 @pytest.mark.parametrize("model_type", FUSED_WHILE_LOADING[:2])
 def test_a_folder_saved_in_the_converted_format_pages(tmp_path, model_type):
     cls, changes, _ = ARCHITECTURES[model_type]

@@ -41,9 +41,9 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
     converting stored tensors (a layer's experts stacked and concatenated into one, a fused
     projection split) is paged as a composition of them (SafetensorsSource.composed), read from
     the file part by part each time it is paged in; a conversion that computes rather than lays
-    tensors out is refused, naming the parameter and the conversion. Tied weights are one pager entry, the file may omit the tied
-    copy. A file stored in another dtype than `dtype` is converted as it is paged in. Nothing but
-    the files' headers (and persistent buffers) is read."""
+    tensors out is refused, naming the parameter and the conversion. Tied weights are one pager
+    entry, the file may omit the tied copy. A file stored in another dtype than `dtype` is
+    converted as it is paged in. Nothing but the files' headers (and persistent buffers) is read."""
     source_path, folder = _locate(path)
     source = SafetensorsSource(source_path)
     if model_fn is None:
@@ -214,8 +214,8 @@ def _compositions(model: nn.Module, source: SafetensorsSource, name: str, conver
     except _Inexpressible as error:
         raise ValueError(f"{what}, which {error}: torch_ext pages tensors made from stored ones by stacking, "
                          f"concatenating, slicing, transposing and reshaping them, nothing else. {advice}") from None
-    except Exception as error:  # the conversion needs a real tensor (arithmetic, a type check)
-        raise ValueError(f"{what}, which does more than lay the stored tensors out ({type(error).__name__}: "
+    except Exception as error:  # stored shapes that do not fit, or a conversion that needs a real tensor
+        raise ValueError(f"{what}, which fails on stand-ins of the stored tensors ({type(error).__name__}: "
                          f"{error}). {advice}") from error
     programs = {}
     for target, layout in converted.items():

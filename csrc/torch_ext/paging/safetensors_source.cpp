@@ -694,7 +694,8 @@ SafetensorsSource::Composition parse_program(const std::vector<std::string>& pro
 }
 
 // Sets the shape of every node, running the ops on meta tensors.
-at::Tensor check_shapes(SafetensorsSource::Composition& node, const std::function<at::Tensor(const std::string&)>& stored) {
+at::Tensor check_shapes(SafetensorsSource::Composition& node,
+                        const std::function<at::Tensor(const std::string&)>& stored) {
   at::Tensor result;
   if (node.op == SafetensorsSource::Composition::Op::kTensor) {
     result = stored(node.tensor);
