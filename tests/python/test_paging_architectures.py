@@ -185,6 +185,9 @@ def test_experts_fused_while_loading_are_compositions_of_the_stored_tensors(fold
     assert any(".experts.0." in name for name in torch_ext.SafetensorsSource(tmp_path).names())
     again = getattr(transformers, cls).from_pretrained(tmp_path).eval()
     check_equal(paged, again, kind)
+    torch_ext.unpage(paged)                                                  # the fused tensors, resident
+    assert not torch_ext.paging.is_paged(paged)
+    check_equal(paged, again, kind)
 
 
 class Doubled(transformers.core_model_loading.ConversionOps):
