@@ -117,3 +117,36 @@ def test_bad_programs_raise_naming_the_composition_and_the_op(experts, programs,
     with pytest.raises(ValueError, match=message):
         source.composed(programs)
     assert set(source.names()) == set(t) | {"i"}
+
+
+def test_transformers_conversion_ops_record_the_programs_that_give_their_results(experts):
+    """Each layout op of transformers' checkpoint conversions, run on load_paged's stand-ins of
+    the stored tensors, records a program whose composition equals the op run on the tensors."""
+    core = pytest.importorskip("transformers.core_model_loading")
+    from torch_ext.paging.hf import _Layout
+
+    path, t = experts
+    source = torch_ext.SafetensorsSource(path)
+    w1 = [f"l0.experts.{e}.w1" for e in range(3)]
+    w3 = [f"l0.experts.{e}.w3" for e in range(3)]
+    cases = [  # (ops, {source pattern: stored names}, target patterns)
+        ([core.MergeModulelist(dim=0), core.Concatenate(dim=1)], {"w1": w1, "w3": w3}, ["gate_up"]),
+        ([core.MergeModulelist(dim=0)], {"w2": [f"l0.experts.{e}.w2" for e in range(3)]}, ["down"]),
+        ([core.Chunk(dim=0)], {"qkv": ["qkv"]}, ["q", "k", "v"]),
+        ([core.Transpose(0, 1)], {"qkv": ["qkv"]}, ["qkv_t"]),
+        ([core.Interleave(dim=0)], {"qkv": ["l0.experts.0.w2"]}, ["interleaved"]),
+        ([core.Interleave(dim=1), core.Chunk(dim=1)], {"w1": ["l0.experts.1.w1"]}, ["a", "b"]),
+    ]
+    for ops, inputs, targets in cases:
+        def run(tensor_of):
+            collected = {pattern: [tensor_of(name) for name in names] for pattern, names in inputs.items()}
+            for op in ops:
+                collected = op.convert(collected, source_patterns=list(inputs), target_patterns=targets)
+            return collected
+
+        expected = run(lambda name: t[name])
+        recorded = run(lambda name: _Layout.stored(source, name))
+        composed = source.composed({name: layout.program for name, layout in recorded.items()})
+        assert set(recorded) == set(expected) == set(targets)
+        for name, want in expected.items():
+            assert torch.equal(composed.load(name), want), (ops, name)
