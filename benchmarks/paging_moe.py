@@ -58,8 +58,10 @@ def run(args, command: str) -> None:
             # can round differently in torch's CPU matmul (from_pretrained maps the fused folder's
             # file too, at an offset that is not 64-byte aligned: its logits differ from the
             # per-expert folder's in the last bits)
+            reference = resident if stored == "per-expert" else \
+                transformers.MixtralForCausalLM.from_pretrained(folder).eval()
             with torch.no_grad():
-                expected = transformers.MixtralForCausalLM.from_pretrained(folder).eval()(ids).logits
+                expected = reference(ids).logits
             for percent in BUDGETS:
                 name = f"{stored} {percent}%"
                 say(f"load_paged {name}")

@@ -183,23 +183,27 @@ struct SafetensorsSource::Composition {
   std::vector<int64_t> args;   // stack/cat: dim; narrow: dim, start, length; transpose: dims; reshape: shape
   std::vector<Composition> parts;
 
+  // The op applied to its parts' results (a stored tensor has no op: `stored` gives it).
+  at::Tensor apply(const std::vector<at::Tensor>& inputs) const {
+    switch (op) {
+      case Op::kStack: return at::stack(inputs, args[0]);
+      case Op::kCat: return at::cat(inputs, args[0]);
+      case Op::kNarrow: return inputs[0].narrow(args[0], args[1], args[2]);
+      case Op::kTranspose: return inputs[0].transpose(args[0], args[1]);
+      case Op::kReshape: return inputs[0].reshape(args);
+      case Op::kTensor: break;
+    }
+    TORCH_INTERNAL_ASSERT(false, "Composition::apply on a stored tensor");
+  }
+
   // The result, each stored tensor given by `stored` (lazy views: nothing is copied but where an
   // op must, as reshape of a non-contiguous tensor).
   template <typename Stored>
   at::Tensor value(const Stored& stored) const {
-    switch (op) {
-      case Op::kTensor: return stored(tensor);
-      case Op::kStack:
-      case Op::kCat: {
-        std::vector<at::Tensor> values;
-        for (const auto& part : parts) values.push_back(part.value(stored));
-        return op == Op::kStack ? at::stack(values, args[0]) : at::cat(values, args[0]);
-      }
-      case Op::kNarrow: return parts[0].value(stored).narrow(args[0], args[1], args[2]);
-      case Op::kTranspose: return parts[0].value(stored).transpose(args[0], args[1]);
-      case Op::kReshape: return parts[0].value(stored).reshape(args);
-    }
-    return {};
+    if (op == Op::kTensor) return stored(tensor);
+    std::vector<at::Tensor> inputs;
+    for (const auto& part : parts) inputs.push_back(part.value(stored));
+    return apply(inputs);
   }
 
   // The result written into `out` (its shape): a stack or concatenation writes each part into its
@@ -693,15 +697,16 @@ SafetensorsSource::Composition parse_program(const std::vector<std::string>& pro
   return std::move(stack.back());
 }
 
-// Sets the shape of every node, running the ops on meta tensors.
+// Sets the shape of every node, running the ops on meta tensors (each once).
 at::Tensor check_shapes(SafetensorsSource::Composition& node,
                         const std::function<at::Tensor(const std::string&)>& stored) {
   at::Tensor result;
   if (node.op == SafetensorsSource::Composition::Op::kTensor) {
     result = stored(node.tensor);
   } else {
-    for (auto& part : node.parts) check_shapes(part, stored);
-    result = node.value(stored);
+    std::vector<at::Tensor> inputs;
+    for (auto& part : node.parts) inputs.push_back(check_shapes(part, stored));
+    result = node.apply(inputs);
   }
   node.shape = result.sizes().vec();
   return result;
