@@ -23,9 +23,11 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
 #include "torch_ext/paging/layer_pager.h"
@@ -80,7 +82,7 @@ std::string safetensors_bytes(const std::vector<std::pair<std::string, at::Tenso
     for (int64_t d = 0; d < t.dim(); ++d) shape += (d ? "," : "") + std::to_string(t.size(d));
     const size_t begin = data.size();
     data.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-    const char* dtype = t.scalar_type() == at::kBFloat16 ? "BF16" : t.scalar_type() == at::kHalf ? "F16" : "F32";
+    const std::string dtype = pg::safetensors_dtype_name(t.scalar_type());
     header += (i ? "," : "") + std::string("\"") + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":[" + shape +
               "],\"data_offsets\":[" + std::to_string(begin) + "," + std::to_string(data.size()) + "]}";
   }
@@ -173,6 +175,34 @@ TEST(PagingSource, CompositionsStackAndConcatenateStoredTensorsAndPageLikeThem) 
   }
   expect_error([&] { open(path)->composed({{"x", {"tensor e0.w1", "tensor norm", "cat 0 2"}}}); },
                {"composition \"x\"", "does not apply"});
+}
+
+TEST(PagingSource, DequantizeCompositionsServeFp8WeightsInPlaceOfTheStoredOnes) {
+  TempDir dir;
+  const auto path = dir.file("q.safetensors");
+  // an FP8 weight of 4x8 in two 4x4 blocks, with one float32 scale a block, as FP8 checkpoints store them
+  const at::Tensor weight = values(32, -16).view({4, 8}).to(at::kFloat8_e4m3fn);
+  const at::Tensor scales = at::tensor({2.0f, 0.25f}).view({1, 2});
+  write_bytes(path, safetensors_bytes({{"w", weight}, {"w_scale_inv", scales}, {"norm", values(3, -1)}}));
+  auto composed = open(path)->composed({{"w", {"tensor w", "tensor w_scale_inv", "dequantize"}}});
+  const at::Tensor expected = weight.to(at::kFloat).mul(at::cat({at::full({4, 4}, 2.0f), at::full({4, 4}, 0.25f)}, 1));
+  EXPECT_EQ(composed->names(), (std::vector<std::string>{"w", "norm"}));
+  EXPECT_EQ(composed->info("w").dtype, at::kFloat);
+  EXPECT_FALSE(composed->has_view("w"));
+  EXPECT_TRUE(at::equal(composed->load("w"), expected));
+  for (const bool zero_copy : {false, true}) {
+    pg::PagerOptions options;
+    options.budget_bytes = composed->info("w").nbytes;
+    options.zero_copy = zero_copy;
+    auto pager = c10::make_intrusive<pg::LayerPager>(composed, options);
+    EXPECT_TRUE(at::equal(pager->acquire("w"), expected));
+    EXPECT_TRUE(at::equal(pager->acquire("norm"), values(3, -1)));
+    EXPECT_TRUE(at::equal(pager->acquire("w"), expected));
+  }
+  expect_error([&] { open(path)->composed({{"norm", {"tensor w", "tensor w_scale_inv", "dequantize"}}}); },
+               {"composition \"norm\"", "holds a tensor of that name"});
+  expect_error([&] { open(path)->composed({{"x", {"tensor norm", "tensor w_scale_inv", "dequantize"}}}); },
+               {"\"dequantize\"", "the quantized tensor has 1 dims"});
 }
 
 TEST(PagingSource, DirectIoReadsTheSameBytes) {

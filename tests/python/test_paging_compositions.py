@@ -104,11 +104,12 @@ def test_a_pager_serves_compositions_within_its_budget(experts):
     ({"x": ["tensor qkv", "tensor norm"]}, r'composition "x": a program must leave one tensor, it leaves 2'),
     ({"x": ["cat 0 2"]}, r'composition "x": "cat 0 2": needs 2 tensor\(s\), the program has 0 before it'),
     ({"x": ["tensor qkv", "narrow 0 x 3"]}, r'"narrow 0 x 3": expected integers'),
-    ({"x": ["tensor qkv", "tensor norm", "cat 0 2"]}, r'composition "x": its program does not apply to the stored '
+    ({"x": ["tensor qkv", "tensor norm", "cat 0 2"]}, r'composition "x": "cat 0 2": does not apply to the stored '
                                                       r"tensors' shapes"),
-    ({"x": ["tensor qkv", "narrow 0 5 9"]}, r"does not apply to the stored tensors' shapes"),
-    ({"qkv": ["tensor norm"]}, r'composition "qkv": the file holds a tensor of that name'),
-    ({"x": ["tensor qkv", "tensor i", "cat 0 2"]}, r'reads "i" stored as Long and other tensors stored as Float'),
+    ({"x": ["tensor qkv", "narrow 0 5 9"]}, r'"narrow 0 5 9": does not apply to the stored tensors\' shapes'),
+    ({"qkv": ["tensor norm"]}, r'composition "qkv": the source holds a tensor of that name \(a composition may '
+                               r"take the name of a stored tensor only when it reads it"),
+    ({"x": ["tensor qkv", "tensor i", "cat 0 2"]}, r'"cat 0 2": joins tensors of Float and Long \(the tensor i\)'),
 ])
 def test_bad_programs_raise_naming_the_composition_and_the_op(experts, programs, message):
     path, t = experts

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import sys
 from pathlib import Path
@@ -43,11 +44,16 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
     the file part by part each time it is paged in; a conversion that computes rather than lays
     tensors out is refused, naming the parameter and the conversion. Tied weights are one pager
     entry, the file may omit the tied copy. A file stored in another dtype than `dtype` is
-    converted as it is paged in. Nothing but the files' headers (and persistent buffers) is read."""
+    converted as it is paged in. A checkpoint quantized with transformers' fp8 method (FP8 weights
+    and their block scales, DeepSeek-V3's format) is paged as from_pretrained loads it without an
+    FP8 GPU: each weight is dequantized as it is paged in (the file's FP8 bytes stay on disk), in
+    `dtype` (default: the config's); other quantization methods raise, naming the method. Nothing
+    but the files' headers (and persistent buffers) is read."""
     source_path, folder = _locate(path)
     source = SafetensorsSource(source_path)
+    scales = _block_scales(folder, source)
     if model_fn is None:
-        model = _from_config(folder, dtype if dtype is not None else _stored_dtype(source))
+        model = _from_config(folder, dtype, source)
     else:
         if not callable(model_fn):
             raise TypeError(f"load_paged: model_fn must be a callable returning an nn.Module, got "
@@ -60,9 +66,11 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
         if not isinstance(model, nn.Module):
             raise TypeError(f"load_paged: model_fn returned {type(model).__name__}, not an nn.Module")
     if not any(key in options for key in ("key_map", "strip_prefix", "add_prefix")) and _is_transformers_model(model):
-        options["key_map"], programs = transformers_checkpoint_keys(model, source)
-        if programs:
-            source = source.composed(programs)
+        options["key_map"], programs = transformers_checkpoint_keys(model, source, scales)
+    else:
+        programs = {weight: _dequantized(weight, scale) for weight, scale in scales.items()}
+    if programs:
+        source = source.composed(programs)
     _load_buffers(model, source, options.get("key_map"), torch.device(device), read=not options.get("buffers"))
     page_weights(model, source, budget_bytes, device=device, **options)
     return model.eval()
@@ -82,7 +90,7 @@ def _locate(path: Any) -> tuple[Path, Path]:
 
 
 def _stored_dtype(source: SafetensorsSource) -> torch.dtype | None:
-    """The dtype of the file's first floating-point tensor (the model is built in it)."""
+    """The dtype of the file's first floating-point tensor."""
     for name in source.names():
         dtype = source.dtype(name)
         if dtype.is_floating_point:
@@ -90,7 +98,49 @@ def _stored_dtype(source: SafetensorsSource) -> torch.dtype | None:
     return None
 
 
-def _from_config(folder: Path, dtype: torch.dtype | None) -> nn.Module:
+# How transformers names the block scales of an FP8 checkpoint's weight "X.weight" (its FP8
+# quantizer renames the other two spellings to the first).
+_SCALE_SUFFIXES = (".weight_scale_inv", ".qscale_weight", ".scale")
+_PACKED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.float4_e2m1fn_x2)
+
+
+def _block_scales(folder: Path, source: SafetensorsSource) -> dict[str, str]:
+    """{stored weight: its stored block scales} of a checkpoint whose config.json declares FP8
+    quantization (transformers' FineGrainedFP8Config: "quant_method": "fp8"), which from_pretrained
+    dequantizes as it loads on a machine without an FP8 GPU kernel; {} for an unquantized one.
+    Any other quantization method is refused: its tensors are not the model's weights."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return {}
+    try:
+        quantization = json.loads(config_file.read_text()).get("quantization_config")
+    except (ValueError, AttributeError):
+        return {}  # transformers reports a malformed config when it builds the model
+    if not quantization:
+        return {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method != "fp8":
+        raise ValueError(f"load_paged: {config_file} declares {method!r} quantization; torch_ext pages checkpoints "
+                         f"quantized with transformers' fp8 method (dequantizing their weights as they are paged "
+                         f"in) and unquantized ones, not {method!r}: its stored tensors are not the model's weights")
+    scales = {}
+    for name in source.names():
+        suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None or name.endswith("_l2_clip.scale"):
+            continue
+        weight = name[:-len(suffix)] + ".weight"
+        if weight in source and source.dtype(weight) in _PACKED_DTYPES:
+            scales[weight] = name
+    return scales
+
+
+def _dequantized(weight: str, scales: str) -> list[str]:
+    return [f"tensor {weight}", f"tensor {scales}", "dequantize"]
+
+
+def _from_config(folder: Path, dtype: torch.dtype | None, source: SafetensorsSource) -> nn.Module:
+    """The model of folder/config.json on the meta device, in `dtype`, else as from_pretrained's
+    dtype="auto" chooses: the config's dtype, else the file's first floating-point tensor's."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"load_paged: {config_file} is missing: a model is built from the folder's config.json "
@@ -101,6 +151,9 @@ def _from_config(folder: Path, dtype: torch.dtype | None) -> nn.Module:
         raise RuntimeError(f"load_paged: building the model of {config_file} needs transformers "
                            f"(pip install transformers==5.23.0), or pass model_fn=... to build it yourself") from error
     config = transformers.AutoConfig.from_pretrained(folder)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or _stored_dtype(source)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     architecture = (getattr(config, "architectures", None) or [None])[0]
     with parameters_on_meta():
         if architecture and hasattr(transformers, architecture):
@@ -111,6 +164,8 @@ def _from_config(folder: Path, dtype: torch.dtype | None) -> nn.Module:
             except ValueError:
                 model = transformers.AutoModel.from_config(config, dtype=dtype)
     _keep_in_float32(model, dtype)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # its weights are served dequantized, as from_pretrained's are
     generation_file = folder / "generation_config.json"
     if generation_file.is_file() and getattr(model, "generation_config", None) is not None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
@@ -161,7 +216,7 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource
+def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource, scales: dict[str, str] | None = None
                                  ) -> tuple[dict[str, str], dict[str, list[str]]]:
     """({parameter or buffer name: checkpoint key}, {parameter name: composition program}) as
     from_pretrained maps them: each key of the source is renamed by transformers' own machinery
@@ -169,8 +224,10 @@ def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource
     removed), in the order from_pretrained reads them. A parameter transformers makes by converting
     stored tensors (a layer's experts stacked and concatenated into one, a fused projection split)
     gets the program of a SafetensorsSource composition: transformers' own conversion ops are run
-    on stand-ins that record them (_Layout). Names in neither keep their own name. Raises naming
-    the parameter and the conversion when a conversion does more than lay tensors out."""
+    on stand-ins that record them (_Layout). Names in neither keep their own name. scales:
+    {stored weight: its block scales} (_block_scales): such a weight is read dequantized, by a
+    composition of its own name or inside the conversion that reads it. Raises naming the
+    parameter and the conversion when a conversion does more than lay tensors out."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
@@ -180,9 +237,13 @@ def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     expected = model.state_dict(keep_vars=True)
     prefix = getattr(model, "base_model_prefix", "") or None
+    scales = scales or {}
+    read_with_weights = set(scales.values())
     keys: dict[str, str] = {}
     converting: dict[str, tuple[WeightConverter, list[str]]] = {}
     for key in sorted(source.names(), key=dot_natural_key):
+        if key in read_with_weights:
+            continue
         name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
         if pattern is None:
             if name in expected:
@@ -190,10 +251,10 @@ def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource
         elif name in expected:
             # as from_pretrained: a converter of its own per parameter, its tensors in sorted key order
             converter, from_keys = converting.setdefault(name, (copy.deepcopy(by_pattern[pattern]), []))
-            converter.add_tensor(name, key, pattern, _Layout.stored(source, key))
+            converter.add_tensor(name, key, pattern, _Layout.stored(source, key, scales.get(key)))
             from_keys.append(key)
     stored = set(keys) | {name for name in expected if name in source}
-    programs: dict[str, list[str]] = {}
+    programs = {key: _dequantized(key, scales[key]) for key in keys.values() if key in scales}
     for name, (converter, from_keys) in converting.items():
         if name not in stored:
             programs.update(_compositions(model, source, name, converter, from_keys, expected))
@@ -245,8 +306,14 @@ class _Layout:
         self.program = program
 
     @classmethod
-    def stored(cls, source: SafetensorsSource, key: str) -> _Layout:
-        return cls(source.meta(key), [f"tensor {key}"])
+    def stored(cls, source: SafetensorsSource, key: str, scales: str | None = None) -> _Layout:
+        """The stored tensor `key`, dequantized by the stored `scales` if given."""
+        if scales is None:
+            return cls(source.meta(key), [f"tensor {key}"])
+        meta = source.meta(key)  # dequantize's result: float32, packed FP4 twice as wide
+        packed_fp4 = meta.dtype in (torch.int8, torch.float4_e2m1fn_x2)
+        shape = (*meta.shape[:-1], meta.shape[-1] * 2) if packed_fp4 else meta.shape
+        return cls(torch.empty(shape, dtype=torch.float32, device="meta"), _dequantized(key, scales))
 
     @property
     def shape(self) -> torch.Size:

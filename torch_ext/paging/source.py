@@ -32,10 +32,12 @@ class SafetensorsSource(ScriptObjectFace):
 
     def composed(self, programs: Mapping[str, Sequence[str]]) -> SafetensorsSource:
         """This source, also serving compositions: {name: program}, each a tensor made from stored
-        tensors by layout ops (stack, cat, narrow, transpose, reshape; the program's spelling is in
-        csrc/torch_ext/paging/source.h). load_paged makes them from transformers' checkpoint
-        conversions (a layer's experts stacked into one tensor). A composition has no zero-copy
-        view; the stored tensors it reads leave names()."""
+        tensors by layout ops (stack, cat, narrow, transpose, reshape) and block dequantization
+        (dequantize: FP8 or FP4 values times their block scales); the program's spelling is in
+        csrc/torch_ext/paging/source.h. load_paged makes them from transformers' checkpoint
+        conversions (a layer's experts stacked into one tensor) and from FP8 checkpoints. A
+        composition may take the name of a stored tensor it reads (a weight served dequantized in
+        its place). A composition has no zero-copy view; the stored tensors it reads leave names()."""
         if not isinstance(programs, Mapping):
             raise TypeError(f"SafetensorsSource.composed: programs must be a mapping of names to programs, got "
                             f"{type(programs).__name__}")

@@ -21,6 +21,7 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include "torch_ext/common/json.h"
 
@@ -175,15 +176,17 @@ struct SafetensorsSource::File {
   }
 };
 
-// A composition's program as a tree: the stored tensors at its leaves, layout ops above them.
+// A composition's program as a tree: the stored tensors at its leaves, ops above them.
 struct SafetensorsSource::Composition {
-  enum class Op { kTensor, kStack, kCat, kNarrow, kTranspose, kReshape };
+  enum class Op { kTensor, kStack, kCat, kNarrow, kTranspose, kReshape, kDequantize };
   Op op = Op::kTensor;
-  std::string tensor;          // kTensor: the stored tensor's name
+  std::string item;            // the program's text for this op (named in errors)
+  Entry stored;                // kTensor: the stored tensor (resolved when the program is checked)
   std::vector<int64_t> args;   // stack/cat: dim; narrow: dim, start, length; transpose: dims; reshape: shape
   std::vector<Composition> parts;
+  std::vector<int64_t> shape;  // of the result, set when the program is checked
 
-  // The op applied to its parts' results (a stored tensor has no op: `stored` gives it).
+  // The op applied to its parts' results (a stored tensor has no op: `read` gives it).
   at::Tensor apply(const std::vector<at::Tensor>& inputs) const {
     switch (op) {
       case Op::kStack: return at::stack(inputs, args[0]);
@@ -191,51 +194,103 @@ struct SafetensorsSource::Composition {
       case Op::kNarrow: return inputs[0].narrow(args[0], args[1], args[2]);
       case Op::kTranspose: return inputs[0].transpose(args[0], args[1]);
       case Op::kReshape: return inputs[0].reshape(args);
+      case Op::kDequantize: return dequantize_blocks(inputs[0], inputs[1]);
       case Op::kTensor: break;
     }
     TORCH_INTERNAL_ASSERT(false, "Composition::apply on a stored tensor");
   }
 
-  // The result, each stored tensor given by `stored` (lazy views: nothing is copied but where an
-  // op must, as reshape of a non-contiguous tensor).
-  template <typename Stored>
-  at::Tensor value(const Stored& stored) const {
-    if (op == Op::kTensor) return stored(tensor);
+  // The result, each stored tensor given by `read` (lazy views: nothing is copied but where an op
+  // must, as reshape of a non-contiguous tensor or a dequantization).
+  template <typename Read>
+  at::Tensor value(const Read& read) const {
+    if (op == Op::kTensor) return read(stored);
     std::vector<at::Tensor> inputs;
-    for (const auto& part : parts) inputs.push_back(part.value(stored));
+    for (const auto& part : parts) inputs.push_back(part.value(read));
     return apply(inputs);
   }
 
   // The result written into `out` (its shape): a stack or concatenation writes each part into its
   // slice of `out`, so no intermediate as large as the result is made.
-  template <typename Stored>
-  void write(const Stored& stored, const at::Tensor& out) const {
+  template <typename Read>
+  void write(const Read& read, const at::Tensor& out) const {
     if (op == Op::kStack) {
       const int64_t dim = c10::maybe_wrap_dim(args[0], out.dim());
-      for (size_t i = 0; i < parts.size(); ++i) parts[i].write(stored, out.select(dim, static_cast<int64_t>(i)));
+      for (size_t i = 0; i < parts.size(); ++i) parts[i].write(read, out.select(dim, static_cast<int64_t>(i)));
     } else if (op == Op::kCat) {
       const int64_t dim = c10::maybe_wrap_dim(args[0], out.dim());
       int64_t offset = 0;
       for (const auto& part : parts) {
-        const int64_t size = part.size(dim);
-        part.write(stored, out.narrow(dim, offset, size));
+        const int64_t size = part.shape[static_cast<size_t>(dim)];
+        part.write(read, out.narrow(dim, offset, size));
         offset += size;
       }
     } else {
-      out.copy_(value(stored));
+      out.copy_(value(read));
     }
   }
 
-  std::vector<int64_t> shape;  // of the result, set when the program is checked
-  int64_t size(int64_t dim) const { return shape[static_cast<size_t>(dim)]; }
-
-  std::vector<std::string> leaves() const {
-    if (op == Op::kTensor) return {tensor};
-    std::vector<std::string> out;
-    for (const auto& part : parts) {
-      for (auto& leaf : part.leaves()) out.push_back(std::move(leaf));
+  template <typename Fn>
+  void for_each_leaf(const Fn& fn) const {
+    if (op == Op::kTensor) {
+      fn(*this);
+    } else {
+      for (const auto& part : parts) part.for_each_leaf(fn);
     }
-    return out;
+  }
+  template <typename Fn>
+  void for_each_leaf(const Fn& fn) {
+    if (op == Op::kTensor) {
+      fn(*this);
+    } else {
+      for (auto& part : parts) part.for_each_leaf(fn);
+    }
+  }
+
+  // Blockwise dequantization as transformers' FP8 loader does it (Fp8Dequantize): `scales`' last
+  // two dims are a grid over `quantized`'s last two (they must divide them), each block multiplied
+  // by its scale in float32; leading dims (experts) pair up, or one grid serves them all. A
+  // floating-point `quantized` is read as its values; int8 and float4_e2m1fn_x2 as two packed
+  // FP4 (e2m1) values a byte, low nibble first. uint8 scales are E8M0 exponents (2^(s-127)).
+  static at::Tensor dequantize_blocks(const at::Tensor& quantized, const at::Tensor& scales) {
+    const auto qtype = quantized.scalar_type();
+    const bool packed_fp4 = qtype == at::kChar || qtype == at::kFloat4_e2m1fn_x2;
+    TORCH_CHECK_VALUE(packed_fp4 || at::isFloatingType(qtype), "the quantized tensor is ", qtype,
+                      " (expected a floating-point type, or int8 / float4_e2m1fn_x2 holding packed FP4)");
+    TORCH_CHECK_VALUE(at::isFloatingType(scales.scalar_type()) || scales.scalar_type() == at::kByte,
+                      "the scales are ", scales.scalar_type(), " (expected a floating-point type, or uint8 E8M0)");
+    TORCH_CHECK_VALUE(quantized.dim() >= 2, "the quantized tensor has ", quantized.dim(),
+                      " dims (expected 2 or more: a grid of blocks over its last two)");
+    const at::Tensor values = packed_fp4 ? unpack_fp4(quantized) : quantized.to(at::kFloat);
+    const int64_t rows = values.size(-2), cols = values.size(-1);
+    const int64_t scale_rows = scales.dim() >= 2 ? scales.size(-2) : 1;
+    const int64_t scale_cols = scales.dim() >= 2 ? scales.size(-1) : 1;
+    TORCH_CHECK_VALUE(scale_rows > 0 && scale_cols > 0 && rows % scale_rows == 0 && cols % scale_cols == 0,
+                      "scales of grid (", scale_rows, ", ", scale_cols, ") do not divide the quantized tensor's (",
+                      rows, ", ", cols, ")");
+    const int64_t groups = c10::multiply_integers(values.sizes().begin(), values.sizes().end() - 2);
+    const int64_t scale_groups =
+        scales.dim() >= 2 ? c10::multiply_integers(scales.sizes().begin(), scales.sizes().end() - 2) : scales.numel();
+    TORCH_CHECK_VALUE(scale_groups == groups || scale_groups == 1, "scales of shape ", scales.sizes(),
+                      " hold ", scale_groups, " grid(s) for the quantized tensor's ", groups, " of shape ",
+                      values.sizes());
+    const at::Tensor factors =
+        scales.scalar_type() == at::kByte ? scales.to(at::kFloat).sub(127).exp2() : scales.to(at::kFloat);
+    const at::Tensor blocks = values.reshape({groups, scale_rows, rows / scale_rows, scale_cols, cols / scale_cols});
+    return blocks.mul(factors.reshape({scale_groups, scale_rows, 1, scale_cols, 1})).reshape(values.sizes());
+  }
+
+  static at::Tensor unpack_fp4(const at::Tensor& packed) {
+    static const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                    -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+    const at::Tensor table =
+        at::from_blob(const_cast<float*>(kE2M1), {16}, at::TensorOptions().dtype(at::kFloat)).to(packed.device());
+    const at::Tensor bytes = packed.contiguous().view(at::kByte).to(at::kLong).flatten();
+    std::vector<int64_t> shape = packed.sizes().vec();
+    shape.back() *= 2;
+    return at::stack({table.index_select(0, bytes.bitwise_and(15)),
+                      table.index_select(0, bytes.bitwise_right_shift(4).bitwise_and(15))}, -1)
+        .reshape(shape);
   }
 };
 
@@ -539,12 +594,17 @@ void SafetensorsSource::read_into(const std::string& name, void* dst) const {
 
 at::Tensor SafetensorsSource::load(const std::string& name, bool pin_memory) const {
   const Entry& e = entry(name);
-  const auto options = at::TensorOptions().dtype(e.info.dtype).pinned_memory(pin_memory);
   if (e.composition) {
-    at::Tensor out = at::empty(e.info.shape, options);
+    at::Tensor out = at::empty(e.info.shape, at::TensorOptions().dtype(e.info.dtype).pinned_memory(pin_memory));
     compose_into(e, out);
     return out;
   }
+  return load_of(e, pin_memory);
+}
+
+at::Tensor SafetensorsSource::load_of(const Entry& e, bool pin_memory) const {
+  const std::string& name = e.info.name;
+  const auto options = at::TensorOptions().dtype(e.info.dtype).pinned_memory(pin_memory);
   e.file->check_unchanged(name);
   if (!options_.direct_io || e.info.nbytes == 0) {
     at::Tensor out = at::empty(e.info.shape, options);
@@ -587,10 +647,14 @@ at::Tensor SafetensorsSource::view(const std::string& name) const {
   const Entry& e = entry(name);
   TORCH_CHECK(!e.composition, path_, ": \"", name, "\" is a composition of stored tensors, not stored itself: it has ",
               "no zero-copy view (load() it)");
+  return view_of(e);
+}
+
+at::Tensor SafetensorsSource::view_of(const Entry& e) const {
   if (e.info.nbytes == 0) return at::empty(e.info.shape, at::TensorOptions().dtype(e.info.dtype));
-  e.file->check_unchanged(name);
+  e.file->check_unchanged(e.info.name);
   char* data = e.file->map + e.offset;
-  if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.info.dtype) != 0) return load(name);
+  if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(e.info.dtype) != 0) return load_of(e, false);
   std::shared_ptr<File> keep = e.file;
   return at::from_blob(data, e.info.shape, [keep](void*) {}, at::TensorOptions().dtype(e.info.dtype));
 }
@@ -598,18 +662,22 @@ at::Tensor SafetensorsSource::view(const std::string& name) const {
 void SafetensorsSource::populate(const std::string& name) const {
   const Entry& e = entry(name);
   if (e.composition) {
-    for (const auto& leaf : e.composition->leaves()) populate(leaf);
-    return;
+    e.composition->for_each_leaf([this](const Composition& leaf) { populate_of(leaf.stored); });
+  } else {
+    populate_of(e);
   }
+}
+
+void SafetensorsSource::populate_of(const Entry& e) const {
   if (e.info.nbytes == 0) return;
-  e.file->check_unchanged(name);
+  e.file->check_unchanged(e.info.name);
   const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const auto begin = reinterpret_cast<uintptr_t>(e.file->map + e.offset) & ~(page - 1);
   const auto end = reinterpret_cast<uintptr_t>(e.file->map + e.offset + e.info.nbytes);
   if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ) == 0) return;
   // EFAULT / EIO: the pages are beyond the file's end or unreadable (changed under the mapping
   // after the check above); touching them would raise SIGBUS.
-  TORCH_CHECK(errno == EINVAL, e.file->path, ": cannot map tensor "", name, "" in: ", errno_text(),
+  TORCH_CHECK(errno == EINVAL, e.file->path, ": cannot map tensor \"", e.info.name, "\" in: ", errno_text(),
               " (did the file change after it was opened?)");
   // Kernels before 5.14: fault the pages in by reading one byte of each.
   volatile char sink = 0;
@@ -619,16 +687,19 @@ void SafetensorsSource::populate(const std::string& name) const {
 void SafetensorsSource::release_pages(const std::string& name) const {
   const Entry& e = entry(name);
   if (e.composition) {
-    for (const auto& leaf : e.composition->leaves()) release_pages(leaf);
-    return;
+    e.composition->for_each_leaf([this](const Composition& leaf) { release_pages_of(leaf.stored); });
+  } else {
+    release_pages_of(e);
   }
+}
+
+void SafetensorsSource::release_pages_of(const Entry& e) const {
   const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   // Only pages wholly inside the tensor: its neighbours may still be in use.
   const auto begin = (reinterpret_cast<uintptr_t>(e.file->map + e.offset) + page - 1) & ~(page - 1);
   const auto end = reinterpret_cast<uintptr_t>(e.file->map + e.offset + e.info.nbytes) & ~(page - 1);
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
-
 
 namespace {
 
@@ -661,9 +732,10 @@ SafetensorsSource::Composition parse_program(const std::vector<std::string>& pro
     const std::string rest = space == std::string::npos ? "" : item.substr(space + 1);
     const std::string where = what + ": \"" + item + "\"";
     Composition node;
+    node.item = item;
     if (op == "tensor") {
       TORCH_CHECK_VALUE(!rest.empty(), where, ": names no tensor");
-      node.tensor = rest;
+      node.stored.info.name = rest;
       stack.push_back(std::move(node));
       continue;
     }
@@ -682,9 +754,13 @@ SafetensorsSource::Composition parse_program(const std::vector<std::string>& pro
       TORCH_CHECK_VALUE(node.args.size() == 2, where, ": expected \"transpose DIM0 DIM1\"");
     } else if (op == "reshape") {
       node.op = Op::kReshape;
+    } else if (op == "dequantize") {
+      node.op = Op::kDequantize;
+      TORCH_CHECK_VALUE(node.args.empty(), where, ": expected \"dequantize\" (it takes no arguments)");
+      pops = 2;
     } else {
       TORCH_CHECK_VALUE(false, where, ": unknown op \"", op,
-                        "\" (expected tensor, stack, cat, narrow, transpose or reshape)");
+                        "\" (expected tensor, stack, cat, narrow, transpose, reshape or dequantize)");
     }
     TORCH_CHECK_VALUE(stack.size() >= pops, where, ": needs ", pops, " tensor(s), the program has ", stack.size(),
                       " before it");
@@ -697,16 +773,33 @@ SafetensorsSource::Composition parse_program(const std::vector<std::string>& pro
   return std::move(stack.back());
 }
 
-// Sets the shape of every node, running the ops on meta tensors (each once).
-at::Tensor check_shapes(SafetensorsSource::Composition& node,
-                        const std::function<at::Tensor(const std::string&)>& stored) {
+// Sets the shape of every node by running its op on meta tensors (each op once), the leaves
+// given by `meta`; raises ValueError naming `what` and the op that does not apply.
+at::Tensor check_shapes(SafetensorsSource::Composition& node, const std::string& what,
+                        const std::function<at::Tensor(const SafetensorsSource::Composition&)>& meta) {
+  using Op = SafetensorsSource::Composition::Op;
   at::Tensor result;
-  if (node.op == SafetensorsSource::Composition::Op::kTensor) {
-    result = stored(node.tensor);
+  if (node.op == Op::kTensor) {
+    result = meta(node);
   } else {
     std::vector<at::Tensor> inputs;
-    for (auto& part : node.parts) inputs.push_back(check_shapes(part, stored));
-    result = node.apply(inputs);
+    for (auto& part : node.parts) inputs.push_back(check_shapes(part, what, meta));
+    const std::string where = what + ": \"" + node.item + "\"";
+    if (node.op == Op::kStack || node.op == Op::kCat) {
+      for (size_t i = 1; i < inputs.size(); ++i) {
+        TORCH_CHECK_VALUE(inputs[i].scalar_type() == inputs[0].scalar_type(), where, ": joins tensors of ",
+                          inputs[0].scalar_type(), " and ", inputs[i].scalar_type(), " (the ",
+                          node.parts[i].item, "); they must have one dtype");
+      }
+    }
+    try {
+      result = node.apply(inputs);
+    } catch (const c10::Error& error) {
+      TORCH_CHECK_VALUE(false, where, ": does not apply to the stored tensors' shapes and dtypes: ",
+                        error.what_without_backtrace());
+    } catch (const std::exception& error) {  // a meta kernel written in Python (torch._meta_registrations)
+      TORCH_CHECK_VALUE(false, where, ": does not apply to the stored tensors' shapes and dtypes: ", error.what());
+    }
   }
   node.shape = result.sizes().vec();
   return result;
@@ -720,31 +813,24 @@ c10::intrusive_ptr<SafetensorsSource> SafetensorsSource::composed(
   std::unordered_map<std::string, std::vector<std::string>> readers;  // stored tensor -> the compositions reading it
   for (const auto& [name, program] : programs) {
     const std::string what = path_ + ": composition \"" + name + "\"";
-    TORCH_CHECK_VALUE(entries_.count(name) == 0, what, ": the file holds a tensor of that name");
     auto composition = std::make_shared<Composition>(parse_program(program, what));
-    std::optional<at::ScalarType> dtype;
-    for (const auto& leaf : composition->leaves()) {
-      const auto stored = entries_.find(leaf);
-      TORCH_CHECK_VALUE(stored != entries_.end() && !stored->second.composition, what, ": reads \"", leaf,
+    bool reads_its_name = false;
+    composition->for_each_leaf([&](Composition& leaf) {
+      const std::string stored = leaf.stored.info.name;
+      const auto it = entries_.find(stored);
+      TORCH_CHECK_VALUE(it != entries_.end() && !it->second.composition, what, ": reads \"", stored,
                         "\", which the file does not hold");
-      TORCH_CHECK_VALUE(!dtype || *dtype == stored->second.info.dtype, what, ": reads \"", leaf, "\" stored as ",
-                        stored->second.info.dtype, " and other tensors stored as ", *dtype,
-                        " (a composition's tensors have one dtype)");
-      dtype = stored->second.info.dtype;
-      readers[leaf].push_back(name);
-    }
-    at::Tensor meta;
-    try {
-      meta = check_shapes(*composition, [this](const std::string& leaf) {
-        const TensorInfo& info = entries_.at(leaf).info;
-        return at::empty(info.shape, at::TensorOptions().dtype(info.dtype).device(c10::kMeta));
-      });
-    } catch (const c10::Error& error) {
-      TORCH_CHECK_VALUE(false, what, ": its program does not apply to the stored tensors' shapes: ",
-                        error.what_without_backtrace());
-    } catch (const std::exception& error) {  // a meta kernel written in Python (torch._meta_registrations)
-      TORCH_CHECK_VALUE(false, what, ": its program does not apply to the stored tensors' shapes: ", error.what());
-    }
+      leaf.stored = it->second;
+      reads_its_name = reads_its_name || stored == name;
+      readers[stored].push_back(name);
+    });
+    const auto existing = entries_.find(name);
+    TORCH_CHECK_VALUE(existing == entries_.end() || (reads_its_name && !existing->second.composition), what,
+                      ": the source holds a tensor of that name (a composition may take the name of a stored ",
+                      "tensor only when it reads it, as a dequantization does)");
+    const at::Tensor meta = check_shapes(*composition, what, [](const Composition& leaf) {
+      return at::empty(leaf.stored.info.shape, at::TensorOptions().dtype(leaf.stored.info.dtype).device(c10::kMeta));
+    });
     Entry e;
     e.info.name = name;
     e.info.dtype = meta.scalar_type();
@@ -772,10 +858,10 @@ c10::intrusive_ptr<SafetensorsSource> SafetensorsSource::composed(
 bool SafetensorsSource::has_view(const std::string& name) const { return !entry(name).composition; }
 
 void SafetensorsSource::compose_into(const Entry& e, at::Tensor out) const {
-  e.composition->write([this](const std::string& leaf) { return view(leaf); }, out);
+  e.composition->write([this](const Entry& stored) { return view_of(stored); }, out);
   // The parts were read through the mapping: give their pages back, as a copy read with pread
   // leaves none mapped (another reader of a part faults its pages in again from the file).
-  for (const auto& leaf : e.composition->leaves()) release_pages(leaf);
+  e.composition->for_each_leaf([this](const Composition& leaf) { release_pages_of(leaf.stored); });
 }
 
 }  // namespace torch_ext::paging

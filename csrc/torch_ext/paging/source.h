@@ -95,20 +95,25 @@ class SafetensorsSource : public PagerSource {
   const SourceOptions& options() const { return options_; }
   const std::string& path() const { return path_; }
 
-  // This source, also serving compositions: tensors a model needs that the file holds in parts
-  // (transformers' checkpoint conversions: experts stacked into one tensor, projections
-  // concatenated, split or transposed). programs: {name: its program}, postfix layout ops over
-  // stored tensors, one op per item:
+  // This source, also serving compositions: tensors a model needs that the file holds in parts or
+  // quantized (transformers' checkpoint conversions: experts stacked into one tensor, projections
+  // concatenated, split or transposed; FP8 / FP4 weights dequantized by their block scales).
+  // programs: {name: its program}, postfix ops over stored tensors, one op per item:
   //   "tensor NAME"                            push the stored tensor NAME
   //   "stack DIM N", "cat DIM N"               pop N, push them stacked / concatenated along DIM
   //   "narrow DIM START LENGTH"                pop 1, push that slice
   //   "transpose DIM0 DIM1", "reshape S0 S1 ..."  pop 1, push it transposed / reshaped
-  // Each program is run on meta tensors here: one result, its tensors of one dtype, every op valid,
-  // else ValueError naming the composition and the op. names() lists each composition in place of
-  // the first tensor it reads, and no longer the stored tensors compositions read (contains(),
-  // info() and view() still take them). load() and read_into() of a composition write each stored
-  // part from the mapped file straight to its place in the result (direct_io does not apply: the parts
-  // are read through the mapping); a composition has no view (has_view false).
+  //   "dequantize"                             pop scales and quantized, push float32 values:
+  //                                            each block of the quantized tensor's last two dims
+  //                                            times its scale, as transformers' FP8 loader does
+  // Each program is run on meta tensors here: one result, every op valid (stack and cat join one
+  // dtype), else ValueError naming the composition and the op. A composition may take the name of
+  // a stored tensor it reads (a weight served dequantized in its place); "tensor NAME" always reads
+  // the stored tensor. names() lists each composition in place of the first tensor it reads, and no
+  // longer the stored tensors compositions read (contains(), info() and view() still take those
+  // that kept their names). load() and read_into() of a composition write each stored part from
+  // the mapped file straight to its place in the result (direct_io does not apply: the parts are
+  // read through the mapping); a composition has no view (has_view false).
   c10::intrusive_ptr<SafetensorsSource> composed(const std::map<std::string, std::vector<std::string>>& programs) const;
   bool has_view(const std::string& name) const override;
 
@@ -124,6 +129,11 @@ class SafetensorsSource : public PagerSource {
   };
   // The composition's result written into `out` (its shape and dtype), part by part.
   void compose_into(const Entry& e, at::Tensor out) const;
+  // A stored tensor's load(), view(), populate() and release_pages().
+  at::Tensor load_of(const Entry& e, bool pin_memory) const;
+  at::Tensor view_of(const Entry& e) const;
+  void populate_of(const Entry& e) const;
+  void release_pages_of(const Entry& e) const;
   const Entry& entry(const std::string& name) const;
   void add_file(const std::string& file_path, const std::vector<std::string>* expected);
   void map_file(File& file) const;

@@ -1,0 +1,163 @@
+"""load_paged over FP8 checkpoints (transformers' fine-grained FP8: float8_e4m3fn weights and
+their per-block scales, `weight_scale_inv`), which from_pretrained dequantizes as it loads on a
+machine without FP8 kernels: torch_ext pages the stored FP8 bytes and dequantizes each weight as
+it is paged in (a `dequantize` composition), dense and per-expert weights alike; other
+quantization methods are refused by name."""
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import torch_ext
+
+transformers = pytest.importorskip("transformers")
+from test_paging_architectures import ARCHITECTURES, build, check_equal  # noqa: E402
+
+BLOCK = 8
+QUANTIZED = re.compile(r"\.layers\.\d+\..*(_proj|_proj_with_mqa|\.w[123])\.weight$")
+
+
+def quantize(weight, block=BLOCK):
+    """A weight as an FP8 checkpoint stores it: float8_e4m3fn values and one float32 scale per
+    block x block tile (the tile's largest magnitude over e4m3's largest)."""
+    rows, cols = weight.shape
+    tiles = weight.float().reshape(rows // block, block, cols // block, block)
+    scales = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    values = (tiles / scales[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return values, scales
+
+
+def fp8_folder(source, target, block=BLOCK):
+    """A copy of a save_pretrained folder as an FP8 checkpoint: each projection of the decoder
+    layers (experts' included) whose shape the blocks divide is quantized."""
+    shutil.copytree(source, target)
+    index_file = target / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    quantized = []
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(target / shard)
+        for key in list(tensors):
+            weight = tensors[key]
+            if QUANTIZED.search(key) and weight.dim() == 2 and weight.shape[0] % block == 0 == weight.shape[1] % block:
+                tensors[key], tensors[key + "_scale_inv"] = quantize(weight, block)
+                index["weight_map"][key + "_scale_inv"] = shard
+                quantized.append(key)
+        save_file(tensors, target / shard, metadata={"format": "pt"})
+    index_file.write_text(json.dumps(index))
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (target / "config.json").write_text(json.dumps(config))
+    return quantized
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"])
+def test_an_fp8_checkpoint_pages_as_from_pretrained_dequantizes_it(tmp_path, model_type):
+    cls, changes, kind = ARCHITECTURES[model_type]
+    build(model_type, cls, changes, torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
+    quantized = fp8_folder(tmp_path / "bf16", tmp_path / "fp8")
+    assert len(quantized) >= 8
+    loaded = getattr(transformers, cls).from_pretrained(tmp_path / "fp8").eval()
+    assert loaded.dtype == torch.bfloat16
+    paged = torch_ext.load_paged(tmp_path / "fp8", "30%")
+    pager = torch_ext.pager_of(paged)
+    assert paged.dtype == torch.bfloat16 and pager.stats().bytes_loaded == 0
+    names = pager.source.names()
+    assert not any(name.endswith("_scale_inv") for name in names)   # each read with its weight
+    dense = [key for key in quantized if ".experts." not in key]
+    assert dense and all(key in names and not pager.source.has_view(key) for key in dense)
+    check_equal(paged, loaded, kind)
+    assert pager.stats().evictions > 0 and pager.resident_bytes() <= pager.budget_bytes
+    # as from_pretrained's, the model is no longer quantized: save_pretrained writes what it computes with
+    assert not hasattr(paged.config, "quantization_config") and not hasattr(loaded.config, "quantization_config")
+    paged.save_pretrained(tmp_path / "saved")
+    check_equal(getattr(transformers, cls).from_pretrained(tmp_path / "saved").eval(), loaded, kind)
+
+
+def test_fp8_weights_differ_from_their_unquantized_values(tmp_path):
+    """The test above would pass trivially if quantizing changed nothing: it changes the logits."""
+    cls, changes, kind = ARCHITECTURES["llama"]
+    model = build("llama", cls, changes, torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
+    fp8_folder(tmp_path / "bf16", tmp_path / "fp8")
+    paged = torch_ext.load_paged(tmp_path / "fp8", "30%")
+    with pytest.raises(AssertionError):
+        check_equal(paged, model, kind)
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "compressed-tensors"])
+def test_other_quantization_methods_are_refused_naming_the_method_and_the_config(tmp_path, method):
+    cls, changes, _ = ARCHITECTURES["llama"]
+    build("llama", cls, changes).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"config\.json declares '{method}' quantization.*not '{method}'"):
+        torch_ext.load_paged(tmp_path, "30%")
+
+
+def test_dequantize_equals_transformers_fp8_dequantization(tmp_path):
+    """The composition op against transformers' own Fp8Dequantize, for the scale layouts
+    checkpoints hold: blocks, per-expert grids, one per-tensor scale, E8M0 exponents, packed FP4."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    generator = torch.Generator().manual_seed(0)
+    cases = {
+        "blocks": (torch.randn(24, 40, generator=generator).to(torch.float8_e4m3fn),
+                   torch.rand(3, 5, generator=generator)),
+        "experts": (torch.randn(4, 16, 8, generator=generator).to(torch.float8_e5m2),
+                    torch.rand(4, 2, 1, generator=generator)),
+        "per_tensor": (torch.randn(16, 8, generator=generator).to(torch.float8_e4m3fn),
+                       torch.rand((), generator=generator)),
+        "e8m0": (torch.randn(16, 16, generator=generator).to(torch.float8_e4m3fn),
+                 torch.randint(110, 140, (2, 2), dtype=torch.uint8, generator=generator)),
+        "fp4": (torch.randint(-128, 128, (8, 16), dtype=torch.int8, generator=generator),
+                torch.rand(8, 2, generator=generator).bfloat16()),
+    }
+    save_file({**{k: q for k, (q, _) in cases.items()}, **{k + ".s": s for k, (_, s) in cases.items()}},
+              tmp_path / "q.safetensors")
+    source = torch_ext.SafetensorsSource(tmp_path / "q.safetensors")
+    composed = source.composed({k: [f"tensor {k}", f"tensor {k}.s", "dequantize"] for k in cases})
+    assert set(composed.names()) == set(cases)           # each took its weight's name; scales are read with it
+    reference = Fp8Dequantize(None)
+    for name, (values, scales) in cases.items():
+        expected = reference._dequantize_one(values, scales, torch.float32)
+        assert composed.dtype(name) == torch.float32 and composed.shape(name) == expected.shape
+        assert torch.equal(composed.load(name), expected), name
+    assert composed.has_view("blocks.s") and not composed.has_view("blocks")
+
+
+@pytest.mark.parametrize("program, message", [
+    (["tensor blocks", "tensor experts.s", "dequantize"], r'"dequantize": .*hold 4 grid\(s\) for the quantized '
+                                                          r"tensor's 1"),
+    (["tensor experts", "tensor blocks.s", "dequantize"], r"grid \(3, 5\) do not divide the quantized tensor's "
+                                                          r"\(16, 8\)"),
+    (["tensor blocks.s", "tensor blocks.s", "dequantize"], None),  # float values are their own values: valid
+    (["tensor index", "tensor blocks.s", "dequantize"], r"the quantized tensor is Long"),
+    (["tensor blocks", "dequantize"], r"needs 2 tensor\(s\), the program has 1"),
+    (["tensor blocks", "tensor blocks.s", "dequantize 1"], r'expected "dequantize" \(it takes no arguments\)'),
+])
+def test_bad_dequantizations_raise_naming_the_composition_and_the_op(tmp_path, program, message):
+    generator = torch.Generator().manual_seed(0)
+    save_file({"blocks": torch.randn(24, 40, generator=generator).to(torch.float8_e4m3fn),
+               "blocks.s": torch.rand(3, 5, generator=generator),
+               "experts": torch.randn(4, 16, 8, generator=generator).to(torch.float8_e5m2),
+               "experts.s": torch.rand(4, 2, 1, generator=generator),
+               "index": torch.zeros(24, 40, dtype=torch.long)}, tmp_path / "q.safetensors")
+    source = torch_ext.SafetensorsSource(tmp_path / "q.safetensors")
+    if message is None:
+        assert source.composed({"x": program}).shape("x") == (3, 5)
+        return
+    with pytest.raises(ValueError, match=r'composition "x": .*' + message):
+        source.composed({"x": program})
