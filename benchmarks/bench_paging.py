@@ -293,6 +293,9 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true",
                         help="only a Mixtral stored per expert against the same saved fused "
                              "(benchmarks/paging_moe.py): results/paging_moe")
+    parser.add_argument("--quantized", action="store_true",
+                        help="only an FP8 Llama and an MXFP4 gpt-oss, dequantized as they are paged in "
+                             "(benchmarks/paging_quantized.py): results/paging_quantized")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -308,6 +311,11 @@ def main() -> None:
         import paging_moe
 
         paging_moe.run(args, "python benchmarks/bench_paging.py " + " ".join(sys.argv[1:]))
+        return
+    if args.quantized:  # quantized weights dequantized as they are paged in (benchmarks/paging_quantized.py)
+        import paging_quantized
+
+        paging_quantized.run(args, "python benchmarks/bench_paging.py " + " ".join(sys.argv[1:]))
         return
     if args.hf:  # issue 18's benchmark (benchmarks/paging_hf.py)
         import paging_hf

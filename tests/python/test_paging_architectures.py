@@ -48,6 +48,7 @@ ARCHITECTURES = {
                                                   moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                                                   kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
                                                   qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1), "causal"),
+    "gpt_oss": ("GptOssForCausalLM", dict(KV, num_local_experts=4, num_experts_per_tok=2, head_dim=8), "causal"),
     "bert": ("BertForMaskedLM", {}, "masked"),
     "roberta": ("RobertaForMaskedLM", dict(pad_token_id=1), "masked"),
     "distilbert": ("DistilBertForMaskedLM", dict(dim=32, n_heads=4, hidden_dim=64, n_layers=2), "masked"),

@@ -99,7 +99,7 @@ def test_a_pager_serves_compositions_within_its_budget(experts):
 
 
 @pytest.mark.parametrize("programs, message", [
-    ({"x": ["tensor nope"]}, r'composition "x": reads "nope", which the file does not hold'),
+    ({"x": ["tensor nope"]}, r'composition "x": reads "nope", which the source does not hold'),
     ({"x": ["tensor qkv", "scale 2"]}, r'composition "x": "scale 2": unknown op "scale"'),
     ({"x": ["tensor qkv", "tensor norm"]}, r'composition "x": a program must leave one tensor, it leaves 2'),
     ({"x": ["cat 0 2"]}, r'composition "x": "cat 0 2": needs 2 tensor\(s\), the program has 0 before it'),

@@ -1,58 +1,20 @@
-"""load_paged over FP8 checkpoints (transformers' fine-grained FP8: float8_e4m3fn weights and
-their per-block scales, `weight_scale_inv`), which from_pretrained dequantizes as it loads on a
-machine without FP8 kernels: torch_ext pages the stored FP8 bytes and dequantizes each weight as
-it is paged in (a `dequantize` composition), dense and per-expert weights alike; other
+"""load_paged over quantized checkpoints that from_pretrained dequantizes as it loads on a machine
+without the method's kernels: transformers' fine-grained FP8 (float8_e4m3fn weights and their
+per-block scales, `weight_scale_inv`; DeepSeek-V3's format) and gpt-oss's MXFP4 experts (packed
+FP4 `_blocks` and E8M0 `_scales`). torch_ext pages the stored quantized bytes and dequantizes each
+weight as it is paged in (a `dequantize` composition), dense and per-expert weights alike; other
 quantization methods are refused by name."""
 import json
-import re
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import torch_ext
 
 transformers = pytest.importorskip("transformers")
+from quantized_checkpoints import fp8_folder, mxfp4_folder  # noqa: E402
 from test_paging_architectures import ARCHITECTURES, build, check_equal  # noqa: E402
-
-BLOCK = 8
-QUANTIZED = re.compile(r"\.layers\.\d+\..*(_proj|_proj_with_mqa|\.w[123])\.weight$")
-
-
-def quantize(weight, block=BLOCK):
-    """A weight as an FP8 checkpoint stores it: float8_e4m3fn values and one float32 scale per
-    block x block tile (the tile's largest magnitude over e4m3's largest)."""
-    rows, cols = weight.shape
-    tiles = weight.float().reshape(rows // block, block, cols // block, block)
-    scales = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    values = (tiles / scales[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
-    return values, scales
-
-
-def fp8_folder(source, target, block=BLOCK):
-    """A copy of a save_pretrained folder as an FP8 checkpoint: each projection of the decoder
-    layers (experts' included) whose shape the blocks divide is quantized."""
-    shutil.copytree(source, target)
-    index_file = target / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text())
-    quantized = []
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors = load_file(target / shard)
-        for key in list(tensors):
-            weight = tensors[key]
-            if QUANTIZED.search(key) and weight.dim() == 2 and weight.shape[0] % block == 0 == weight.shape[1] % block:
-                tensors[key], tensors[key + "_scale_inv"] = quantize(weight, block)
-                index["weight_map"][key + "_scale_inv"] = shard
-                quantized.append(key)
-        save_file(tensors, target / shard, metadata={"format": "pt"})
-    index_file.write_text(json.dumps(index))
-    config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": [block, block]}
-    (target / "config.json").write_text(json.dumps(config))
-    return quantized
-
 
 @pytest.fixture(autouse=True)
 def one_intra_op_thread():
@@ -66,7 +28,7 @@ def one_intra_op_thread():
 def test_an_fp8_checkpoint_pages_as_from_pretrained_dequantizes_it(tmp_path, model_type):
     cls, changes, kind = ARCHITECTURES[model_type]
     build(model_type, cls, changes, torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
-    quantized = fp8_folder(tmp_path / "bf16", tmp_path / "fp8")
+    quantized = fp8_folder(tmp_path / "bf16", tmp_path / "fp8", block=8)
     assert len(quantized) >= 8
     loaded = getattr(transformers, cls).from_pretrained(tmp_path / "fp8").eval()
     assert loaded.dtype == torch.bfloat16
@@ -85,31 +47,51 @@ def test_an_fp8_checkpoint_pages_as_from_pretrained_dequantizes_it(tmp_path, mod
     check_equal(getattr(transformers, cls).from_pretrained(tmp_path / "saved").eval(), loaded, kind)
 
 
+def test_an_mxfp4_gpt_oss_checkpoint_pages_as_from_pretrained_dequantizes_it(tmp_path):
+    cls, changes, kind = ARCHITECTURES["gpt_oss"]
+    model = build("gpt_oss", cls, changes, torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    experts = mxfp4_folder(tmp_path / "bf16", tmp_path / "mxfp4")
+    loaded = getattr(transformers, cls).from_pretrained(tmp_path / "mxfp4").eval()   # dequantized: no kernels here
+    assert loaded.dtype == torch.bfloat16 and not hasattr(loaded.config, "quantization_config")
+    paged = torch_ext.load_paged(tmp_path / "mxfp4", "30%")
+    pager = torch_ext.pager_of(paged)
+    names = pager.source.names()
+    assert set(experts) <= set(names) and not any(name.endswith(("_blocks", "_scales")) for name in names)
+    assert all(not pager.source.has_view(key) and pager.source.dtype(key) == torch.float32 for key in experts)
+    check_equal(paged, loaded, kind)
+    with pytest.raises(AssertionError):                  # quantizing changed the model: the check can fail
+        check_equal(paged, model, kind)
+    assert pager.stats().evictions > 0 and pager.resident_bytes() <= pager.budget_bytes
+    assert not hasattr(paged.config, "quantization_config")
+
+
 def test_fp8_weights_differ_from_their_unquantized_values(tmp_path):
     """The test above would pass trivially if quantizing changed nothing: it changes the logits."""
     cls, changes, kind = ARCHITECTURES["llama"]
     model = build("llama", cls, changes, torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
-    fp8_folder(tmp_path / "bf16", tmp_path / "fp8")
+    fp8_folder(tmp_path / "bf16", tmp_path / "fp8", block=8)
     paged = torch_ext.load_paged(tmp_path / "fp8", "30%")
     with pytest.raises(AssertionError):
         check_equal(paged, model, kind)
 
 
-@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "compressed-tensors", None])
 def test_other_quantization_methods_are_refused_naming_the_method_and_the_config(tmp_path, method):
     cls, changes, _ = ARCHITECTURES["llama"]
     build("llama", cls, changes).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": method}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=rf"config\.json declares '{method}' quantization.*not '{method}'"):
+    with pytest.raises(ValueError, match=rf"config\.json declares {method!r} quantization.*not {method!r}"):
         torch_ext.load_paged(tmp_path, "30%")
 
 
 def test_dequantize_equals_transformers_fp8_dequantization(tmp_path):
     """The composition op against transformers' own Fp8Dequantize, for the scale layouts
-    checkpoints hold: blocks, per-expert grids, one per-tensor scale, E8M0 exponents, packed FP4."""
+    checkpoints hold: blocks, per-expert grids, one per-tensor scale, E8M0 exponents, packed FP4
+    in int8 (transformers' FP8 loader's FP4 experts)."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     generator = torch.Generator().manual_seed(0)

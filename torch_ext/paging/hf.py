@@ -50,10 +50,11 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
     `dtype` (default: the config's); other quantization methods raise, naming the method. Nothing
     but the files' headers (and persistent buffers) is read."""
     source_path, folder = _locate(path)
-    source = SafetensorsSource(source_path)
-    scales = _block_scales(folder, source)
+    stored = SafetensorsSource(source_path)
+    dequantized = _dequantizations(folder, stored)
+    source = stored.composed(dequantized) if dequantized else stored
     if model_fn is None:
-        model = _from_config(folder, dtype, source)
+        model = _from_config(folder, dtype, stored)
     else:
         if not callable(model_fn):
             raise TypeError(f"load_paged: model_fn must be a callable returning an nn.Module, got "
@@ -66,11 +67,9 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
         if not isinstance(model, nn.Module):
             raise TypeError(f"load_paged: model_fn returned {type(model).__name__}, not an nn.Module")
     if not any(key in options for key in ("key_map", "strip_prefix", "add_prefix")) and _is_transformers_model(model):
-        options["key_map"], programs = transformers_checkpoint_keys(model, source, scales)
-    else:
-        programs = {weight: _dequantized(weight, scale) for weight, scale in scales.items()}
-    if programs:
-        source = source.composed(programs)
+        options["key_map"], programs = transformers_checkpoint_keys(model, source)
+        if programs:
+            source = source.composed(programs)
     _load_buffers(model, source, options.get("key_map"), torch.device(device), read=not options.get("buffers"))
     page_weights(model, source, budget_bytes, device=device, **options)
     return model.eval()
@@ -101,14 +100,19 @@ def _stored_dtype(source: SafetensorsSource) -> torch.dtype | None:
 # How transformers names the block scales of an FP8 checkpoint's weight "X.weight" (its FP8
 # quantizer renames the other two spellings to the first).
 _SCALE_SUFFIXES = (".weight_scale_inv", ".qscale_weight", ".scale")
-_PACKED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.float4_e2m1fn_x2)
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.float4_e2m1fn_x2)
 
 
-def _block_scales(folder: Path, source: SafetensorsSource) -> dict[str, str]:
-    """{stored weight: its stored block scales} of a checkpoint whose config.json declares FP8
-    quantization (transformers' FineGrainedFP8Config: "quant_method": "fp8"), which from_pretrained
-    dequantizes as it loads on a machine without an FP8 GPU kernel; {} for an unquantized one.
-    Any other quantization method is refused: its tensors are not the model's weights."""
+def _dequantizations(folder: Path, source: SafetensorsSource) -> dict[str, list[str]]:
+    """The compositions that serve a quantized checkpoint's weights dequantized, as from_pretrained
+    dequantizes them while loading on a machine without the method's kernels; {} for a checkpoint
+    whose config.json declares no quantization. Two methods are read:
+    - "fp8" (transformers' FineGrainedFP8Config: DeepSeek-V3, Qwen3-FP8): each weight "X.weight"
+      stored with its block scales "X.weight_scale_inv" is served dequantized under its own name;
+    - "mxfp4" (gpt-oss): each pair "X_blocks" (packed FP4, [..., rows, groups, 16]) and
+      "X_scales" (E8M0, one a group of 32 values) is served as "X", transposed as transformers
+      lays gpt-oss's experts out ([experts, columns, rows]).
+    Any other method is refused: its tensors are not the model's weights."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         return {}
@@ -119,23 +123,32 @@ def _block_scales(folder: Path, source: SafetensorsSource) -> dict[str, str]:
     if not quantization:
         return {}
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    if method != "fp8":
+    programs = {}
+    if method == "fp8":
+        for name in source.names():
+            suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
+            if suffix is None or name.endswith("_l2_clip.scale"):
+                continue
+            weight = name[:-len(suffix)] + ".weight"
+            if weight in source and source.dtype(weight) in _QUANTIZED_DTYPES:
+                programs[weight] = [f"tensor {weight}", f"tensor {name}", "dequantize"]
+    elif method == "mxfp4":
+        for name in source.names():
+            weight = name.removesuffix("_blocks")
+            if name.endswith("_blocks") and f"{weight}_scales" in source:
+                *outer, groups, pairs = shape = tuple(source.shape(name))
+                if len(outer) != 2 or tuple(source.shape(f"{weight}_scales")) != shape[:-1]:
+                    raise ValueError(f"load_paged: {source.path()}: MXFP4 blocks {name!r} {shape} and scales "
+                                     f"{tuple(source.shape(f'{weight}_scales'))} are not [experts, rows, groups, "
+                                     f"bytes] and [experts, rows, groups] as transformers reads them")
+                programs[weight] = [f"tensor {name}", f"reshape {outer[0]} {outer[1]} {groups * pairs}",
+                                    f"tensor {weight}_scales", "dequantize", "transpose 1 2"]
+    else:
         raise ValueError(f"load_paged: {config_file} declares {method!r} quantization; torch_ext pages checkpoints "
-                         f"quantized with transformers' fp8 method (dequantizing their weights as they are paged "
-                         f"in) and unquantized ones, not {method!r}: its stored tensors are not the model's weights")
-    scales = {}
-    for name in source.names():
-        suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
-        if suffix is None or name.endswith("_l2_clip.scale"):
-            continue
-        weight = name[:-len(suffix)] + ".weight"
-        if weight in source and source.dtype(weight) in _PACKED_DTYPES:
-            scales[weight] = name
-    return scales
-
-
-def _dequantized(weight: str, scales: str) -> list[str]:
-    return [f"tensor {weight}", f"tensor {scales}", "dequantize"]
+                         f"quantized with transformers' fp8 and mxfp4 methods (dequantizing their weights as they "
+                         f"are paged in) and unquantized ones, not {method!r}: its stored tensors are not the "
+                         f"model's weights")
+    return programs
 
 
 def _from_config(folder: Path, dtype: torch.dtype | None, source: SafetensorsSource) -> nn.Module:
@@ -216,7 +229,7 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
-def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource, scales: dict[str, str] | None = None
+def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource
                                  ) -> tuple[dict[str, str], dict[str, list[str]]]:
     """({parameter or buffer name: checkpoint key}, {parameter name: composition program}) as
     from_pretrained maps them: each key of the source is renamed by transformers' own machinery
@@ -224,10 +237,8 @@ def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource, sc
     removed), in the order from_pretrained reads them. A parameter transformers makes by converting
     stored tensors (a layer's experts stacked and concatenated into one, a fused projection split)
     gets the program of a SafetensorsSource composition: transformers' own conversion ops are run
-    on stand-ins that record them (_Layout). Names in neither keep their own name. scales:
-    {stored weight: its block scales} (_block_scales): such a weight is read dequantized, by a
-    composition of its own name or inside the conversion that reads it. Raises naming the
-    parameter and the conversion when a conversion does more than lay tensors out."""
+    on stand-ins that record them (_Layout). Names in neither keep their own name. Raises naming
+    the parameter and the conversion when a conversion does more than lay tensors out."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
@@ -237,13 +248,9 @@ def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource, sc
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     expected = model.state_dict(keep_vars=True)
     prefix = getattr(model, "base_model_prefix", "") or None
-    scales = scales or {}
-    read_with_weights = set(scales.values())
     keys: dict[str, str] = {}
     converting: dict[str, tuple[WeightConverter, list[str]]] = {}
     for key in sorted(source.names(), key=dot_natural_key):
-        if key in read_with_weights:
-            continue
         name, pattern = rename_source_key(key, renamings, converters, prefix, expected)
         if pattern is None:
             if name in expected:
@@ -251,10 +258,10 @@ def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource, sc
         elif name in expected:
             # as from_pretrained: a converter of its own per parameter, its tensors in sorted key order
             converter, from_keys = converting.setdefault(name, (copy.deepcopy(by_pattern[pattern]), []))
-            converter.add_tensor(name, key, pattern, _Layout.stored(source, key, scales.get(key)))
+            converter.add_tensor(name, key, pattern, _Layout.stored(source, key))
             from_keys.append(key)
     stored = set(keys) | {name for name in expected if name in source}
-    programs = {key: _dequantized(key, scales[key]) for key in keys.values() if key in scales}
+    programs: dict[str, list[str]] = {}
     for name, (converter, from_keys) in converting.items():
         if name not in stored:
             programs.update(_compositions(model, source, name, converter, from_keys, expected))
@@ -306,14 +313,8 @@ class _Layout:
         self.program = program
 
     @classmethod
-    def stored(cls, source: SafetensorsSource, key: str, scales: str | None = None) -> _Layout:
-        """The stored tensor `key`, dequantized by the stored `scales` if given."""
-        if scales is None:
-            return cls(source.meta(key), [f"tensor {key}"])
-        meta = source.meta(key)  # dequantize's result: float32, packed FP4 twice as wide
-        packed_fp4 = meta.dtype in (torch.int8, torch.float4_e2m1fn_x2)
-        shape = (*meta.shape[:-1], meta.shape[-1] * 2) if packed_fp4 else meta.shape
-        return cls(torch.empty(shape, dtype=torch.float32, device="meta"), _dequantized(key, scales))
+    def stored(cls, source: SafetensorsSource, key: str) -> _Layout:
+        return cls(source.meta(key), [f"tensor {key}"])
 
     @property
     def shape(self) -> torch.Size:

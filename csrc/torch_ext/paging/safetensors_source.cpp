@@ -250,13 +250,14 @@ struct SafetensorsSource::Composition {
   // Blockwise dequantization as transformers' FP8 loader does it (Fp8Dequantize): `scales`' last
   // two dims are a grid over `quantized`'s last two (they must divide them), each block multiplied
   // by its scale in float32; leading dims (experts) pair up, or one grid serves them all. A
-  // floating-point `quantized` is read as its values; int8 and float4_e2m1fn_x2 as two packed
-  // FP4 (e2m1) values a byte, low nibble first. uint8 scales are E8M0 exponents (2^(s-127)).
+  // floating-point `quantized` is read as its values; int8, uint8 and float4_e2m1fn_x2 as two
+  // packed FP4 (e2m1) values a byte, low nibble first (MXFP4's blocks and transformers' FP8
+  // loader's FP4 experts). uint8 scales are E8M0 exponents (2^(s-127)).
   static at::Tensor dequantize_blocks(const at::Tensor& quantized, const at::Tensor& scales) {
     const auto qtype = quantized.scalar_type();
-    const bool packed_fp4 = qtype == at::kChar || qtype == at::kFloat4_e2m1fn_x2;
+    const bool packed_fp4 = qtype == at::kChar || qtype == at::kByte || qtype == at::kFloat4_e2m1fn_x2;
     TORCH_CHECK_VALUE(packed_fp4 || at::isFloatingType(qtype), "the quantized tensor is ", qtype,
-                      " (expected a floating-point type, or int8 / float4_e2m1fn_x2 holding packed FP4)");
+                      " (expected a floating-point type, or int8 / uint8 / float4_e2m1fn_x2 holding packed FP4)");
     TORCH_CHECK_VALUE(at::isFloatingType(scales.scalar_type()) || scales.scalar_type() == at::kByte,
                       "the scales are ", scales.scalar_type(), " (expected a floating-point type, or uint8 E8M0)");
     TORCH_CHECK_VALUE(quantized.dim() >= 2, "the quantized tensor has ", quantized.dim(),
@@ -816,16 +817,18 @@ c10::intrusive_ptr<SafetensorsSource> SafetensorsSource::composed(
     auto composition = std::make_shared<Composition>(parse_program(program, what));
     bool reads_its_name = false;
     composition->for_each_leaf([&](Composition& leaf) {
-      const std::string stored = leaf.stored.info.name;
-      const auto it = entries_.find(stored);
-      TORCH_CHECK_VALUE(it != entries_.end() && !it->second.composition, what, ": reads \"", stored,
-                        "\", which the file does not hold");
-      leaf.stored = it->second;
-      reads_its_name = reads_its_name || stored == name;
-      readers[stored].push_back(name);
+      const std::string read = leaf.stored.info.name;
+      const auto it = entries_.find(read);
+      TORCH_CHECK_VALUE(it != entries_.end(), what, ": reads \"", read, "\", which the source does not hold");
+      reads_its_name = reads_its_name || (read == name && !it->second.composition);
+      readers[read].push_back(name);
+      if (it->second.composition) {
+        leaf = *it->second.composition;  // an earlier composition: its program in place of the name
+      } else {
+        leaf.stored = it->second;
+      }
     });
-    const auto existing = entries_.find(name);
-    TORCH_CHECK_VALUE(existing == entries_.end() || (reads_its_name && !existing->second.composition), what,
+    TORCH_CHECK_VALUE(entries_.count(name) == 0 || reads_its_name, what,
                       ": the source holds a tensor of that name (a composition may take the name of a stored ",
                       "tensor only when it reads it, as a dequantization does)");
     const at::Tensor meta = check_shapes(*composition, what, [](const Composition& leaf) {

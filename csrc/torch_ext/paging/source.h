@@ -106,12 +106,13 @@ class SafetensorsSource : public PagerSource {
   //   "dequantize"                             pop scales and quantized, push float32 values:
   //                                            each block of the quantized tensor's last two dims
   //                                            times its scale, as transformers' FP8 loader does
-  // Each program is run on meta tensors here: one result, every op valid (stack and cat join one
-  // dtype), else ValueError naming the composition and the op. A composition may take the name of
-  // a stored tensor it reads (a weight served dequantized in its place); "tensor NAME" always reads
-  // the stored tensor. names() lists each composition in place of the first tensor it reads, and no
-  // longer the stored tensors compositions read (contains(), info() and view() still take those
-  // that kept their names). load() and read_into() of a composition write each stored part from
+  // "tensor NAME" reads NAME as this source serves it: a stored tensor, or a composition of an
+  // earlier composed() (its program is read in place of the name). Each program is run on meta
+  // tensors here: one result, every op valid (stack and cat join one dtype), else ValueError naming
+  // the composition and the op. A composition may take the name of a stored tensor it reads (a
+  // weight served dequantized in its place). names() lists each composition in place of the first
+  // tensor it reads, and no longer the tensors compositions read (contains(), info() and view()
+  // still take those that kept their names). load() and read_into() of a composition write each stored part from
   // the mapped file straight to its place in the result (direct_io does not apply: the parts are
   // read through the mapping); a composition has no view (has_view false).
   c10::intrusive_ptr<SafetensorsSource> composed(const std::map<std::string, std::vector<std::string>>& programs) const;
