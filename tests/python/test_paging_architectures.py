@@ -166,6 +166,22 @@ def test_an_fp32_checkpoint_serves_bf16_and_the_budget_counts_converted_bytes(fo
     assert pager.resident_bytes() * 2 == pager.source.total_bytes() - pager.source.nbytes(embedding)
 
 
+def test_the_model_is_built_in_the_configs_dtype_as_from_pretrained_builds_it(folders, tmp_path):
+    """from_pretrained's dtype="auto" takes config.json's dtype before the file's: an fp32 file
+    whose config says bfloat16 gives a bf16 model, each weight converted as it is paged in."""
+    import json
+    import shutil
+
+    shutil.copytree(folders("llama", torch.float32), tmp_path / "llama")
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
+    paged = torch_ext.load_paged(tmp_path / "llama", "30%")
+    assert loaded.dtype == paged.dtype == torch.bfloat16
+    check_equal(paged, loaded, "causal")
+
+
 FUSED_WHILE_LOADING = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
 
 

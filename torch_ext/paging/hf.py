@@ -33,7 +33,8 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
     ({"cpu": "1GB"}, {0: "2GiB", "cpu": "8GB"}: the entry of `device` applies).
     model_fn: a constructor of the model (called with parameters created on the meta device);
     without it, transformers builds the class named in config.json's architectures (else
-    AutoModelForCausalLM, else AutoModel) from the config, in `dtype` (default: the file's).
+    AutoModelForCausalLM, else AutoModel) from the config, in `dtype` (default: as from_pretrained's
+    dtype="auto", the config's dtype, else the file's).
     device: where the weights are used (the pager's device; buffers go there too).
     options: page_weights' (pinned, buffers, key_map, strip_prefix, add_prefix) and the pager's
     (prefetch, zero_copy, policy, ...). A transformers model's checkpoint keys are mapped to its
