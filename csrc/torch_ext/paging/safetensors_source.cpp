@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
@@ -262,36 +263,61 @@ struct SafetensorsSource::Composition {
                       "the scales are ", scales.scalar_type(), " (expected a floating-point type, or uint8 E8M0)");
     TORCH_CHECK_VALUE(quantized.dim() >= 2, "the quantized tensor has ", quantized.dim(),
                       " dims (expected 2 or more: a grid of blocks over its last two)");
-    const at::Tensor values = packed_fp4 ? unpack_fp4(quantized) : quantized.to(at::kFloat);
-    const int64_t rows = values.size(-2), cols = values.size(-1);
+    std::vector<int64_t> shape = quantized.sizes().vec();  // of the values, and of the result
+    if (packed_fp4) shape.back() *= 2;
+    const int64_t rows = shape[shape.size() - 2], cols = shape.back();
     const int64_t scale_rows = scales.dim() >= 2 ? scales.size(-2) : 1;
     const int64_t scale_cols = scales.dim() >= 2 ? scales.size(-1) : 1;
     TORCH_CHECK_VALUE(scale_rows > 0 && scale_cols > 0 && rows % scale_rows == 0 && cols % scale_cols == 0,
                       "scales of grid (", scale_rows, ", ", scale_cols, ") do not divide the quantized tensor's (",
                       rows, ", ", cols, ")");
-    const int64_t groups = c10::multiply_integers(values.sizes().begin(), values.sizes().end() - 2);
+    const int64_t groups = c10::multiply_integers(shape.begin(), shape.end() - 2);
     const int64_t scale_groups =
         scales.dim() >= 2 ? c10::multiply_integers(scales.sizes().begin(), scales.sizes().end() - 2) : scales.numel();
     TORCH_CHECK_VALUE(scale_groups == groups || scale_groups == 1, "scales of shape ", scales.sizes(),
                       " hold ", scale_groups, " grid(s) for the quantized tensor's ", groups, " of shape ",
-                      values.sizes());
+                      c10::IntArrayRef(shape));
+    if (quantized.is_meta()) return at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(c10::kMeta));
+    at::Tensor values = decoded(quantized, packed_fp4, shape);
     const at::Tensor factors =
         scales.scalar_type() == at::kByte ? scales.to(at::kFloat).sub(127).exp2() : scales.to(at::kFloat);
-    const at::Tensor blocks = values.reshape({groups, scale_rows, rows / scale_rows, scale_cols, cols / scale_cols});
-    return blocks.mul(factors.reshape({scale_groups, scale_rows, 1, scale_cols, 1})).reshape(values.sizes());
+    values.view({groups, scale_rows, rows / scale_rows, scale_cols, cols / scale_cols})
+        .mul_(factors.reshape({scale_groups, scale_rows, 1, scale_cols, 1}));
+    return values;
   }
 
-  static at::Tensor unpack_fp4(const at::Tensor& packed) {
-    static const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                    -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-    const at::Tensor table =
-        at::from_blob(const_cast<float*>(kE2M1), {16}, at::TensorOptions().dtype(at::kFloat)).to(packed.device());
-    const at::Tensor bytes = packed.contiguous().view(at::kByte).to(at::kLong).flatten();
-    std::vector<int64_t> shape = packed.sizes().vec();
-    shape.back() *= 2;
-    return at::stack({table.index_select(0, bytes.bitwise_and(15)),
-                      table.index_select(0, bytes.bitwise_right_shift(4).bitwise_and(15))}, -1)
-        .reshape(shape);
+  // The float32 values of `quantized` (of `shape`): each byte of a float8 or packed FP4 tensor read
+  // through a table of its 256 values (torch's own conversions: exact, and far faster than
+  // converting element by element); other floating-point types converted.
+  static at::Tensor decoded(const at::Tensor& quantized, bool packed_fp4, const std::vector<int64_t>& shape) {
+    const auto qtype = quantized.scalar_type();
+    if (!packed_fp4 && c10::elementSize(qtype) != 1) return quantized.to(at::kFloat).contiguous();
+    TORCH_CHECK(quantized.device().is_cpu(), "dequantize reads stored tensors on the CPU, got ", quantized.device());
+    std::array<float, 256> table{};
+    if (packed_fp4) {
+      static constexpr float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                          -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+      std::copy(std::begin(kE2M1), std::end(kE2M1), table.begin());
+    } else {
+      at::Tensor bytes = at::empty({256}, at::TensorOptions().dtype(at::kByte));
+      for (int i = 0; i < 256; ++i) bytes.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(i);
+      const at::Tensor all = bytes.view(qtype).to(at::kFloat);
+      std::copy_n(all.data_ptr<float>(), 256, table.begin());
+    }
+    const at::Tensor stored = quantized.contiguous();
+    const auto* in = static_cast<const uint8_t*>(stored.data_ptr());
+    at::Tensor out = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+    float* o = out.data_ptr<float>();
+    const int64_t n = stored.numel();
+    if (packed_fp4) {
+      for (int64_t i = 0; i < n; ++i) {
+        o[2 * i] = table[in[i] & 0x0F];
+        o[2 * i + 1] = table[in[i] >> 4];
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[i] = table[in[i]];
+    }
+    return out;
   }
 };
 
