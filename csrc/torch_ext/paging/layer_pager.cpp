@@ -467,15 +467,8 @@ at::Tensor LayerPager::load_on_cpu(const Entry& e, at::Tensor recycled) {
     out = own_pages(info.shape, e.dtype, e.nbytes);
   }
   if (e.dtype != info.dtype) {
-    // Converted from the mapped file's pages, which go back to the system afterwards; a source
-    // without views reads a copy in the stored dtype first.
     if (!out.defined()) out = at::empty(info.shape, at::TensorOptions().dtype(e.dtype));
-    if (source_->has_view(e.id)) {
-      out.copy_(source_->view(e.id));
-      source_->release_pages(e.id);
-    } else {
-      out.copy_(source_->load(e.id, /*pin_memory=*/false));
-    }
+    source_->convert_into(e.id, out);
     return out;
   }
   if (!out.defined()) return source_->load(e.id, /*pin_memory=*/false);

@@ -886,7 +886,16 @@ c10::intrusive_ptr<SafetensorsSource> SafetensorsSource::composed(
 
 bool SafetensorsSource::has_view(const std::string& name) const { return !entry(name).composition; }
 
-void SafetensorsSource::compose_into(const Entry& e, at::Tensor out) const {
+void SafetensorsSource::convert_into(const std::string& name, const at::Tensor& out) const {
+  const Entry& e = entry(name);
+  if (e.composition) {
+    compose_into(e, out);
+  } else {
+    PagerSource::convert_into(name, out);
+  }
+}
+
+void SafetensorsSource::compose_into(const Entry& e, const at::Tensor& out) const {
   e.composition->write([this](const Entry& stored) { return view_of(stored); }, out);
   // The parts were read through the mapping: give their pages back, as a copy read with pread
   // leaves none mapped (another reader of a part faults its pages in again from the file).

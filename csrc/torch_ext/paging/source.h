@@ -56,6 +56,16 @@ class PagerSource : public torch::CustomClassHolder {
   }
   virtual void populate(const std::string& name) const {}
   virtual void release_pages(const std::string& name) const {}
+  // The tensor written into `out` (its shape, any dtype: converted as it is written), from the
+  // mapped pages, which go back to the system afterwards, where there is a view.
+  virtual void convert_into(const std::string& name, const at::Tensor& out) const {
+    if (has_view(name)) {
+      out.copy_(view(name));
+      release_pages(name);
+    } else {
+      out.copy_(load(name));
+    }
+  }
   // What the source reads from (file names), for error messages.
   virtual std::string describe() const = 0;
 };
@@ -117,6 +127,8 @@ class SafetensorsSource : public PagerSource {
   // read through the mapping); a composition has no view (has_view false).
   c10::intrusive_ptr<SafetensorsSource> composed(const std::map<std::string, std::vector<std::string>>& programs) const;
   bool has_view(const std::string& name) const override;
+  // A composition converts part by part: no copy of the whole tensor in its own dtype is made.
+  void convert_into(const std::string& name, const at::Tensor& out) const override;
 
   struct File;         // one mapped .safetensors file
   struct Composition;  // a parsed program
@@ -129,7 +141,7 @@ class SafetensorsSource : public PagerSource {
     std::shared_ptr<const Composition> composition;
   };
   // The composition's result written into `out` (its shape and dtype), part by part.
-  void compose_into(const Entry& e, at::Tensor out) const;
+  void compose_into(const Entry& e, const at::Tensor& out) const;
   // A stored tensor's load(), view(), populate() and release_pages().
   at::Tensor load_of(const Entry& e, bool pin_memory) const;
   at::Tensor view_of(const Entry& e) const;
