@@ -46,10 +46,11 @@ def load_paged(path: str | os.PathLike, budget_bytes: Any, *, model_fn: Callable
     tensors out is refused, naming the parameter and the conversion. Tied weights are one pager
     entry, the file may omit the tied copy. A file stored in another dtype than `dtype` is
     converted as it is paged in. A checkpoint quantized with transformers' fp8 method (FP8 weights
-    and their block scales, DeepSeek-V3's format) is paged as from_pretrained loads it without an
-    FP8 GPU: each weight is dequantized as it is paged in (the file's FP8 bytes stay on disk), in
-    `dtype` (default: the config's); other quantization methods raise, naming the method. Nothing
-    but the files' headers (and persistent buffers) is read."""
+    and their block scales, DeepSeek-V3's format) or mxfp4 (gpt-oss's experts) is paged as
+    from_pretrained loads it where it dequantizes (a machine without the method's kernels, or
+    dequantize=True): each weight is dequantized as it is paged in (the file's quantized bytes
+    stay on disk), in `dtype`; other quantization methods raise, naming the method. Nothing but
+    the files' headers (and persistent buffers) is read."""
     source_path, folder = _locate(path)
     stored = SafetensorsSource(source_path)
     dequantized = _dequantizations(folder, stored)
