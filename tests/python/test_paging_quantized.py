@@ -143,3 +143,28 @@ def test_bad_dequantizations_raise_naming_the_composition_and_the_op(tmp_path, p
         return
     with pytest.raises(ValueError, match=r'composition "x": .*' + message):
         source.composed({"x": program})
+
+
+def test_a_pager_dequantizes_fused_experts_part_by_part_in_its_dtype(tmp_path):
+    """Eight FP8 experts stacked into one tensor and served in bf16: each expert is dequantized and
+    converted into its slice of the result, so the largest allocation is one expert's float32
+    values, not the fused tensor in float32 (twice the result's size)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    generator = torch.Generator().manual_seed(0)
+    stored, program = {}, []
+    for e in range(8):
+        stored[f"e{e}"] = torch.randn(256, 256, generator=generator).to(torch.float8_e4m3fn)
+        stored[f"e{e}.s"] = torch.rand(2, 2, generator=generator)
+        program += [f"tensor e{e}", f"tensor e{e}.s", "dequantize"]
+    save_file(stored, tmp_path / "experts.safetensors")
+    source = torch_ext.SafetensorsSource(tmp_path / "experts.safetensors").composed({"experts": program + ["stack 0 8"]})
+    pager = torch_ext.LayerPager(source, "100%", dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        experts = pager.acquire("experts")
+    expected = torch.stack([(stored[f"e{e}"].float().reshape(2, 128, 2, 128) * stored[f"e{e}.s"][:, None, :, None])
+                            .reshape(256, 256) for e in range(8)]).bfloat16()
+    assert torch.equal(experts, expected)
+    largest = max(event.cpu_memory_usage for event in profiled.events())
+    one_expert = 256 * 256 * 4
+    assert one_expert <= largest < 2 * one_expert
