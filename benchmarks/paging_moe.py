@@ -34,6 +34,39 @@ def _write(folder: Path, config, original_format: bool) -> None:
     model.save_pretrained(folder, max_shard_size="20MB", save_original_format=original_format)
 
 
+def page_and_time(resident, folders: dict[str, Path], reference_of, ids: torch.Tensor, sizes: dict, say):
+    """load_paged of each folder at each of BUDGETS, its logits checked against
+    reference_of(stored, folder)'s, then every paged model and `resident` timed in interleaved
+    rounds on `ids`: ({name: model}, {name: set-up seconds}, {name: logits equal}, {name: Timing}),
+    names "resident" and "<stored> <percent>%"."""
+    import torch_ext
+
+    models, setup, equal = {"resident": resident}, {}, {}
+    for stored, folder in folders.items():
+        with torch.no_grad():
+            expected = reference_of(stored, folder)(ids).logits
+        for percent in BUDGETS:
+            name = f"{stored} {percent}%"
+            say(f"load_paged {name}")
+            start = time.perf_counter()
+            models[name] = torch_ext.load_paged(folder, f"{percent}%")
+            setup[name] = time.perf_counter() - start
+            with torch.no_grad():
+                equal[name] = torch.equal(models[name](ids).logits, expected)
+            torch_ext.pager_of(models[name]).reset_stats()
+
+    def forward(model):
+        def call():
+            with torch.no_grad():
+                model(ids)
+        return call
+
+    say(f"{sizes['warmup'] + sizes['repeat']} interleaved rounds of {len(models)} variants")
+    timings = measure_interleaved({name: forward(model) for name, model in models.items()},
+                                  warmup=sizes["warmup"], repeat=sizes["repeat"], alternate=True)
+    return models, setup, equal, timings
+
+
 def run(args, command: str) -> None:
     import transformers
 
@@ -52,35 +85,13 @@ def run(args, command: str) -> None:
         weights = sum(t.numel() * t.element_size() for t in resident.state_dict().values())
         largest = max(t.numel() * t.element_size() for t in resident.state_dict().values())
         ids = torch.randint(3, config.vocab_size, (1, sizes["tokens"]), generator=torch.Generator().manual_seed(1))
-        models, setup, equal = {"resident": resident}, {}, {}
-        for stored, folder in folders.items():
-            # each folder's own from_pretrained is its reference: the same weights at another address
-            # can round differently in torch's CPU matmul (from_pretrained maps the fused folder's
-            # file too, at an offset that is not 64-byte aligned: its logits differ from the
-            # per-expert folder's in the last bits)
-            reference = resident if stored == "per-expert" else \
-                transformers.MixtralForCausalLM.from_pretrained(folder).eval()
-            with torch.no_grad():
-                expected = reference(ids).logits
-            for percent in BUDGETS:
-                name = f"{stored} {percent}%"
-                say(f"load_paged {name}")
-                start = time.perf_counter()
-                models[name] = torch_ext.load_paged(folder, f"{percent}%")
-                setup[name] = time.perf_counter() - start
-                with torch.no_grad():
-                    equal[name] = torch.equal(models[name](ids).logits, expected)
-                torch_ext.pager_of(models[name]).reset_stats()
-
-        def forward(model):
-            def call():
-                with torch.no_grad():
-                    model(ids)
-            return call
-
-        say(f"{sizes['warmup'] + sizes['repeat']} interleaved rounds of {len(models)} variants")
-        timings = measure_interleaved({name: forward(model) for name, model in models.items()},
-                                      warmup=sizes["warmup"], repeat=sizes["repeat"], alternate=True)
+        # each folder's own from_pretrained is its reference: the same weights at another address
+        # can round differently in torch's CPU matmul (from_pretrained maps the fused folder's file
+        # too, at an offset that is not 64-byte aligned: its logits differ from the per-expert
+        # folder's in the last bits)
+        models, setup, equal, timings = page_and_time(
+            resident, folders, lambda stored, folder: resident if stored == "per-expert" else
+            transformers.MixtralForCausalLM.from_pretrained(folder).eval(), ids, sizes, say)
     rounds = sizes["warmup"] + sizes["repeat"]
     report = Report("paging_moe", f"Weight paging: a mixture of experts stored per expert (Mixtral, "
                     f"{config.num_hidden_layers} layers, width {config.hidden_size}, {config.num_local_experts} "

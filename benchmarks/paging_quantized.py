@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from harness import Report, format_bytes, measure_interleaved, paired_ratio, progress
+from harness import Report, format_bytes, paired_ratio, progress
+from paging_moe import page_and_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
 from quantized_checkpoints import fp8_folder, mxfp4_folder  # noqa: E402
@@ -36,7 +36,6 @@ QUICK = dict(tokens=16, warmup=1, repeat=3, block=32,
              llama=dict(LAYERS, num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=512),
              gpt_oss=dict(LAYERS, num_hidden_layers=2, hidden_size=64, intermediate_size=64, head_dim=16,
                           num_local_experts=4, num_experts_per_tok=2, vocab_size=512))
-BUDGETS = (25, 50, 100)
 
 
 def _models(sizes):
@@ -76,30 +75,9 @@ def run(args, command: str) -> None:
             resident = cls.from_pretrained(folders["quantized"]).eval()
             weights = sum(t.numel() * t.element_size() for t in resident.state_dict().values())
             ids = torch.randint(3, config.vocab_size, (1, sizes["tokens"]), generator=torch.Generator().manual_seed(1))
-            models, setup, equal = {"resident": resident}, {}, {}
-            for stored, folder in folders.items():
-                reference = resident if stored == "quantized" else cls.from_pretrained(folder).eval()
-                with torch.no_grad():
-                    expected = reference(ids).logits
-                for percent in BUDGETS:
-                    name = f"{stored} {percent}%"
-                    say(f"{label}: load_paged {name}")
-                    start = time.perf_counter()
-                    models[name] = torch_ext.load_paged(folder, f"{percent}%")
-                    setup[name] = time.perf_counter() - start
-                    with torch.no_grad():
-                        equal[name] = torch.equal(models[name](ids).logits, expected)
-                    torch_ext.pager_of(models[name]).reset_stats()
-
-            def forward(model):
-                def call():
-                    with torch.no_grad():
-                        model(ids)
-                return call
-
-            say(f"{label}: {rounds} interleaved rounds of {len(models)} variants")
-            timings = measure_interleaved({name: forward(model) for name, model in models.items()},
-                                          warmup=sizes["warmup"], repeat=sizes["repeat"], alternate=True)
+            models, setup, equal, timings = page_and_time(
+                resident, folders, lambda stored, folder: resident if stored == "quantized" else
+                cls.from_pretrained(folder).eval(), ids, sizes, lambda what: say(f"{label}: {what}"))
         title = f"{label} ({config.num_hidden_layers} layers, width {config.hidden_size}, {format_bytes(weights)} bf16)"
         report.add_row({"model": title, "folder": "resident: from_pretrained(quantized folder), dequantized while "
                         "loading", "on disk": format_bytes(on_disk["quantized"]), "budget": "all",
