@@ -168,3 +168,20 @@ def test_a_pager_dequantizes_fused_experts_part_by_part_in_its_dtype(tmp_path):
     largest = max(event.cpu_memory_usage for event in profiled.events())
     one_expert = 256 * 256 * 4
     assert one_expert <= largest < 2 * one_expert
+
+
+def test_dequantize_compositions_from_torchscript(tmp_path):
+    """The TorchScript extension's path: scripted code composes a dequantization over
+    torch.classes.torch_ext.SafetensorsSource and pages it in bf16."""
+    @torch.jit.script
+    def dequantized(source: torch.classes.torch_ext.SafetensorsSource) -> torch.Tensor:
+        composed = source.composed({"w": ["tensor w", "tensor w_scale_inv", "dequantize"]})
+        pager = torch.classes.torch_ext.LayerPager(composed, budget_bytes=1 << 20, dtype="bfloat16")
+        return pager.acquire("w")
+
+    generator = torch.Generator().manual_seed(0)
+    weight, scales = torch.randn(16, 32, generator=generator).to(torch.float8_e4m3fn), torch.rand(2, 4)
+    save_file({"w": weight, "w_scale_inv": scales}, tmp_path / "w.safetensors")
+    got = dequantized(torch.classes.torch_ext.SafetensorsSource(str(tmp_path / "w.safetensors")))
+    expected = (weight.float().reshape(2, 8, 4, 8) * scales[:, None, :, None]).reshape(16, 32).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
