@@ -91,7 +91,7 @@ def test_other_quantization_methods_are_refused_naming_the_method_and_the_config
 def test_dequantize_equals_transformers_fp8_dequantization(tmp_path):
     """The composition op against transformers' own Fp8Dequantize, for the scale layouts
     checkpoints hold: blocks, per-expert grids, one per-tensor scale, E8M0 exponents, packed FP4
-    in int8 (transformers' FP8 loader's FP4 experts)."""
+    in int8 (transformers' FP8 loader's FP4 experts), and every float8 type safetensors stores."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     generator = torch.Generator().manual_seed(0)
@@ -106,6 +106,10 @@ def test_dequantize_equals_transformers_fp8_dequantization(tmp_path):
                  torch.randint(110, 140, (2, 2), dtype=torch.uint8, generator=generator)),
         "fp4": (torch.randint(-128, 128, (8, 16), dtype=torch.int8, generator=generator),
                 torch.rand(8, 2, generator=generator).bfloat16()),
+        "e4m3fnuz": (torch.randn(16, 16, generator=generator).to(torch.float8_e4m3fnuz),
+                     torch.rand(2, 2, generator=generator)),             # AMD's FP8 (safetensors F8_E4M3FNUZ)
+        "e5m2fnuz": (torch.randn(16, 16, generator=generator).to(torch.float8_e5m2fnuz),
+                     torch.rand(1, 1, generator=generator)),
     }
     save_file({**{k: q for k, (q, _) in cases.items()}, **{k + ".s": s for k, (_, s) in cases.items()}},
               tmp_path / "q.safetensors")

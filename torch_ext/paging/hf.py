@@ -102,7 +102,8 @@ def _stored_dtype(source: SafetensorsSource) -> torch.dtype | None:
 # How transformers names the block scales of an FP8 checkpoint's weight "X.weight" (its FP8
 # quantizer renames the other two spellings to the first).
 _SCALE_SUFFIXES = (".weight_scale_inv", ".qscale_weight", ".scale")
-_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.float4_e2m1fn_x2)
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.int8,
+                     torch.float4_e2m1fn_x2)
 
 
 def _dequantizations(folder: Path, source: SafetensorsSource) -> dict[str, list[str]]:

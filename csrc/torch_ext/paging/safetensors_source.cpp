@@ -44,6 +44,7 @@ constexpr DtypeName kDtypes[] = {
     {"I64", at::kLong},    {"I32", at::kInt},     {"I16", at::kShort},   {"I8", at::kChar},
     {"U64", at::kUInt64},  {"U32", at::kUInt32},  {"U16", at::kUInt16},  {"U8", at::kByte},
     {"BOOL", at::kBool},   {"F8_E4M3", at::kFloat8_e4m3fn}, {"F8_E5M2", at::kFloat8_e5m2},
+    {"F8_E4M3FNUZ", at::kFloat8_e4m3fnuz}, {"F8_E5M2FNUZ", at::kFloat8_e5m2fnuz},
     {"C64", at::kComplexFloat},
 };
 
