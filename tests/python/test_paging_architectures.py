@@ -130,6 +130,11 @@ def test_load_paged_equals_from_pretrained(folders, model_type, dtype):
     pager = torch_ext.pager_of(paged)
     assert pager.stats().bytes_loaded == 0             # set-up read no weight
     assert paged.dtype == dtype and pager.zero_copy    # the file's dtype: views of the mapped file
+    expected = loaded.state_dict()                     # every weight and buffer, in from_pretrained's dtype
+    state = paged.state_dict()
+    assert set(state) == set(expected)
+    assert all(torch.equal(t, expected[k]) and t.dtype == expected[k].dtype for k, t in state.items()), \
+        [k for k, t in state.items() if not (torch.equal(t, expected[k]) and t.dtype == expected[k].dtype)]
     check_equal(paged, loaded, kind)
     assert pager.stats().evictions > 0 and pager.resident_bytes() <= pager.budget_bytes
 

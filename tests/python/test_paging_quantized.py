@@ -41,8 +41,11 @@ def test_an_fp8_checkpoint_pages_as_from_pretrained_dequantizes_it(tmp_path, mod
     assert dense and all(key in names and not pager.source.has_view(key) for key in dense)
     check_equal(paged, loaded, kind)
     assert pager.stats().evictions > 0 and pager.resident_bytes() <= pager.budget_bytes
-    # as from_pretrained's, the model is no longer quantized: save_pretrained writes what it computes with
+    # as from_pretrained's, the model is no longer quantized: state_dict() and save_pretrained give what
+    # it computes with
     assert not hasattr(paged.config, "quantization_config") and not hasattr(loaded.config, "quantization_config")
+    expected = loaded.state_dict()
+    assert all(torch.equal(t, expected[k]) and t.dtype == expected[k].dtype for k, t in paged.state_dict().items())
     paged.save_pretrained(tmp_path / "saved")
     check_equal(getattr(transformers, cls).from_pretrained(tmp_path / "saved").eval(), loaded, kind)
 

@@ -189,19 +189,26 @@ def _from_config(folder: Path, dtype: torch.dtype | None, source: SafetensorsSou
 
 
 def _keep_in_float32(model: nn.Module, dtype: torch.dtype | None) -> None:
-    """Parameters from_pretrained keeps in float32 in a model of `dtype` (transformers' dtype plan:
-    _keep_in_fp32_modules in float16, _keep_in_fp32_modules_strict in float16 and bfloat16) are
-    made float32 here too, matched by transformers' own patterns."""
+    """Parameters and persistent buffers (the tensors from_pretrained loads) that it keeps in
+    float32 in a model of `dtype` (transformers' dtype plan: _keep_in_fp32_modules in float16,
+    _keep_in_fp32_modules_strict in float16 and bfloat16; DeepSeek-V3's e_score_correction_bias
+    is a buffer) are made float32 here too, matched by transformers' own patterns."""
     plan = model._get_dtype_plan(dtype) if dtype is not None and hasattr(model, "_get_dtype_plan") else {}
     if not plan:
         return
     from transformers.core_model_loading import build_glob_alternation
 
     alternation, group_patterns, _ = build_glob_alternation(list(plan))
-    for name, param in model.named_parameters():
-        match = alternation.search(name)
-        if match is not None:
-            param.data = param.data.to(plan[group_patterns[match.lastgroup]])
+    for module_name, module in model.named_modules():
+        persistent = [(a, b) for a, b in module._buffers.items() if a not in module._non_persistent_buffers_set]
+        for attr, tensor in [*module._parameters.items(), *persistent]:
+            match = alternation.search(f"{module_name}.{attr}" if module_name else attr) if tensor is not None else None
+            if match is None:
+                continue
+            if attr in module._parameters:
+                tensor.data = tensor.data.to(plan[group_patterns[match.lastgroup]])
+            else:
+                module._buffers[attr] = tensor.to(plan[group_patterns[match.lastgroup]])
 
 
 @contextlib.contextmanager
@@ -392,7 +399,9 @@ def _load_buffers(model: nn.Module, source: SafetensorsSource, key_map: Any, dev
             if buffer is None:
                 continue
             key = to_key(f"{module_name}.{attr}" if module_name else attr)
-            if read and attr not in module._non_persistent_buffers_set and key in source and \
-                    source.shape(key) == buffer.shape and source.dtype(key) == buffer.dtype:
-                buffer = source.load(key)
+            stored = source.meta(key) if read and attr not in module._non_persistent_buffers_set and key in source \
+                else None
+            floating = stored is not None and stored.dtype.is_floating_point and buffer.dtype.is_floating_point
+            if stored is not None and stored.shape == buffer.shape and (stored.dtype == buffer.dtype or floating):
+                buffer = source.load(key).to(buffer.dtype)  # converted, as from_pretrained converts it
             module._buffers[attr] = buffer.to(device)

@@ -39,11 +39,13 @@ class _PagingState:
 
     def stored_tensor(self, key: str) -> torch.Tensor:
         """The weight as stored: a zero-copy view of the source's file, or for a composition (experts
-        stacked while loading) a copy (CPU; the budget is not used)."""
+        stacked or weights dequantized while loading) a copy in the model's dtype (CPU; the budget
+        is not used)."""
         t = self.stored.get(key)
         if t is None:
             source = self.pager.source
-            t = self.stored[key] = source.view(key) if source.has_view(key) else source.load(key)
+            t = source.view(key) if source.has_view(key) else source.load(key).to(self.placeholders[key].dtype)
+            self.stored[key] = t
         return t
 
 
