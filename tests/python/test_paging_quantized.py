@@ -69,6 +69,31 @@ def test_an_mxfp4_gpt_oss_checkpoint_pages_as_from_pretrained_dequantizes_it(tmp
     assert not hasattr(paged.config, "quantization_config")
 
 
+def test_an_fp8_checkpoint_dequantizes_into_the_dtype_asked_for(tmp_path):
+    """The whole model in `dtype`, each dequantized weight rounded once from float32. (transformers
+    5.23's from_pretrained(dtype=...) of an FP8 checkpoint mixes dtypes here, the dequantized
+    weights in `dtype` and the rest in bf16, and its forward raises; its bf16 model is the
+    reference: every float32 weight of ours rounds to its value, every float16 one is ours in
+    float32 rounded.)"""
+    cls, changes, kind = ARCHITECTURES["qwen3_moe"]
+    build("qwen3_moe", cls, changes, torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
+    fp8_folder(tmp_path / "bf16", tmp_path / "fp8", block=8)
+    loaded = getattr(transformers, cls).from_pretrained(tmp_path / "fp8").eval()
+    paged = {dtype: torch_ext.load_paged(tmp_path / "fp8", "30%", dtype=dtype) for dtype in (torch.float32, torch.float16)}
+    expected = loaded.state_dict()       # state_dict(): dequantized weights in `dtype`, views as stored (bf16)
+    fp32, fp16 = paged[torch.float32].state_dict(), paged[torch.float16].state_dict()
+    assert all(torch.equal(t.to(expected[k].dtype), expected[k]) for k, t in fp32.items())
+    assert all(torch.equal(t, fp32[k].to(t.dtype)) for k, t in fp16.items())
+    batch = {"input_ids": torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))}
+    with torch.no_grad():
+        reference = loaded(**batch).logits.float()
+        for dtype, model in paged.items():
+            assert all(p.dtype == dtype for p in model.parameters())
+            logits = model(**batch).logits
+            assert logits.dtype == dtype
+            torch.testing.assert_close(logits.float(), reference, atol=0.05, rtol=0.05)
+
+
 def test_fp8_weights_differ_from_their_unquantized_values(tmp_path):
     """The test above would pass trivially if quantizing changed nothing: it changes the logits."""
     cls, changes, kind = ARCHITECTURES["llama"]
