@@ -232,20 +232,17 @@ struct SafetensorsSource::Composition {
     }
   }
 
+  // fn(leaf) for each stored tensor the program reads, in program order.
   template <typename Fn>
-  void for_each_leaf(const Fn& fn) const {
-    if (op == Op::kTensor) {
-      fn(*this);
-    } else {
-      for (const auto& part : parts) part.for_each_leaf(fn);
-    }
-  }
+  void for_each_leaf(const Fn& fn) const { each_leaf(*this, fn); }
   template <typename Fn>
-  void for_each_leaf(const Fn& fn) {
-    if (op == Op::kTensor) {
-      fn(*this);
+  void for_each_leaf(const Fn& fn) { each_leaf(*this, fn); }
+  template <typename Node, typename Fn>
+  static void each_leaf(Node& node, const Fn& fn) {
+    if (node.op == Op::kTensor) {
+      fn(node);
     } else {
-      for (auto& part : parts) part.for_each_leaf(fn);
+      for (auto& part : node.parts) each_leaf(part, fn);
     }
   }
 
