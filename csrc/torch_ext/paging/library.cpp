@@ -79,8 +79,8 @@ void register_source(torch::Library& m) {
             for (const auto& item : programs) by_name.emplace(item.key(), item.value());
             return self->composed(by_name);
           },
-          "This source also serving compositions {name: program} of its stored tensors (source.h: the program "
-          "ops); the tensors they read leave names()")
+          "This source also serving compositions {name: program}: tensors made from its tensors by layout ops "
+          "and dequantization (source.h: the program ops); the tensors they read leave names()")
       .def(
           "load", [](const Source& self, const std::string& name) { return self->load(name, /*pin_memory=*/false); },
           "A copy in memory the caller owns")
