@@ -267,7 +267,9 @@ def transformers_checkpoint_keys(model: nn.Module, source: SafetensorsSource
                 keys.setdefault(name, key)
         elif name in expected:
             # as from_pretrained: a converter of its own per parameter, its tensors in sorted key order
-            converter, from_keys = converting.setdefault(name, (copy.deepcopy(by_pattern[pattern]), []))
+            if name not in converting:
+                converting[name] = (copy.deepcopy(by_pattern[pattern]), [])
+            converter, from_keys = converting[name]
             converter.add_tensor(name, key, pattern, _Layout.stored(source, key))
             from_keys.append(key)
     stored = set(keys) | {name for name in expected if name in source}
