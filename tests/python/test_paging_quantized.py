@@ -94,6 +94,26 @@ def test_an_fp8_checkpoint_dequantizes_into_the_dtype_asked_for(tmp_path):
             torch.testing.assert_close(logits.float(), reference, atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("suffix", [".scale", ".qscale_weight"])
+def test_fp8_scales_in_the_other_spellings_transformers_reads(tmp_path, suffix):
+    """"X.scale" (DeepSeek-V4) and "X.qscale_weight" (Mistral) name the scales of "X.weight", as
+    transformers' FP8 quantizer renames them."""
+    from safetensors.torch import load_file
+
+    cls, changes, kind = ARCHITECTURES["llama"]
+    build("llama", cls, changes, torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    fp8_folder(tmp_path / "bf16", tmp_path / "fp8", block=8)
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    renamed = {k.removesuffix(".weight_scale_inv") + suffix if k.endswith(".weight_scale_inv") else k: t
+               for k, t in tensors.items()}
+    assert sum(k.endswith(suffix) for k in renamed) >= 8
+    save_file(renamed, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    loaded = getattr(transformers, cls).from_pretrained(tmp_path / "fp8").eval()
+    paged = torch_ext.load_paged(tmp_path / "fp8", "30%")
+    assert not any(name.endswith(suffix) for name in torch_ext.pager_of(paged).source.names())
+    check_equal(paged, loaded, kind)
+
+
 def test_fp8_weights_differ_from_their_unquantized_values(tmp_path):
     """The test above would pass trivially if quantizing changed nothing: it changes the logits."""
     cls, changes, kind = ARCHITECTURES["llama"]
