@@ -836,9 +836,10 @@ c10::intrusive_ptr<SafetensorsSource> SafetensorsSource::composed(
     const std::map<std::string, std::vector<std::string>>& programs) const {
   auto out = c10::make_intrusive<SafetensorsSource>(*this);
   std::unordered_map<std::string, std::vector<std::string>> readers;  // stored tensor -> the compositions reading it
-  for (const auto& [name, program] : programs) {
+  for (const auto& item : programs) {
+    const std::string& name = item.first;  // not a structured binding: the lambda below captures it
     const std::string what = path_ + ": composition \"" + name + "\"";
-    auto composition = std::make_shared<Composition>(parse_program(program, what));
+    auto composition = std::make_shared<Composition>(parse_program(item.second, what));
     bool reads_its_name = false;
     composition->for_each_leaf([&](Composition& leaf) {
       const std::string read = leaf.stored.info.name;
