@@ -172,6 +172,18 @@ def test_dequantize_equals_transformers_fp8_dequantization(tmp_path):
     assert composed.has_view("blocks.s") and not composed.has_view("blocks")
 
 
+def test_dequantizing_float32_values_leaves_the_stored_tensor_as_it_was(tmp_path):
+    """Values already float32 are copied before the scales multiply them: the stored tensor is a
+    view of the mapped file, and scaling it in place changed every later read of it."""
+    values, scales = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([[2.0, 0.5]])
+    save_file({"v": values, "s": scales}, tmp_path / "f32.safetensors")
+    source = torch_ext.SafetensorsSource(tmp_path / "f32.safetensors")
+    composed = source.composed({"x": ["tensor v", "tensor s", "dequantize"]})
+    expected = values * scales.repeat_interleave(4, 1)
+    assert torch.equal(composed.load("x"), expected) and torch.equal(composed.load("x"), expected)
+    assert torch.equal(source.view("v"), values) and torch.equal(composed.view("v"), values)
+
+
 @pytest.mark.parametrize("program, message", [
     (["tensor blocks", "tensor experts.s", "dequantize"], r'"dequantize": .*hold 4 grid\(s\) for the quantized '
                                                           r"tensor's 1"),

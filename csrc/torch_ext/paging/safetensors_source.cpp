@@ -284,12 +284,14 @@ struct SafetensorsSource::Composition {
     return values;
   }
 
-  // The float32 values of `quantized` (of `shape`): each byte of a float8 or packed FP4 tensor read
-  // through a table of its 256 values (torch's own conversions: exact, and far faster than
-  // converting element by element); other floating-point types converted.
+  // The float32 values of `quantized` (of `shape`) in new memory the scales then multiply: each
+  // byte of a float8 or packed FP4 tensor read through a table of its 256 values (torch's own
+  // conversions: exact, and far faster than converting element by element); other floating-point
+  // types copied (never the stored tensor itself, a view of the mapped file).
   static at::Tensor decoded(const at::Tensor& quantized, bool packed_fp4, const std::vector<int64_t>& shape) {
     const auto qtype = quantized.scalar_type();
-    if (!packed_fp4 && c10::elementSize(qtype) != 1) return quantized.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+    if (!packed_fp4 && c10::elementSize(qtype) != 1) return out.copy_(quantized);
     TORCH_CHECK(quantized.device().is_cpu(), "dequantize reads stored tensors on the CPU, got ", quantized.device());
     std::array<float, 256> table{};
     if (packed_fp4) {
@@ -304,7 +306,6 @@ struct SafetensorsSource::Composition {
     }
     const at::Tensor stored = quantized.contiguous();
     const auto* in = static_cast<const uint8_t*>(stored.data_ptr());
-    at::Tensor out = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
     float* o = out.data_ptr<float>();
     const int64_t n = stored.numel();
     if (packed_fp4) {
