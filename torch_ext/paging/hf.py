@@ -199,16 +199,19 @@ def _keep_in_float32(model: nn.Module, dtype: torch.dtype | None) -> None:
     from transformers.core_model_loading import build_glob_alternation
 
     alternation, group_patterns, _ = build_glob_alternation(list(plan))
+
+    def kept(name: str) -> torch.dtype | None:
+        match = alternation.search(name)
+        return None if match is None else plan[group_patterns[match.lastgroup]]
+
+    for name, param in model.named_parameters():
+        if (dtype := kept(name)) is not None:
+            param.data = param.data.to(dtype)
     for module_name, module in model.named_modules():
-        persistent = [(a, b) for a, b in module._buffers.items() if a not in module._non_persistent_buffers_set]
-        for attr, tensor in [*module._parameters.items(), *persistent]:
-            match = alternation.search(f"{module_name}.{attr}" if module_name else attr) if tensor is not None else None
-            if match is None:
-                continue
-            if attr in module._parameters:
-                tensor.data = tensor.data.to(plan[group_patterns[match.lastgroup]])
-            else:
-                module._buffers[attr] = tensor.to(plan[group_patterns[match.lastgroup]])
+        for attr, buffer in module._buffers.items():
+            persistent = buffer is not None and attr not in module._non_persistent_buffers_set
+            if persistent and (dtype := kept(f"{module_name}.{attr}" if module_name else attr)) is not None:
+                module._buffers[attr] = buffer.to(dtype)
 
 
 @contextlib.contextmanager

@@ -122,9 +122,9 @@ class SafetensorsSource : public PagerSource {
   // the composition and the op. A composition may take the name of a stored tensor it reads (a
   // weight served dequantized in its place). names() lists each composition in place of the first
   // tensor it reads, and no longer the tensors compositions read (contains(), info() and view()
-  // still take those that kept their names). load() and read_into() of a composition write each stored part from
-  // the mapped file straight to its place in the result (direct_io does not apply: the parts are
-  // read through the mapping); a composition has no view (has_view false).
+  // still take those that kept their names). load() and read_into() of a composition write each
+  // stored part from the mapped file straight to its place in the result (direct_io does not apply:
+  // the parts are read through the mapping); a composition has no view (has_view false).
   c10::intrusive_ptr<SafetensorsSource> composed(const std::map<std::string, std::vector<std::string>>& programs) const;
   bool has_view(const std::string& name) const override;
   // A composition converts part by part: no copy of the whole tensor in its own dtype is made.
