@@ -5,6 +5,7 @@ namespace py = pybind11;
 
 void bind_checkpoint(py::module_& m);
 void bind_cache(py::module_& m);
+void bind_paging(py::module_& m);
 void bind_plan(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
@@ -12,6 +13,7 @@ PYBIND11_MODULE(_C, m) {
 
   bind_checkpoint(m);
   bind_cache(m);
+  bind_paging(m);
   bind_plan(m);
 
   py::dict build;

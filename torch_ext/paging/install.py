@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from .. import _C
 from .placeholder import PagedParameter
 from .source import LayerPager, SafetensorsSource
 from .training import SavedWeightHooks
@@ -17,6 +18,7 @@ from .training import SavedWeightHooks
 __all__ = ["page_weights", "unpage", "save_pageable", "is_paged", "pager_of"]
 
 _STATE = "_torch_ext_paging"
+_as_parameter = torch.Tensor._make_subclass  # nn.Parameter(t) without its Python __new__
 
 
 @dataclass
@@ -320,9 +322,9 @@ def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingSta
     """The hooks of one module holding paged tensors: acquire around its forward (and save those
     weights for backward by key), and _state_dict_hooks. With a `streamed` weight, a forward that
     autograd does not need the weight for streams it instead (_streaming_forward)."""
-    acquire_many = state.pager.script_object.acquire_many
     placeholders = state.placeholders
     keys = [slot.key for slot in module_slots]
+    weights = _C.paging.ModuleWeights(state.pager.script_object, keys)
 
     def pre_hook(module, args):
         grad = torch.is_grad_enabled()
@@ -334,10 +336,10 @@ def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingSta
                                        f"torch_ext.unpage the model to train its weights")
         if streamed is not None and not (grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return  # the weights stay placeholders: the forward streams them
-        acquired = acquire_many(keys)
+        acquired = weights.acquire()
         for slot, t in zip(module_slots, acquired):
             if slot.kind == "parameter":
-                module._parameters[slot.attr] = nn.Parameter(t, requires_grad=False)
+                module._parameters[slot.attr] = _as_parameter(nn.Parameter, t, False)
             else:
                 module._buffers[slot.attr] = t
         saved.push(module, list(zip(keys, acquired)))
