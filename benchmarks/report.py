@@ -23,13 +23,14 @@ SECTIONS = [
     ("Checkpoint", "Segment checkpointing: a GPT-style decoder's training step, Hugging Face GPT-2 and Llama with "
      "padded batches (eager and compiled), selective checkpointing policies and op-level plans on them (eager and "
      "compiled), the per-region overhead, and TorchScript blocks through the TorchScript front door.",
-     ["checkpoint", "checkpoint_hf", "checkpoint_selective", "checkpoint_compiled", "checkpoint_overhead",
+     ["checkpoint", "checkpoint_hf", "checkpoint_selective", "checkpoint_selective_replay", "checkpoint_compiled", "checkpoint_overhead",
       "checkpoint_script",
       "checkpoint_cuda", "checkpoint_selective_cuda_eager", "checkpoint_hf_cuda", "checkpoint_overhead_cuda"]),
     ("Paging", "Weight paging of a GPT from a safetensors file at several budgets, against accelerate's offloads; "
      "Hugging Face GPT-2 loaded from its folder, generating, and training adapters over paged weights.",
      ["paging", "paging_threads2", "paging_cuda", "paging_header", "paging_copy_rss", "paging_hf", "paging_hf_bf16",
-      "paging_hf_bf16_amd_epyc", "paging_hf_train"]),
+      "paging_hf_bf16_amd_epyc", "paging_hf_train", "paging_moe", "paging_moe_analysis",
+      "paging_quantized", "paging_quantized_analysis"]),
     ("Cache", "The lazy node cache on a diffusion-style loop, preprocessed weights and full misses.", ["cache"]),
     ("Cache across calls and processes", "Content keys against identity keys alone on a full miss, and a diffusers "
      "pipeline's text encoder across calls and processes (content keys, the store).",
@@ -38,7 +39,8 @@ SECTIONS = [
      "programs (AOTInductor plans per bucket, a saved cache restarted, the dynamic batcher), and plans chosen "
      "from traffic.",
      ["plan", "plan_steps", "plan_cuda", "plan_cuda_steps", "plan_export", "plan_traffic", "plan_traffic_intel_xeon",
-      "plan_drift", "plan_batcher"]),
+      "plan_drift", "plan_batcher", "plan_batcher_asyncio", "plan_batcher_asyncio_wake",
+      "plan_batcher_intel_xeon_wakeups"]),
 ]
 
 INTRO = """# Benchmarks
