@@ -319,6 +319,44 @@ def test_adapters_train_over_paged_weights_with_equal_gradients_within_budget(gp
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 
 
+def test_a_paged_model_compiles_and_gives_the_resident_models_results(gpt2, tokens):
+    """torch.compile over a paged model: Dynamo breaks the graph at each paged module's hooks, which
+    run eagerly and are never compiled (their guards would hold each module's checkpoint keys, one
+    recompile per module up to Dynamo's limit). Logits and adapter gradients match the resident
+    model's within compile's rounding, within the budget."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    ref, folder = gpt2
+    torch._dynamo.reset()
+    budget = weight_bytes(folder) // 4
+    model = torch_ext.load_paged(folder, budget)
+    paged = torch.compile(model)
+    with torch.no_grad():
+        for t in (tokens, tokens.flip(1)):
+            torch.testing.assert_close(paged(t).logits, ref(t).logits)
+    pager = torch_ext.pager_of(model)
+    assert pager.stats().misses > 0 and pager.resident_bytes() <= budget + pager.stats().largest_tensor_bytes
+
+    trained = add_adapters(torch_ext.load_paged(folder, budget)).train()
+    loss, grads, input_grad = train_step(add_adapters(copy.deepcopy(ref)).train(), tokens, None)
+    paged_loss, paged_grads, paged_input_grad = train_step(torch.compile(trained), tokens, None)
+    paged_grads = {name.removeprefix("_orig_mod."): grad for name, grad in paged_grads.items()}
+    torch.testing.assert_close(paged_loss, loss)
+    assert paged_grads.keys() == grads.keys() and len(grads) == 4 * 3 * 2
+    for name in grads:
+        torch.testing.assert_close(paged_grads[name], grads[name], msg=name)
+    torch.testing.assert_close(paged_input_grad, input_grad)
+    assert torch_ext.pager_of(trained).stats().over_budget_loads == 0
+
+    hooks = [hook for m in [*model.modules(), *trained.modules()]
+             for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]]
+    assert len(hooks) > 20
+    assert [h for h in hooks if _debug_get_cache_entry_list(getattr(h, "__wrapped__", h).__code__)] == []
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="torch_ext paging: a paged module's weights"):
+        torch.compile(model, fullgraph=True)(tokens)
+    torch._dynamo.reset()
+
+
 def test_paged_weights_that_require_grad_raise_naming_them(gpt2, tokens):
     _, folder = gpt2
     model = torch_ext.load_paged(folder, "25%")

@@ -169,3 +169,25 @@ def test_a_bf16_gpt2_served_as_fp32_streams_and_generates_as_from_pretrained(tmp
         torch.set_num_threads(threads)
     stats = torch_ext.pager_of(paged).stats()
     assert stats.streamed_matmuls + stats.unstreamed_shapes > 0
+
+
+def test_a_streaming_model_compiles_and_its_paged_forwards_run_eagerly(bf16_stack):
+    """Under torch.compile the streamed products still stream: each paged module's forward and hooks
+    run eagerly, never compiled (Dynamo would compile each module's forward once, up to its limit)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    reference, path = bf16_stack
+    model = Stack().eval()
+    pager = torch_ext.page_weights(model, path, 1 << 20)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    x = torch.randn(3, 5, 512)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), reference(x))
+    assert pager.stats().streamed_matmuls > 0
+    functions = [f for layer in model.layers
+                 for f in [layer.forward, *layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]]
+    assert len(functions) == 3 * 4
+    assert [f for f in functions if _debug_get_cache_entry_list(getattr(f, "__wrapped__", f).__code__)] == []
+    torch._dynamo.reset()

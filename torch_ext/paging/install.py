@@ -2,6 +2,7 @@
 LayerPager around each module's forward; state_dict() reads through the pager's source."""
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -19,6 +20,11 @@ __all__ = ["page_weights", "unpage", "save_pageable", "is_paged", "pager_of"]
 
 _STATE = "_torch_ext_paging"
 _as_parameter = torch.Tensor._make_subclass  # nn.Parameter(t) without its Python __new__
+# The hooks run as Python under torch.compile: Dynamo would otherwise compile each one once per
+# module (its guards hold the module's checkpoint keys) until its recompile limit.
+_eager = functools.partial(torch.compiler.disable, reason="torch_ext paging: a paged module's weights are acquired "
+                           "from its pager around its forward, outside the graph (fullgraph=True cannot hold a "
+                           "paged model)")
 
 
 @dataclass
@@ -260,7 +266,7 @@ def _install(model: nn.Module, pager: LayerPager, key_of: dict[int, str], buffer
             table[slot.attr] = placeholders[slot.key]
 
     state = _PagingState(pager, slots, placeholders, requires_grad)
-    state.handles.append(model.register_forward_pre_hook(lambda module, args: pager.begin_pass(), prepend=True))
+    state.handles.append(model.register_forward_pre_hook(_eager(lambda module, args: pager.begin_pass()), prepend=True))
     saved = SavedWeightHooks(pager.script_object.acquire)
     for module, module_slots in slots.items():
         if _gathers_rows(module, module_slots, pager):
@@ -314,7 +320,7 @@ def _hook_embedding(module: nn.Module, slot: _Slot, state: _PagingState) -> list
                                f"frozen; train adapters over them, or torch_ext.unpage the model to train its weights")
         return gather_rows(slot.key, input)
 
-    return [_InstanceForward(module, forward)] + _state_dict_hooks(module, [slot], state)
+    return [_InstanceForward(module, _eager(forward))] + _state_dict_hooks(module, [slot], state)
 
 
 def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingState,
@@ -350,7 +356,8 @@ def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingSta
             table = module._parameters if slot.kind == "parameter" else module._buffers
             table[slot.attr] = placeholders[slot.key]
 
-    handles = [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook, always_call=True)]
+    handles = [module.register_forward_pre_hook(_eager(pre_hook)),
+               module.register_forward_hook(_eager(post_hook), always_call=True)]
     if streamed is not None:
         handles.append(_streaming_forward(module, module_slots, streamed, state))
     return handles + _state_dict_hooks(module, module_slots, state)
@@ -372,7 +379,7 @@ def _streaming_forward(module: nn.Module, module_slots: list[_Slot], streamed: _
         (input,) = args + tuple(kwargs.values())  # Linear's `input`, Conv1D's `x`
         return matmul(streamed.key, input, acquire(bias.key) if bias is not None else module.bias, transposed)
 
-    return _InstanceForward(module, forward)
+    return _InstanceForward(module, _eager(forward))
 
 
 def _state_dict_hooks(module: nn.Module, module_slots: list[_Slot], state: _PagingState) -> list[Any]:
