@@ -1,7 +1,7 @@
-// torch_ext._C.paging.ModuleWeights: one module's paged tensors acquired in one call, for the
-// forward pre-hook that runs before every paged module. Through torch.classes that call costs more
-// than the acquire itself: the boxed call converts the list of names on every forward. No logic
-// lives here.
+// torch_ext._C.paging.Pager: a torch.classes.torch_ext.LayerPager's acquire and acquire_many, for
+// the hooks that run around every paged module's forward and in its backward. Through
+// torch.classes each call costs more than the acquire itself (the boxed call, its schema and its
+// arguments' conversion). No logic lives here.
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,28 +25,30 @@ c10::intrusive_ptr<LayerPager> pager_of(const py::handle& script_object) {
   return torch::jit::toIValue(script_object, type).toCustomClass<LayerPager>();
 }
 
-struct ModuleWeights {
+struct Pager {
   c10::intrusive_ptr<LayerPager> pager;
-  std::vector<std::string> keys;
 };
 
 }  // namespace
 
 void bind_paging(py::module_& m) {
   auto paging = m.def_submodule("paging", "Weight paging");
-  py::class_<ModuleWeights>(paging, "ModuleWeights",
-                            "acquire() of a fixed list of names on a torch.classes.torch_ext.LayerPager")
-      .def(py::init([](const py::object& script_object, std::vector<std::string> keys) {
-             return ModuleWeights{pager_of(script_object), std::move(keys)};
-           }),
-           py::arg("pager"), py::arg("keys"))
+  py::class_<Pager>(paging, "Pager", "acquire / acquire_many of a torch.classes.torch_ext.LayerPager")
+      .def(py::init([](const py::object& script_object) { return Pager{pager_of(script_object)}; }), py::arg("pager"))
       .def(
           "acquire",
-          [](const ModuleWeights& self) {
+          [](const Pager& self, const std::string& key) {
+            py::gil_scoped_release no_gil;  // a miss reads the file
+            return self.pager->acquire(key);
+          },
+          py::arg("key"), "The pager's acquire(key)")
+      .def(
+          "acquire_many",
+          [](const Pager& self, const std::vector<std::string>& keys) {
             std::vector<at::Tensor> tensors;
             {
-              py::gil_scoped_release no_gil;  // a miss reads the file
-              tensors = self.pager->acquire_many(self.keys);
+              py::gil_scoped_release no_gil;
+              tensors = self.pager->acquire_many(keys);
             }
             py::tuple out(tensors.size());
             for (size_t i = 0; i < tensors.size(); ++i) {
@@ -54,5 +56,5 @@ void bind_paging(py::module_& m) {
             }
             return out;
           },
-          "The pager's acquire_many(keys), as a tuple");
+          py::arg("keys"), "The pager's acquire_many(keys), as a tuple");
 }

@@ -339,22 +339,26 @@ def test_torchscript_front_door(tmp_path):
     assert [t[0].item() for t in wrapped.acquire_many(["t2", "t0"])] == [2.0, 0.0]
 
 
-def test_the_hooks_binding_acquires_its_names_in_order_and_they_stay_held_while_alive(tmp_path):
-    # torch_ext._C.paging.ModuleWeights is what each paged module's pre-hook calls.
+def test_the_hooks_binding_acquires_in_order_and_its_tensors_stay_held_while_alive(tmp_path):
+    # torch_ext._C.paging.Pager is what the hooks around each paged module call.
     pager = torch_ext.LayerPager(_layers(tmp_path), budget_bytes=2 * 1024, zero_copy=False, prefetch=0)
-    weights = torch_ext._C.paging.ModuleWeights(pager.script_object, ["t3", "t1"])
-    held = weights.acquire()
+    hot = torch_ext._C.paging.Pager(pager.script_object)
+    held = hot.acquire_many(["t3", "t1"])
     assert isinstance(held, tuple) and [t[0].item() for t in held] == [3.0, 1.0]
+    one = hot.acquire("t2")
+    assert torch.equal(one, torch.full((256,), 2.0))
     for i in (4, 5, 6):
         pager.acquire(f"t{i}")
-    assert pager.is_resident("t3") and pager.is_resident("t1")  # held, so not evicted
-    assert pager.stats().hits + pager.stats().misses == 5
-    del held
+    assert all(pager.is_resident(f"t{i}") for i in (1, 2, 3))  # held, so not evicted
+    assert pager.stats().hits + pager.stats().misses == 6
+    del held, one
     for i in (4, 5):
         pager.acquire(f"t{i}")
     assert not pager.is_resident("t3") and pager.resident_bytes() <= 2 * 1024
     with pytest.raises(RuntimeError, match=r'layers.safetensors.*no tensor "t9"'):
-        torch_ext._C.paging.ModuleWeights(pager.script_object, ["t0", "t9"]).acquire()
+        hot.acquire_many(["t0", "t9"])
+    with pytest.raises(RuntimeError, match=r'layers.safetensors.*no tensor "t9"'):
+        hot.acquire("t9")
 
 
 # ---------------------------------------------------------------- page_weights

@@ -267,13 +267,14 @@ def _install(model: nn.Module, pager: LayerPager, key_of: dict[int, str], buffer
 
     state = _PagingState(pager, slots, placeholders, requires_grad)
     state.handles.append(model.register_forward_pre_hook(_eager(lambda module, args: pager.begin_pass()), prepend=True))
-    saved = SavedWeightHooks(pager.script_object.acquire)
+    hot = _C.paging.Pager(pager.script_object)  # acquire without torch.classes' boxed call, for the hooks
+    saved = SavedWeightHooks(hot.acquire)
     for module, module_slots in slots.items():
         if _gathers_rows(module, module_slots, pager):
             state.handles.extend(_hook_embedding(module, module_slots[0], state))
         else:
             streamed = _streamed_weight(module, module_slots, pager)
-            state.handles.extend(_hook_module(module, module_slots, state, saved, streamed))
+            state.handles.extend(_hook_module(module, module_slots, state, hot.acquire_many, saved, streamed))
     model.__dict__[_STATE] = state
 
 
@@ -324,13 +325,13 @@ def _hook_embedding(module: nn.Module, slot: _Slot, state: _PagingState) -> list
 
 
 def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingState,
-                 saved: SavedWeightHooks, streamed: _Slot | None) -> list[Any]:
+                 acquire_many: Callable[[list[str]], tuple], saved: SavedWeightHooks, streamed: _Slot | None
+                 ) -> list[Any]:
     """The hooks of one module holding paged tensors: acquire around its forward (and save those
     weights for backward by key), and _state_dict_hooks. With a `streamed` weight, a forward that
     autograd does not need the weight for streams it instead (_streaming_forward)."""
     placeholders = state.placeholders
     keys = [slot.key for slot in module_slots]
-    weights = _C.paging.ModuleWeights(state.pager.script_object, keys)
 
     def pre_hook(module, args):
         grad = torch.is_grad_enabled()
@@ -342,7 +343,7 @@ def _hook_module(module: nn.Module, module_slots: list[_Slot], state: _PagingSta
                                        f"torch_ext.unpage the model to train its weights")
         if streamed is not None and not (grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             return  # the weights stay placeholders: the forward streams them
-        acquired = weights.acquire()
+        acquired = acquire_many(keys)
         for slot, t in zip(module_slots, acquired):
             if slot.kind == "parameter":
                 module._parameters[slot.attr] = _as_parameter(nn.Parameter, t, False)
