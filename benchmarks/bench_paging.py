@@ -17,6 +17,7 @@ Variants (each measured in its own subprocess, so peak RSS never mixes):
     python benchmarks/bench_paging.py --device cuda   # the GPU run: results/paging_cuda.{md,json}
     python benchmarks/bench_paging.py --header --copy-rss   # header open vs safe_open; copy-path RSS
     python benchmarks/bench_paging.py --hf [--quick]   # Hugging Face GPT-2 from a folder vs accelerate; adapters
+    python benchmarks/bench_paging.py --hooks [--quick]   # the pager's cost per paged module
 
 --device DEVICE: the same variants computing on DEVICE, the budget being DEVICE memory for the
 weights (the pager copies through pinned staging buffers on a side stream). No mmap rows there
@@ -296,6 +297,9 @@ def main() -> None:
     parser.add_argument("--quantized", action="store_true",
                         help="only an FP8 Llama and an MXFP4 gpt-oss, dequantized as they are paged in "
                              "(benchmarks/paging_quantized.py): results/paging_quantized")
+    parser.add_argument("--hooks", action="store_true",
+                        help="only the pager's cost per paged module at a 100%% budget (a Linear stack, a Llama "
+                             "decoding) (benchmarks/paging_hooks.py): results/paging_hooks")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--path", default=None, help=argparse.SUPPRESS)
@@ -311,6 +315,11 @@ def main() -> None:
         import paging_moe
 
         paging_moe.run(args, "python benchmarks/bench_paging.py " + " ".join(sys.argv[1:]))
+        return
+    if args.hooks:  # the hooks around each paged module (benchmarks/paging_hooks.py)
+        import paging_hooks
+
+        paging_hooks.run(args, "python benchmarks/bench_paging.py " + " ".join(sys.argv[1:]))
         return
     if args.quantized:  # quantized weights dequantized as they are paged in (benchmarks/paging_quantized.py)
         import paging_quantized

@@ -30,7 +30,7 @@ SECTIONS = [
      "Hugging Face GPT-2 loaded from its folder, generating, and training adapters over paged weights.",
      ["paging", "paging_threads2", "paging_cuda", "paging_header", "paging_copy_rss", "paging_hf", "paging_hf_bf16",
       "paging_hf_bf16_amd_epyc", "paging_hf_train", "paging_moe", "paging_moe_analysis",
-      "paging_quantized", "paging_quantized_analysis"]),
+      "paging_quantized", "paging_quantized_analysis", "paging_hooks", "paging_hooks_analysis"]),
     ("Cache", "The lazy node cache on a diffusion-style loop, preprocessed weights and full misses.", ["cache"]),
     ("Cache across calls and processes", "Content keys against identity keys alone on a full miss, and a diffusers "
      "pipeline's text encoder across calls and processes (content keys, the store).",
