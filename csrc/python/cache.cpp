@@ -10,6 +10,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "script_object.h"
 #include "torch_ext/cache/node_cache.h"
 
 namespace py = pybind11;
@@ -153,12 +154,6 @@ py::object to_python(const c10::IValue& value) {
   return py::none();
 }
 
-// The cache of a torch.classes.torch_ext.NodeCache object.
-c10::intrusive_ptr<NodeCache> cache_of(const py::handle& script_object) {
-  static const auto type = c10::getCustomClassType<c10::intrusive_ptr<NodeCache>>();
-  return torch::jit::toIValue(script_object, type).toCustomClass<NodeCache>();
-}
-
 // Python values on a NodeCache: what torch.classes cannot carry (any Python object as a value or
 // an input, converted without TorchScript's type inference), for the LazyExecutor's hot path.
 struct PythonValues {
@@ -181,7 +176,7 @@ void bind_cache(py::module_& m) {
       py::arg("tensor"), "The NodeCache's content digest (XXH3 128-bit) of a tensor's bytes, as 16 bytes");
   py::class_<PythonValues>(cache, "PythonValues",
                            "get / put / observe of Python values on a torch.classes.torch_ext.NodeCache")
-      .def(py::init([](const py::object& script_object) { return PythonValues{cache_of(script_object)}; }),
+      .def(py::init([](const py::object& script_object) { return PythonValues{custom_class_of<NodeCache>(script_object)}; }),
            py::arg("cache"))
       .def(
           "get",

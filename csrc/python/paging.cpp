@@ -12,6 +12,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "script_object.h"
 #include "torch_ext/paging/layer_pager.h"
 
 namespace py = pybind11;
@@ -19,11 +20,6 @@ namespace py = pybind11;
 namespace {
 
 using torch_ext::paging::LayerPager;
-
-c10::intrusive_ptr<LayerPager> pager_of(const py::handle& script_object) {
-  static const auto type = c10::getCustomClassType<c10::intrusive_ptr<LayerPager>>();
-  return torch::jit::toIValue(script_object, type).toCustomClass<LayerPager>();
-}
 
 struct Pager {
   c10::intrusive_ptr<LayerPager> pager;
@@ -34,7 +30,7 @@ struct Pager {
 void bind_paging(py::module_& m) {
   auto paging = m.def_submodule("paging", "Weight paging");
   py::class_<Pager>(paging, "Pager", "acquire / acquire_many of a torch.classes.torch_ext.LayerPager")
-      .def(py::init([](const py::object& script_object) { return Pager{pager_of(script_object)}; }), py::arg("pager"))
+      .def(py::init([](const py::object& script_object) { return Pager{custom_class_of<LayerPager>(script_object)}; }), py::arg("pager"))
       .def(
           "acquire",
           [](const Pager& self, const std::string& key) {

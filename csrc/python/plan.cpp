@@ -14,6 +14,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "script_object.h"
 #include "torch_ext/common/wait.h"
 #include "torch_ext/plan/batcher.h"
 #include "torch_ext/plan/plan_cache.h"
@@ -24,8 +25,7 @@ namespace plan = torch_ext::plan;
 namespace {
 
 c10::intrusive_ptr<plan::PlanCache> cache_of(const py::handle& script_object) {
-  static const auto type = c10::getCustomClassType<c10::intrusive_ptr<plan::PlanCache>>();
-  return torch::jit::toIValue(script_object, type).toCustomClass<plan::PlanCache>();
+  return custom_class_of<plan::PlanCache>(script_object);
 }
 
 // Called from threads that do not hold the GIL, released on any thread.
