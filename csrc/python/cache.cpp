@@ -176,7 +176,9 @@ void bind_cache(py::module_& m) {
       py::arg("tensor"), "The NodeCache's content digest (XXH3 128-bit) of a tensor's bytes, as 16 bytes");
   py::class_<PythonValues>(cache, "PythonValues",
                            "get / put / observe of Python values on a torch.classes.torch_ext.NodeCache")
-      .def(py::init([](const py::object& script_object) { return PythonValues{custom_class_of<NodeCache>(script_object)}; }),
+      .def(py::init([](const py::object& script_object) {
+             return PythonValues{custom_class_of<NodeCache>(script_object)};
+           }),
            py::arg("cache"))
       .def(
           "get",

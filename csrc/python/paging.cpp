@@ -30,7 +30,8 @@ struct Pager {
 void bind_paging(py::module_& m) {
   auto paging = m.def_submodule("paging", "Weight paging");
   py::class_<Pager>(paging, "Pager", "acquire / acquire_many of a torch.classes.torch_ext.LayerPager")
-      .def(py::init([](const py::object& script_object) { return Pager{custom_class_of<LayerPager>(script_object)}; }), py::arg("pager"))
+      .def(py::init([](const py::object& script_object) { return Pager{custom_class_of<LayerPager>(script_object)}; }),
+           py::arg("pager"))
       .def(
           "acquire",
           [](const Pager& self, const std::string& key) {
