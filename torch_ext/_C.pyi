@@ -1,6 +1,6 @@
 """Type stubs for torch_ext._C, the pybind11 module: what torch.ops and torch.classes cannot carry
 (Python callables as checkpoint segments and as a plan cache's compiler, Python objects as cached
-values). Internal: use the
+values, the paging hooks' acquire). Internal: use the
 torch_ext package. tests/python/test_layout.py checks that these stubs name every attribute."""
 from typing import Any, Callable, Sequence
 
@@ -56,6 +56,21 @@ class _CacheModule:
         """The NodeCache's content digest (XXH3 128-bit) of a contiguous CPU tensor's bytes, as 16 bytes."""
 
 cache: _CacheModule
+
+class Pager:
+    """acquire / acquire_many of a torch.classes.torch_ext.LayerPager, for the paging hooks (the GIL
+    released while the pager works)."""
+
+    def __init__(self, pager: torch.ScriptObject) -> None: ...
+    def acquire(self, key: str) -> torch.Tensor:
+        """The pager's acquire(key): the tensor, held against eviction while it is alive."""
+    def acquire_many(self, keys: Sequence[str]) -> tuple[torch.Tensor, ...]:
+        """The pager's acquire_many(keys), as a tuple."""
+
+class _PagingModule:
+    Pager: type[Pager]
+
+paging: _PagingModule
 
 class _BatchHandle:
     """A batcher request's result (a torch_ext BatchResult)."""

@@ -30,9 +30,10 @@ def test_the_stubs_of_torch_ext_C_name_every_attribute_it_has():
     # Module attributes are annotated assignments; a submodule is stubbed as the class it is annotated with.
     top = {node.target.id: ast.unparse(node.annotation) for node in tree.body if isinstance(node, ast.AnnAssign)}
     assert public(torch_ext._C) == set(top)
-    for submodule in ("checkpoint", "cache", "plan"):
+    for submodule in ("checkpoint", "cache", "paging", "plan"):
         assert public(getattr(torch_ext._C, submodule)) == names(classes[top[submodule]].body), submodule
     assert public(torch_ext._C.cache.PythonValues) == names(classes["PythonValues"].body) - {"__init__"}
+    assert public(torch_ext._C.paging.Pager) == names(classes["Pager"].body) - {"__init__"}
 
 
 # The shape of the code: no Python module over ~500 lines, no function over ~80 lines, unless a
